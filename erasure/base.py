@@ -21,7 +21,15 @@ class InvalidParameters(ErasureError, ValueError):
 
 
 class CorruptFragment(ErasureError):
-    """A fragment failed its header or payload check."""
+    """A fragment failed its header or payload check; the message says why.
+
+    ``index`` is the fragment's index when the header was readable, else ``None``.
+    """
+
+    def __init__(self, reason: str, index: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.index = index
 
 
 class NotEnoughFragments(ErasureError):
@@ -40,11 +48,13 @@ class DecodeMismatch(ErasureError):
 
 def check_parameters(k: int, n: int) -> None:
     if not (isinstance(k, int) and isinstance(n, int) and 1 <= k < n <= 256):
-        raise InvalidParameters(f"erasure parameters must satisfy 1 <= k < n <= 256, got k={k} n={n}")
+        raise InvalidParameters(
+            f"erasure parameters must satisfy 1 <= k < n <= 256, got k={k!r} n={n!r}"
+        )
 
 
 class Codec(abc.ABC):
-    """A Reed-Solomon code with fixed (k, n). Implementations: ``erasure.zfec_codec``, ``erasure.isal``."""
+    """A Reed-Solomon code with fixed (k, n): ``erasure.zfec_codec``, ``erasure.isal``."""
 
     #: short stable name recorded in every fragment header ("zfec", "isal")
     name: str
@@ -56,7 +66,9 @@ class Codec(abc.ABC):
         """``n`` fragments (header + payload each), fragment ``i`` at position ``i``. CPU-bound."""
 
     @abc.abstractmethod
-    def decode(self, chunk_id: str, fragments: Mapping[int, BytesLike] | Sequence[BytesLike]) -> bytes:
+    def decode(
+        self, chunk_id: str, fragments: Mapping[int, BytesLike] | Sequence[BytesLike]
+    ) -> bytes:
         """Rebuild the chunk from fragments (by index, or a list of whole fragments whose headers
         say their index). Bad fragments are skipped; raises NotEnoughFragments when fewer than
         ``k`` good ones remain. The result always hashes to ``chunk_id``. CPU-bound."""
