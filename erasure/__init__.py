@@ -1,10 +1,18 @@
-"""Erasure coding of chunks into self-describing fragments (see ``erasure.base``)."""
+"""Erasure coding of chunks into self-describing fragments.
+
+``make_codec(name, k, n)`` gives a ``Codec``; ``codec.encode(chunk_id, data)`` returns ``n``
+``Fragment`` objects (write each with ``os.writev(fd, fragment.parts())`` or store
+``fragment.to_bytes()``), and ``codec.decode(chunk_id, fragments)`` rebuilds the chunk from
+any ``k`` of them, whole (header + payload) as read back. ``parse_fragment`` checks one
+fragment on its own (the cold tier's scrubber and index rebuild). Fragment ``i`` of a chunk
+is stored under ``fragment_key(chunk_id, i)``.
+"""
 
 from __future__ import annotations
 
-from erasure.base import (
+from erasure.base import DEFAULT_MAX_DECODE_ATTEMPTS, Codec, FragmentInput, FragmentsArg
+from erasure.errors import (
     BytesLike,
-    Codec,
     CorruptFragment,
     DecodeMismatch,
     ErasureError,
@@ -20,8 +28,13 @@ from erasure.fragment import (
     parse_fragment,
     parse_header,
 )
+from erasure.isal import IsalCodec, isal_available
+from erasure.zfec_codec import ZfecCodec
 
 __all__ = [
+    "CODECS",
+    "DEFAULT_CODEC",
+    "DEFAULT_MAX_DECODE_ATTEMPTS",
     "HEADER_SIZE",
     "BytesLike",
     "Codec",
@@ -30,15 +43,38 @@ __all__ = [
     "ErasureError",
     "Fragment",
     "FragmentHeader",
+    "FragmentInput",
+    "FragmentsArg",
     "InvalidParameters",
+    "IsalCodec",
     "NotEnoughFragments",
+    "ZfecCodec",
     "build_fragment",
     "check_parameters",
     "fragment_key",
+    "isal_available",
+    "make_codec",
     "parse_fragment",
     "parse_fragment_key",
     "parse_header",
 ]
+
+#: codec name (as recorded in fragment headers) -> implementation
+CODECS: dict[str, type[Codec]] = {ZfecCodec.name: ZfecCodec, IsalCodec.name: IsalCodec}
+DEFAULT_CODEC = ZfecCodec.name
+
+
+def make_codec(name: str, k: int, n: int) -> Codec:
+    """The codec ``name`` ("zfec", the default, or "isal") for ``k`` of ``n``.
+
+    Raises ``InvalidParameters`` (also a ``ValueError``) for an unknown name, parameters
+    outside ``1 <= k < n <= 256``, or "isal" without pyeclib (the message says to install
+    the ``isal`` extra).
+    """
+    codec_class = CODECS.get(name)
+    if codec_class is None:
+        raise InvalidParameters(f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
+    return codec_class(k, n)
 
 
 def fragment_key(chunk_id: str, index: int) -> str:
@@ -47,7 +83,8 @@ def fragment_key(chunk_id: str, index: int) -> str:
 
 
 def parse_fragment_key(key: str) -> tuple[str, int]:
-    """Inverse of ``fragment_key``; raises ``ValueError`` for anything else."""
+    """Inverse of ``fragment_key``: ``(chunk_id, index)``; raises ``ValueError`` for anything
+    that ``fragment_key`` cannot have made (bad id, index outside 0..255, leading zeros)."""
     chunk_id, sep, index = key.rpartition(".")
     if (
         not sep

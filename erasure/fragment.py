@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from erasure.base import BytesLike, CorruptFragment, InvalidParameters, check_parameters
+from erasure.errors import BytesLike, CorruptFragment, InvalidParameters, check_parameters
 
 MAGIC = b"SDFR"
 VERSION = 1

@@ -1,0 +1,92 @@
+"""The default codec: zfec (Reed-Solomon over GF(2^8), systematic), any 1 <= k < n <= 256.
+
+The chunk is cut into ``k`` primary blocks of ``ceil(len / k)`` bytes (at least 1), the last
+ones zero-padded; fragments ``0..k-1`` carry the primary blocks, ``k..n-1`` the parity
+blocks. Primary payloads are views of the caller's data (zfec hands the very objects it
+was given back), so encoding copies only the few padded bytes of the tail.
+
+Two zfec 1.6 behaviours are guarded against here:
+
+- ``Decoder.decode`` reorders the *list* of blocks it is given in place (to put primary
+  blocks at their own positions) while leaving the list of block numbers as it was, so a
+  list reused for a second call pairs blocks with the wrong numbers and decodes garbage.
+  Every call here builds fresh tuples, which zfec cannot reorder.
+- zfec decodes a corrupted block into wrong bytes without any error. ``Codec.decode``
+  checks each fragment's CRC-32C before use and the result's BLAKE3 after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zfec
+
+from erasure.base import DEFAULT_MAX_DECODE_ATTEMPTS, BytesLike, Codec, DecodeMismatch
+from erasure.fragment import Fragment
+
+__all__ = ["ZfecCodec", "block_size"]
+
+
+def block_size(length: int, k: int) -> int:
+    """Payload size of every fragment of a ``length``-byte chunk: ``ceil(length / k)``, >= 1.
+
+    An empty chunk still gets one (zero) byte per fragment, so that every fragment has a
+    payload to check and zfec never sees empty blocks.
+    """
+    return max(1, -(-length // k))
+
+
+class ZfecCodec(Codec):
+    """zfec behind the ``Codec`` interface; fragments are recorded with codec name "zfec"."""
+
+    name = "zfec"
+
+    def __init__(
+        self, k: int, n: int, *, max_decode_attempts: int = DEFAULT_MAX_DECODE_ATTEMPTS
+    ) -> None:
+        super().__init__(k, n, max_decode_attempts=max_decode_attempts)
+        # Both hold only the coding matrix, which encode/decode read and never write, and
+        # both release the GIL while coding: one of each serves every thread.
+        self._encoder = zfec.Encoder(k, n)
+        self._decoder = zfec.Decoder(k, n)
+        self._parity_numbers = tuple(range(k, n))
+
+    def _expected_payload_size(self, length: int) -> int:
+        return block_size(length, self.k)
+
+    def _encode_payloads(self, data: memoryview) -> Sequence[BytesLike]:
+        length = data.nbytes
+        size = block_size(length, self.k)
+        primaries: list[BytesLike] = []
+        for start in range(0, self.k * size, size):
+            if start + size <= length:
+                primaries.append(data[start : start + size])
+            else:
+                # The tail block (and any wholly empty block of a tiny chunk) is padded with
+                # zeros: a deliberate copy of fewer than ``size`` bytes.
+                padded = bytearray(size)
+                tail = data[start:length] if start < length else data[0:0]
+                padded[: tail.nbytes] = tail
+                primaries.append(bytes(padded))
+        parity = self._encoder.encode(tuple(primaries), self._parity_numbers)
+        return [*primaries, *parity]
+
+    def _decode_payloads(self, fragments: Sequence[Fragment], length: int) -> bytes:
+        # Fresh tuples on every call: zfec reorders a list argument in place (module doc).
+        blocks = tuple(f.payload for f in fragments)
+        numbers = tuple(f.index for f in fragments)
+        segments = self._decoder.decode(blocks, numbers)
+        size = block_size(length, self.k)
+        if len(segments) != self.k or any(len(s) != size for s in segments):
+            raise DecodeMismatch(f"zfec returned {len(segments)} segment(s) of unexpected size")
+        # One copy: join the primary segments, cut at the original length (the padding never
+        # reaches the result).
+        views: list[memoryview] = []
+        remaining = length
+        for segment in segments:
+            if remaining <= 0:
+                break
+            view = memoryview(segment)
+            views.append(view[:remaining] if view.nbytes > remaining else view)
+            remaining -= view.nbytes
+        return b"".join(views)
