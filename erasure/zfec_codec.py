@@ -7,10 +7,10 @@ was given back), so encoding copies only the few padded bytes of the tail.
 
 Two zfec 1.6 behaviours are guarded against here:
 
-- ``Decoder.decode`` reorders the *list* of blocks it is given in place (to put primary
-  blocks at their own positions) while leaving the list of block numbers as it was, so a
-  list reused for a second call pairs blocks with the wrong numbers and decodes garbage.
-  Every call here builds fresh tuples, which zfec cannot reorder.
+- ``Decoder.decode`` reorders the sequence of blocks it is given in place (to put primary
+  blocks at their own positions; it does so even to a tuple) while leaving the block
+  numbers as they were, so a sequence reused for a second call pairs blocks with the wrong
+  numbers and decodes garbage. Every call here builds a fresh tuple that nobody else holds.
 - zfec decodes a corrupted block into wrong bytes without any error. ``Codec.decode``
   checks each fragment's CRC-32C before use and the result's BLAKE3 after.
 """
@@ -49,7 +49,6 @@ class ZfecCodec(Codec):
         # both release the GIL while coding: one of each serves every thread.
         self._encoder = zfec.Encoder(k, n)
         self._decoder = zfec.Decoder(k, n)
-        self._parity_numbers = tuple(range(k, n))
 
     def _expected_payload_size(self, length: int) -> int:
         return block_size(length, self.k)
@@ -68,11 +67,12 @@ class ZfecCodec(Codec):
                 tail = data[start:length] if start < length else data[0:0]
                 padded[: tail.nbytes] = tail
                 primaries.append(bytes(padded))
-        parity = self._encoder.encode(tuple(primaries), self._parity_numbers)
+        # Fresh tuples here too, though encode was not seen to reorder them: cheap insurance.
+        parity = self._encoder.encode(tuple(primaries), tuple(range(self.k, self.n)))
         return [*primaries, *parity]
 
     def _decode_payloads(self, fragments: Sequence[Fragment], length: int) -> bytes:
-        # Fresh tuples on every call: zfec reorders a list argument in place (module doc).
+        # A fresh tuple on every call: zfec reorders its argument in place (module doc).
         blocks = tuple(f.payload for f in fragments)
         numbers = tuple(f.index for f in fragments)
         segments = self._decoder.decode(blocks, numbers)
