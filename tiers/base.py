@@ -50,6 +50,14 @@ class InvalidRange(TierError, ValueError):
     """A byte range outside the value, or with end < start."""
 
 
+class InvalidKey(TierError, ValueError):
+    """A key this tier can never hold (not a chunk id, not a fragment key). Nothing changed."""
+
+    def __init__(self, key: object) -> None:
+        super().__init__(f"invalid key for this tier: {key!r}")
+        self.key = key
+
+
 @dataclass(frozen=True, slots=True)
 class ByteRange:
     """Bytes ``[start, end)`` of a value; ``end=None`` means to the end."""
@@ -95,7 +103,10 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
-        """The value (or a slice of it), verified. Raises ChunkNotFound, CorruptChunk, InvalidRange."""
+        """The value (or a slice of it), verified.
+
+        Raises ChunkNotFound, CorruptChunk, InvalidRange.
+        """
 
     @abc.abstractmethod
     async def stat(self, key: str) -> ChunkStat:

@@ -1,0 +1,618 @@
+"""The DRAM tier, which is also the node's buffer pool.
+
+The service receives chunk bodies straight into buffers from ``allocate()`` and hands
+them to ``put()``, which keeps them by reference: one copy of the bytes (socket ->
+buffer) on the way in. Readers borrow the stored bytes with ``lease()``: no copy on
+the way out either.
+
+Memory accounting and the pool, the policy callers may rely on:
+
+* Buffers come in size classes (16 per doubling, multiples of 4 KiB, so an 8 MiB
+  chunk takes exactly an 8 MiB buffer and no value wastes more than 1/16 of its
+  size). Everything is counted by its buffer's class size.
+* ``capacity`` bounds *all* the memory the pool holds: stored values, outstanding
+  allocations, buffers of deleted values still under a lease, and free pooled
+  buffers kept for reuse. Free buffers are trimmed (unmapped) whenever room is
+  needed for a buffer of another class, and by ``trim()``.
+* ``usage().used`` is what is *not* free: stored values, outstanding allocations
+  and leased leftovers. ``used + stats().free_bytes <= capacity`` always holds.
+* New buffers are anonymous ``mmap``s populated by the kernel (``MAP_POPULATE``) in
+  a worker thread: measured 2.4 ms per 8 MiB against 5-6 ms for ``bytearray(n)``,
+  and the populate runs without the GIL, so the event loop keeps going.
+
+Dirty and clean: a new value is dirty (only in RAM). ``mark_clean(key)`` says it was
+drained to disk; only clean values are evicted (least recently used first, ``get``
+and ``lease`` refresh recency), never dirty ones. Allocations and copying puts that
+find no room evict clean values, then wait up to their timeout for room (a delete, a
+``mark_clean``, a ``release`` or the end of a lease wakes them), then raise
+``TierFull``. Waiting is not strictly first-come first-served.
+
+``get()`` (the generic tier interface) returns a view that stays valid forever
+without a copy: the buffer it points into is *detached* from the pool, so when the
+value is later deleted or evicted that buffer is dropped (freed once the caller's
+views die) instead of being reused. The hot paths of the service use ``lease()``,
+which lets the buffer go back to the pool as soon as the last lease ends.
+
+This tier checks BLAKE3 on ``put`` (unless told the caller did) and does not re-hash
+on reads: the bytes never leave this process' memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from storaged.ids import chunk_id_of, is_chunk_id
+from tiers.base import (
+    ByteRange,
+    BytesLike,
+    ChunkNotFound,
+    ChunkStat,
+    CorruptChunk,
+    InvalidKey,
+    Tier,
+    TierError,
+    TierFull,
+    TierUsage,
+)
+
+_T = TypeVar("_T")
+
+PAGE = 4096
+#: Below this, hashing or copying costs less than a hop to a worker thread.
+_INLINE_BYTES = 64 * 1024
+#: Below this, mapping a new buffer costs less than a hop to a worker thread.
+_INLINE_MAP_BYTES = 256 * 1024
+
+
+def size_class(size: int) -> int:
+    """The buffer size that holds ``size`` bytes: 0, or a multiple of 4 KiB at most 1/16 above."""
+    if size < 0:
+        raise ValueError(f"negative size {size}")
+    if size == 0:
+        return 0
+    if size <= PAGE:
+        return PAGE
+    step = max(PAGE, 1 << ((size - 1).bit_length() - 4))
+    return -(-size // step) * step
+
+
+def _map_buffer(nbytes: int) -> mmap.mmap | bytearray:
+    """A zeroed, pre-faulted buffer of ``nbytes`` (a multiple of 4 KiB, or 0)."""
+    if nbytes == 0:
+        return bytearray()
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags)
+    if not getattr(mmap, "MAP_POPULATE", 0):  # not Linux: touch every page ourselves
+        memoryview(buf)[::PAGE] = bytes(len(range(0, nbytes, PAGE)))
+    return buf
+
+
+class _Buffer:
+    """One pooled buffer and what holds it."""
+
+    __slots__ = ("detached", "leases", "mem", "nbytes", "stored")
+
+    def __init__(self, mem: mmap.mmap | bytearray, nbytes: int) -> None:
+        self.mem = mem
+        self.nbytes = nbytes
+        self.leases = 0
+        #: a view escaped through get(): never reuse, drop when no longer stored
+        self.detached = False
+        #: an index entry refers to it
+        self.stored = False
+
+
+@dataclass(slots=True)
+class _Entry:
+    buf: _Buffer
+    size: int
+    dirty: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """A snapshot of the pool, for metrics and tests. Byte counts are buffer (class) sizes."""
+
+    capacity: int
+    #: stored values + outstanding allocations + leased leftovers of deleted values
+    used: int
+    #: free pooled buffers kept for reuse (counted against capacity too)
+    free_bytes: int
+    free_buffers: int
+    count: int
+    #: bytes of the values themselves (unrounded)
+    value_bytes: int
+    dirty_count: int
+    dirty_bytes: int
+    #: clean values no lease holds: what eviction could free now
+    evictable_bytes: int
+    allocations: int
+    allocated_bytes: int
+    leases: int
+
+
+class MemoryTier(Tier):
+    """Chunks in RAM, bounded by ``capacity`` bytes; the node's buffer pool.
+
+    ``put_timeout`` is how long ``allocate`` (by default) and copying ``put`` wait for
+    room before ``TierFull``. ``on_evict(key)`` is called (on the event loop) for each
+    value evicted to make room; it is not called for ``delete``.
+    """
+
+    name = "memory"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        put_timeout: float = 5.0,
+        on_evict: Callable[[str], None] | None = None,
+    ) -> None:
+        if capacity < 0:
+            raise ValueError(f"negative capacity {capacity}")
+        self._capacity = capacity
+        self._put_timeout = put_timeout
+        self._on_evict = on_evict
+        self._entries: dict[str, _Entry] = {}
+        # Clean values, least recently used first; dirty ones in arrival order (drain order).
+        self._clean: OrderedDict[str, None] = OrderedDict()
+        self._dirty: dict[str, None] = {}
+        self._free: dict[int, list[_Buffer]] = {}
+        self._free_bytes = 0
+        self._free_count = 0
+        self._used = 0  # class bytes of every buffer not in the free lists
+        self._value_bytes = 0
+        self._dirty_bytes = 0
+        self._evictable = 0  # class bytes of clean, unleased entries
+        self._allocated: dict[int, tuple[memoryview, _Buffer]] = {}
+        self._leases = 0
+        self._waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+
+    # --- the buffer pool -------------------------------------------------------------
+
+    # The brief asks for a timeout parameter: the wait is one of several steps here.
+    async def allocate(self, size: int, timeout: float | None = None) -> memoryview:  # noqa: ASYNC109
+        """A writable, pre-faulted buffer of exactly ``size`` bytes, counted against capacity.
+
+        Makes room by evicting clean values, then waits up to ``timeout`` seconds (default
+        ``put_timeout``) for room, then raises ``TierFull`` (at once when ``size`` can
+        never fit). The buffer is the caller's until it passes it to ``put`` (which always
+        takes it over, stored or not) or to ``release``. Its bytes are not zeroed when
+        reused from the pool.
+        """
+        self._check_open()
+        nbytes = size_class(size)
+        buf = await self._acquire(nbytes, self._put_timeout if timeout is None else timeout)
+        view = memoryview(buf.mem)[:size]
+        self._allocated[id(view)] = (view, buf)
+        return view
+
+    def release(self, buf: memoryview) -> None:
+        """Give back a buffer from ``allocate`` that was not passed to ``put``.
+
+        Raises ``ValueError`` for anything else (a buffer already released or put).
+        The caller must not touch the view afterwards: its memory will be reused.
+        """
+        rec = self._allocated.get(id(buf))
+        if rec is None or rec[0] is not buf:
+            raise ValueError("not an outstanding allocation of this tier")
+        del self._allocated[id(buf)]
+        self._recycle(rec[1])
+
+    async def prefault(self, size: int, count: int) -> int:
+        """Map ``count`` free buffers for values of ``size`` bytes ahead of need, as far as
+        capacity allows without evicting. Returns how many were added."""
+        self._check_open()
+        nbytes = size_class(size)
+        added = 0
+        while added < count and self._used + self._free_bytes + nbytes <= self._capacity:
+            self._used += nbytes  # held while it is being mapped
+            try:
+                mem = await asyncio.to_thread(_map_buffer, nbytes)
+            finally:
+                if not self._closed:
+                    self._used -= nbytes
+            if self._closed:
+                break
+            self._free.setdefault(nbytes, []).append(_Buffer(mem, nbytes))
+            self._free_bytes += nbytes
+            self._free_count += 1
+            self._wake()
+            added += 1
+        return added
+
+    def trim(self) -> int:
+        """Unmap every free pooled buffer; returns the bytes released."""
+        released = self._free_bytes
+        self._free.clear()
+        self._free_bytes = 0
+        self._free_count = 0
+        return released
+
+    # --- the tier interface -----------------------------------------------------------
+
+    async def put(self, key: str, data: BytesLike, *, verified: bool = False) -> None:
+        """Store ``data`` under ``key`` as a dirty value.
+
+        A buffer from ``allocate()`` (the very view it returned) is stored by reference and
+        belongs to the tier from this call on, whatever the outcome: on any error it is
+        released, and after success the caller must not write to it. Anything else is
+        copied into a pool buffer (waiting up to ``put_timeout`` for room, then
+        ``TierFull``). BLAKE3(data) must equal ``key`` unless ``verified``: otherwise
+        ``CorruptChunk`` and nothing is stored. A key already held is left as it is.
+        """
+        rec = self._allocated.pop(id(data), None) if isinstance(data, memoryview) else None
+        if rec is not None and rec[0] is not data:
+            self._allocated[id(rec[0])] = rec
+            rec = None
+        if rec is not None:
+            await self._put_allocated(key, rec[0], rec[1], verified)
+        else:
+            await self._put_copy(key, data, verified)
+
+    async def _put_allocated(
+        self, key: str, view: memoryview, buf: _Buffer, verified: bool
+    ) -> None:
+        try:
+            self._check_open()
+            self._check_key(key)
+        except BaseException:
+            self._recycle(buf)
+            raise
+        if not verified:
+            digest = await self._run_on_buffer(buf, partial(chunk_id_of, view), view.nbytes)
+            if digest != key:
+                self._recycle(buf)
+                raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
+        if self._closed or key in self._entries:
+            self._recycle(buf)
+            return
+        self._insert(key, buf, view.nbytes)
+
+    async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
+        self._check_open()
+        self._check_key(key)
+        src = memoryview(data).cast("B")
+        if key in self._entries:
+            if not verified:
+                digest = await _hash(src)
+                if digest != key:
+                    raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
+            return
+        buf = await self._acquire(size_class(src.nbytes), self._put_timeout)
+        dst = memoryview(buf.mem)[: src.nbytes]
+        # The one deliberate copy of this path. Hashing our copy rather than the source
+        # guarantees that what is stored is what was checked.
+        fill = partial(_copy_and_hash, dst, src, not verified)
+        copied: str | None = await self._run_on_buffer(buf, fill, src.nbytes)
+        if not verified and copied != key:
+            self._recycle(buf)
+            raise CorruptChunk(key, f"BLAKE3 of the data is {copied}")
+        if self._closed or key in self._entries:
+            self._recycle(buf)
+            return
+        self._insert(key, buf, src.nbytes)
+
+    async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
+        """A read-only view of the value (or a slice), valid for as long as the caller keeps
+        it, without a copy: see the module docstring ("detached" buffers)."""
+        self._check_open()
+        entry = self._lookup(key)
+        start, end = (byte_range or ByteRange()).resolve(entry.size)
+        entry.buf.detached = True
+        self._touch(key, entry)
+        return memoryview(entry.buf.mem)[start:end].toreadonly()
+
+    @contextlib.asynccontextmanager
+    async def lease(
+        self, key: str, byte_range: ByteRange | None = None
+    ) -> AsyncIterator[memoryview]:
+        """Borrow the stored bytes: yields a read-only view, valid until the block ends.
+
+        While a lease is held the value may be deleted or evicted (it leaves the index at
+        once) but its buffer is not reused before the last lease on it ends. The view is
+        released when the block ends: keep no other view or buffer export of it after that.
+        Raises ``ChunkNotFound``, ``InvalidRange``.
+        """
+        self._check_open()
+        entry = self._lookup(key)
+        start, end = (byte_range or ByteRange()).resolve(entry.size)
+        buf = entry.buf
+        if buf.leases == 0 and not entry.dirty:
+            self._evictable -= buf.nbytes
+        buf.leases += 1
+        self._leases += 1
+        self._touch(key, entry)
+        view = memoryview(buf.mem)[start:end].toreadonly()
+        try:
+            yield view
+        finally:
+            with contextlib.suppress(BufferError):  # the caller still exports it: its problem
+                view.release()
+            buf.leases -= 1
+            self._leases -= 1
+            if buf.leases == 0:
+                if self._closed:
+                    pass
+                elif not buf.stored:
+                    self._recycle(buf)
+                else:
+                    current = self._entries.get(key)
+                    if current is not None and current.buf is buf and not current.dirty:
+                        self._evictable += buf.nbytes
+                        self._wake()
+
+    def has(self, key: str) -> bool:
+        """Whether ``key`` is held now (a value may be evicted right after, once clean)."""
+        return key in self._entries
+
+    async def stat(self, key: str) -> ChunkStat:
+        self._check_open()
+        return ChunkStat(key, self._lookup(key).size)
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` (dirty or not); idempotent. Leased bytes stay until the lease ends."""
+        self._check_open()
+        self._check_key(key)
+        if key in self._entries:
+            self._remove(key)
+            self._wake()
+
+    async def keys(self) -> AsyncIterator[str]:
+        for key in list(self._entries):
+            yield key
+
+    def usage(self) -> TierUsage:
+        return TierUsage(used=self._used, capacity=self._capacity, count=len(self._entries))
+
+    def stats(self) -> MemoryStats:
+        return MemoryStats(
+            capacity=self._capacity,
+            used=self._used,
+            free_bytes=self._free_bytes,
+            free_buffers=self._free_count,
+            count=len(self._entries),
+            value_bytes=self._value_bytes,
+            dirty_count=len(self._dirty),
+            dirty_bytes=self._dirty_bytes,
+            evictable_bytes=self._evictable,
+            allocations=len(self._allocated),
+            allocated_bytes=sum(buf.nbytes for _, buf in self._allocated.values()),
+            leases=self._leases,
+        )
+
+    async def close(self) -> None:
+        """Drop every value and buffer; waiters get ``TierError``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._entries.clear()
+        self._clean.clear()
+        self._dirty.clear()
+        self._allocated.clear()
+        self.trim()
+        self._used = self._value_bytes = self._dirty_bytes = self._evictable = 0
+        self._wake()
+
+    # --- dirty and clean --------------------------------------------------------------
+
+    def mark_clean(self, key: str) -> bool:
+        """The value is durable elsewhere (drained to disk): it may now be evicted.
+
+        Returns False when ``key`` is not held (deleted meanwhile); idempotent.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        if entry.dirty:
+            entry.dirty = False
+            del self._dirty[key]
+            self._dirty_bytes -= entry.size
+            self._clean[key] = None
+            if entry.buf.leases == 0:
+                self._evictable += entry.buf.nbytes
+            self._wake()
+        return True
+
+    def is_dirty(self, key: str) -> bool:
+        """Whether the value is only in RAM; raises ``ChunkNotFound``."""
+        return self._lookup(key).dirty
+
+    def dirty_keys(self) -> list[str]:
+        """The dirty keys, oldest first (a snapshot)."""
+        return list(self._dirty)
+
+    # --- internals --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierError("memory tier is closed")
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not is_chunk_id(key):
+            raise InvalidKey(key)
+
+    def _lookup(self, key: str) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            self._check_key(key)
+            raise ChunkNotFound(key)
+        return entry
+
+    def _touch(self, key: str, entry: _Entry) -> None:
+        if not entry.dirty:
+            self._clean.move_to_end(key)
+
+    def _insert(self, key: str, buf: _Buffer, size: int) -> None:
+        buf.stored = True
+        self._entries[key] = _Entry(buf, size, dirty=True)
+        self._dirty[key] = None
+        self._dirty_bytes += size
+        self._value_bytes += size
+
+    def _remove(self, key: str) -> _Entry:
+        entry = self._entries.pop(key)
+        buf = entry.buf
+        self._value_bytes -= entry.size
+        if entry.dirty:
+            del self._dirty[key]
+            self._dirty_bytes -= entry.size
+        else:
+            del self._clean[key]
+            if buf.leases == 0:
+                self._evictable -= buf.nbytes
+        buf.stored = False
+        if buf.leases == 0:
+            self._recycle(buf)
+        return entry
+
+    def _recycle(self, buf: _Buffer) -> None:
+        """A buffer nobody holds any more: back to the free lists, or dropped."""
+        if self._closed:
+            return
+        self._used -= buf.nbytes
+        if not (buf.detached or self._closed):
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self._free_bytes += buf.nbytes
+            self._free_count += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _evict_one(self) -> bool:
+        """Evict the least recently used clean, unleased value; False when there is none."""
+        for key in self._clean:
+            if self._entries[key].buf.leases == 0:
+                self._remove(key)
+                if self._on_evict is not None:
+                    self._on_evict(key)
+                return True
+        return False
+
+    def _take_free(self, nbytes: int) -> _Buffer | None:
+        free = self._free.get(nbytes)
+        if not free:
+            return None
+        buf = free.pop()
+        self._free_bytes -= nbytes
+        self._free_count -= 1
+        self._used += nbytes
+        return buf
+
+    def _trim_one(self, keep: int) -> None:
+        """Unmap one free buffer, of another class than ``keep`` when there is one."""
+        victim = next((n for n, bufs in self._free.items() if bufs and n != keep), keep)
+        self._free[victim].pop()
+        self._free_bytes -= victim
+        self._free_count -= 1
+
+    def _try_reserve(self, nbytes: int) -> _Buffer | bool | None:
+        """Without waiting: a pooled buffer, True (``nbytes`` of new memory reserved: map
+        it), or None (no room even after trimming and evicting all that may be)."""
+        buf = self._take_free(nbytes)
+        if buf is not None:
+            return buf
+        if self._used + nbytes - self._evictable > self._capacity:
+            return None  # evicting everything evictable would not be enough: evict nothing
+        while self._used + self._free_bytes + nbytes > self._capacity:
+            if self._free_bytes:
+                self._trim_one(nbytes)
+            elif not self._evict_one():
+                return None
+            else:
+                buf = self._take_free(nbytes)
+                if buf is not None:
+                    return buf
+        self._used += nbytes
+        return True
+
+    async def _acquire(self, nbytes: int, timeout: float) -> _Buffer:  # noqa: ASYNC109
+        if nbytes > self._capacity:
+            raise TierFull(f"{nbytes} bytes can never fit in a {self._capacity}-byte memory tier")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._check_open()
+            got = self._try_reserve(nbytes)
+            if isinstance(got, _Buffer):
+                return got
+            if got:
+                try:
+                    if nbytes <= _INLINE_MAP_BYTES:
+                        mem = _map_buffer(nbytes)
+                    else:
+                        mem = await asyncio.to_thread(_map_buffer, nbytes)
+                except BaseException as exc:
+                    self._used -= nbytes
+                    self._wake()
+                    if isinstance(exc, (MemoryError, OSError)):
+                        raise TierFull(f"cannot map {nbytes} bytes: {exc}") from exc
+                    raise
+                return _Buffer(mem, nbytes)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TierFull(
+                    f"no room for {nbytes} bytes within {timeout}s: {self._used} used"
+                    f" ({self._dirty_bytes} dirty) of {self._capacity}"
+                )
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                async with asyncio.timeout(remaining):
+                    await fut
+            except TimeoutError:
+                pass  # loop once more: room may have come with the deadline
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    async def _run_on_buffer(self, buf: _Buffer, fn: Callable[[], _T], nbytes: int) -> _T:
+        """``fn()`` (which reads or writes ``buf``) in a worker thread unless small.
+
+        If it fails, ``buf`` is recycled, and if the caller is cancelled meanwhile, only
+        once the thread has let go of it: a buffer is never reused under a running copy.
+        """
+        if nbytes <= _INLINE_BYTES:
+            try:
+                return fn()
+            except BaseException:
+                self._recycle(buf)
+                raise
+        task = asyncio.ensure_future(asyncio.to_thread(fn))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._recycle_after(t, buf))
+            raise
+        except BaseException:
+            self._recycle(buf)
+            raise
+
+    def _recycle_after(self, task: asyncio.Future[Any], buf: _Buffer) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller was cancelled and no longer cares
+        self._recycle(buf)
+
+
+async def _hash(view: memoryview) -> str:
+    if view.nbytes <= _INLINE_BYTES:
+        return chunk_id_of(view)
+    return await asyncio.to_thread(chunk_id_of, view)
+
+
+def _copy_and_hash(dst: memoryview, src: memoryview, want_hash: bool) -> str | None:
+    dst[:] = src
+    return chunk_id_of(dst) if want_hash else None
