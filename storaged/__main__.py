@@ -1,0 +1,5 @@
+import sys
+
+from storaged.cli import main
+
+sys.exit(main())

@@ -1,0 +1,255 @@
+"""Node configuration: one frozen dataclass.
+
+Sources, weakest first: the cluster file (TOML), ``STORAGED_*`` environment
+variables, command-line flags. Every scalar field ``foo_bar`` can be set by
+``STORAGED_FOO_BAR`` and ``--foo-bar``.
+
+Cluster file::
+
+    replication = 3
+    max_chunk_size = "64MiB"
+    [erasure]
+    codec = "zfec"            # or "isal"
+    k = 4
+    n = 6
+    [tiers]
+    memory_capacity = "2GiB"
+    nvme_capacity = "100GiB"
+    cold_capacity = "100GiB"
+    [auth]
+    token_env = "STORAGED_TOKEN"    # or token = "..."
+    cluster_secret_env = "STORAGED_CLUSTER_SECRET"  # or cluster_secret = "..."
+    [[nodes]]
+    id = "n0"
+    url = "http://127.0.0.1:7400"
+    peer = "127.0.0.1:8400"       # the peer (replication) protocol's address
+    data = "/var/lib/storaged/n0" # nvme/, cold/, catalog/ live under it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(Exception):
+    """The configuration is unusable; the message says why and what to change."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}  # fmt: skip
+
+
+def parse_size(value: object) -> int:
+    """``4096``, ``"64MiB"``, ``"2 GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"not a size: {value!r} (e.g. 4096, '64MiB', '2GB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    id: str
+    url: str
+    peer: str  # "host:port"
+    data: str = ""
+
+    @property
+    def peer_addr(self) -> tuple[str, int]:
+        host, _, port = self.peer.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def http_addr(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        default = 443 if parts.scheme == "https" else 80
+        return parts.hostname or "127.0.0.1", parts.port or default
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    node_id: str = ""
+    nodes: tuple[NodeSpec, ...] = ()
+    replication: int = 3
+    codec: str = "zfec"
+    k: int = 4
+    n: int = 6
+    max_chunk_size: int = 64 * 2**20
+    memory_capacity: int = 2 * 2**30
+    nvme_capacity: int = 100 * 2**30
+    cold_capacity: int = 100 * 2**30
+    data: str = ""  # this node's data directory (default: its [[nodes]] entry's `data`)
+    token: str = ""
+    cluster_secret: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: how long a PUT waits for RAM before 503 memory_full
+    put_wait: float = 10.0
+    heartbeat_interval: float = 0.5
+    down_after: float = 3.0
+    #: unreferenced chunks younger than this are kept (uploads not yet committed)
+    gc_grace: float = 3600.0
+    gc_interval: float = 30.0
+    #: newest checkpoints per prefix whose chunks stay on nvme at their owner once cold
+    retain_newest: int = 1
+    repair_interval: float = 10.0
+    scrub_interval: float = 3600.0
+    drain_workers: int = 2
+    encode_workers: int = 1
+    #: seconds a client may take to send request headers / stay idle on keep-alive
+    header_timeout: float = 10.0
+    keepalive_timeout: float = 30.0
+    max_manifest_size: int = 64 * 2**20
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def node(self) -> NodeSpec:
+        for spec in self.nodes:
+            if spec.id == self.node_id:
+                return spec
+        raise ConfigError(f"node {self.node_id!r} is not in the cluster file")
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.data or self.node.data)
+
+    def validate(self) -> Config:
+        ids = [n.id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("node ids must be unique")
+        if not self.nodes:
+            raise ConfigError("the cluster file lists no [[nodes]]")
+        _ = self.node
+        if not self.data_dir.parts:
+            raise ConfigError(f"node {self.node_id}: no data directory (set `data`)")
+        if not 1 <= self.replication <= len(self.nodes):
+            raise ConfigError(
+                f"replication={self.replication} needs 1..{len(self.nodes)} (the number of nodes)"
+            )
+        if not (1 <= self.k < self.n <= 256):
+            raise ConfigError(f"erasure k={self.k} n={self.n}: need 1 <= k < n <= 256")
+        # Fragment i goes to the i-th node of a placement order (wrapping), so one node holds
+        # up to ceil(n / nodes) fragments; losing it must leave >= k of them.
+        per_node = math.ceil(self.n / len(self.nodes))
+        if per_node > self.n - self.k:
+            raise ConfigError(
+                f"erasure k={self.k} of n={self.n} over {len(self.nodes)} nodes puts up to "
+                f"{per_node} fragments on one node, but only n-k={self.n - self.k} may be lost: "
+                "losing one node could lose cold data. Lower k, raise n, or add nodes "
+                f"(with {len(self.nodes)} nodes, e.g. k={max(1, self.n - per_node)} of n={self.n})."
+            )
+        if self.max_chunk_size <= 0 or self.max_chunk_size > self.memory_capacity:
+            raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both tls_cert and tls_key")
+        if not self.cluster_secret:
+            raise ConfigError(
+                "no cluster secret: set [auth] cluster_secret / cluster_secret_env or "
+                "STORAGED_CLUSTER_SECRET (peer traffic is always authenticated)"
+            )
+        return self
+
+
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nodes",)}
+
+
+def _coerce(name: str, raw: object) -> Any:
+    kind = _SCALARS[name].type
+    try:
+        if name.endswith(("_capacity", "_size")):
+            return parse_size(raw)
+        if kind == "int":
+            return int(str(raw))
+        if kind == "float":
+            return float(str(raw))
+        if kind == "bool":
+            return raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes", "on")
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: cannot use {raw!r}: {exc}") from exc
+
+
+def _flatten_file(doc: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in ("erasure", "tiers", "auth", "tls", "timeouts") and isinstance(value, dict):
+            for sub, subval in value.items():
+                name = {"cert": "tls_cert", "key": "tls_key"}.get(sub, sub) if key == "tls" else sub
+                out[name] = subval
+        elif key != "nodes":
+            out[key] = value
+    for secret in ("token", "cluster_secret"):
+        env_name = out.pop(f"{secret}_env", None)
+        if env_name and not out.get(secret):
+            out[secret] = os.environ.get(str(env_name), "")
+    unknown = sorted(set(out) - set(_SCALARS))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in the cluster file: {', '.join(unknown)}")
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    node_id: str | None,
+    *,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """The configuration of node ``node_id``: cluster file, then environment, then overrides."""
+    values: dict[str, Any] = {}
+    nodes: list[NodeSpec] = []
+    if path is not None:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
+        values.update(_flatten_file(doc))
+        for entry in doc.get("nodes", []):
+            try:
+                nodes.append(
+                    NodeSpec(
+                        id=str(entry["id"]),
+                        url=str(entry["url"]).rstrip("/"),
+                        peer=str(entry["peer"]),
+                        data=str(entry.get("data", "")),
+                    )
+                )
+            except KeyError as exc:
+                raise ConfigError(f"a [[nodes]] entry lacks {exc}") from exc
+    env = os.environ if environ is None else environ
+    for name in _SCALARS:
+        env_value = env.get(f"STORAGED_{name.upper()}")
+        if env_value is not None:
+            values[name] = env_value
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+    if node_id is not None:
+        values["node_id"] = node_id
+    coerced = {name: _coerce(name, raw) for name, raw in values.items()}
+    return dataclasses.replace(Config(nodes=tuple(nodes)), **coerced).validate()
+
+
+def config_field_names() -> list[str]:
+    """Scalar settings a flag or environment variable may override."""
+    return sorted(_SCALARS)
+
+
+__all__ = ["Config", "ConfigError", "NodeSpec", "config_field_names", "load_config", "parse_size"]
+

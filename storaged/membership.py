@@ -1,0 +1,132 @@
+"""Who is in the cluster and who is alive: one small interface.
+
+The embedded default is the static cluster file plus peer heartbeats. A later
+coordination backend (etcd) implements the same interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from storaged.config import NodeSpec
+
+log = logging.getLogger("storaged.membership")
+
+
+class Membership(abc.ABC):
+    """The node list and liveness; ``alive_ids`` is what placement uses."""
+
+    self_id: str
+
+    @abc.abstractmethod
+    def nodes(self) -> tuple[NodeSpec, ...]:
+        """Every member, alive or not, in a stable order."""
+
+    @abc.abstractmethod
+    def is_alive(self, node_id: str) -> bool: ...
+
+    def node(self, node_id: str) -> NodeSpec:
+        for spec in self.nodes():
+            if spec.id == node_id:
+                return spec
+        raise KeyError(node_id)
+
+    def alive_ids(self) -> list[str]:
+        return [n.id for n in self.nodes() if self.is_alive(n.id)]
+
+    def all_ids(self) -> list[str]:
+        return [n.id for n in self.nodes()]
+
+    @abc.abstractmethod
+    def report_failure(self, node_id: str) -> None:
+        """A call to ``node_id`` failed to connect: treat it as down until it answers again."""
+
+    def info(self, node_id: str) -> dict[str, Any]:
+        """The last status a node reported in its heartbeat (usage figures), if any."""
+        return {}
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+Pinger = Callable[[NodeSpec], Awaitable[dict[str, Any]]]
+
+
+class StaticMembership(Membership):
+    """Members from the cluster file; a peer is down after ``down_after`` s without a heartbeat."""
+
+    def __init__(
+        self,
+        self_id: str,
+        nodes: tuple[NodeSpec, ...],
+        ping: Pinger,
+        *,
+        interval: float = 0.5,
+        down_after: float = 3.0,
+    ) -> None:
+        self.self_id = self_id
+        self._nodes = nodes
+        self._ping = ping
+        self._interval = interval
+        self._down_after = down_after
+        # Peers start as alive for one grace period: a node that just started can take writes
+        # before its first heartbeat round completes.
+        now = time.monotonic()
+        self._last_seen: dict[str, float] = {n.id: now for n in nodes}
+        self._failed: set[str] = set()
+        self._info: dict[str, dict[str, Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def nodes(self) -> tuple[NodeSpec, ...]:
+        return self._nodes
+
+    def is_alive(self, node_id: str) -> bool:
+        if node_id == self.self_id:
+            return True
+        if node_id in self._failed:
+            return False
+        seen = self._last_seen.get(node_id)
+        return seen is not None and time.monotonic() - seen < self._down_after
+
+    def report_failure(self, node_id: str) -> None:
+        if node_id != self.self_id and node_id not in self._failed:
+            log.warning("peer %s unreachable: treating it as down", node_id)
+            self._failed.add(node_id)
+
+    def info(self, node_id: str) -> dict[str, Any]:
+        return self._info.get(node_id, {})
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            peers = [n for n in self._nodes if n.id != self.self_id]
+            await asyncio.gather(*(self._beat(p) for p in peers))
+            await asyncio.sleep(self._interval)
+
+    async def _beat(self, peer: NodeSpec) -> None:
+        try:
+            info = await asyncio.wait_for(self._ping(peer), timeout=max(self._interval * 2, 1.0))
+        except Exception:  # noqa: BLE001 - any failure is a missed heartbeat
+            return
+        if peer.id in self._failed:
+            log.info("peer %s is back", peer.id)
+            self._failed.discard(peer.id)
+        self._last_seen[peer.id] = time.monotonic()
+        self._info[peer.id] = info
