@@ -72,13 +72,14 @@ def _summary(reasons: Sequence[str], limit: int = 6) -> str:
 def _neighbour_subsets(first: Sequence[int], spares: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """Every other k-subset of ``first + spares``, closest to ``first`` first.
 
-    Replacing one member of ``first`` at a time finds a single bad fragment within ``k``
-    tries; then two at a time, and so on until all subsets have been produced.
+    One spare in place of each member of ``first`` in turn finds a single bad fragment
+    within ``k`` tries (given a good spare); then two at a time, and so on until all subsets
+    have been produced.
     """
     for r in range(1, min(len(first), len(spares)) + 1):
-        for out in itertools.combinations(first, r):
-            kept = [i for i in first if i not in out]
-            for into in itertools.combinations(spares, r):
+        for into in itertools.combinations(spares, r):
+            for out in itertools.combinations(first, r):
+                kept = [i for i in first if i not in out]
                 yield tuple(sorted(kept + list(into)))
 
 

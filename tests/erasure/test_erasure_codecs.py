@@ -376,6 +376,15 @@ class CodecConformance:
         with pytest.raises(DecodeMismatch, match="none hashes to the chunk id"):
             codec.decode(chunk_id, [given[victim], *others])
 
+    @pytest.mark.parametrize("victim", [0, 9])
+    def test_one_wrong_fragment_among_many_is_found_within_k_tries(self, victim: int) -> None:
+        data = random_bytes(20000, 18)
+        codec, chunk_id, blobs = self.encoded(10, 14, data)
+        codec.max_decode_attempts = 11  # the first subset, then at most k swaps
+        given = list(blobs)
+        given[victim] = self.forged(blobs[victim])
+        assert codec.decode(chunk_id, given) == data
+
     def test_a_forged_length_is_its_own_group(self) -> None:
         data = random_bytes(5000, 14)
         codec, chunk_id, blobs = self.encoded(2, 4, data)
