@@ -134,10 +134,14 @@ class Codec(abc.ABC):
         fragments are in use. ``chunk_id`` is recorded in every header and must be the
         BLAKE3-256 of ``data``; the caller normally knows it already, so it is only checked
         when ``verify_id`` is true (a wrong id would make every later decode fail with
-        ``DecodeMismatch``, never return wrong bytes). Raises ``InvalidParameters``.
+        ``DecodeMismatch``, never return wrong bytes). Raises ``InvalidParameters`` for a bad
+        chunk id, data that is not a contiguous buffer, or (``verify_id``) a wrong id.
         """
         _check_chunk_id(chunk_id)
-        view = memoryview(data).cast("B")
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError as exc:  # not a buffer, or a strided (non-contiguous) one
+            raise InvalidParameters(f"data must be contiguous bytes-like, not {exc}") from exc
         if verify_id and chunk_id_of(view) != chunk_id:
             raise InvalidParameters(f"data does not hash to chunk id {chunk_id}")
         payloads = self._encode_payloads(view)

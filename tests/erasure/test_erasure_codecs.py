@@ -417,6 +417,10 @@ class CodecConformance:
             codec.decode(wrong, frags)
         with pytest.raises(InvalidParameters, match="chunk id"):
             codec.encode("0" * 63, data)
+        with pytest.raises(InvalidParameters, match="contiguous"):
+            codec.encode(chunk_id_of(data[::2]), memoryview(data)[::2])
+        with pytest.raises(InvalidParameters, match="contiguous"):
+            codec.encode(chunk_id_of(b""), "text")  # type: ignore[arg-type]
 
     # -- async -----------------------------------------------------------------------------
 
