@@ -555,6 +555,39 @@ async def test_server_with_another_secret_is_not_trusted() -> None:
         await impostor.close()
 
 
+async def test_client_sends_nothing_to_a_peer_that_cannot_prove_the_secret() -> None:
+    """A fake peer answers hello with a bogus proof and would accept anything after."""
+    seen: list[Any] = []
+
+    async def fake_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (length,) = struct.unpack("!I", await reader.readexactly(4))
+                header = msgpack.unpackb(await reader.readexactly(length))
+                seen.append(header.get("op"))
+                if header.get("op") == "hello":
+                    reply = {"ok": True, "v": 1, "node": "fake", "nonce": os.urandom(32)}
+                    writer.write(frame(reply | {"proof": os.urandom(32)}))
+                else:
+                    await reader.readexactly(header.get("size", header.get("body", 0)))
+                    writer.write(frame({"ok": True, "result": {}}))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    fake = await asyncio.start_server(fake_peer, "127.0.0.1", 0)
+    client = PeerClient("client", SECRET)
+    try:
+        port = fake.sockets[0].getsockname()[1]
+        with pytest.raises(PeerError) as info:
+            await put(client, ("127.0.0.1", port), b"secret bytes")
+        assert info.value.code == "forbidden"
+        await asyncio.sleep(0.05)
+        assert seen == ["hello"]
+    finally:
+        await client.close()
+        fake.close()
+
+
 async def test_nothing_is_served_before_authentication(node: Node) -> None:
     peer = await RawPeer.connect(node.server.port)
     await peer.send(frame({"op": "put", "id": "a" * 64, "size": 3}) + b"abc")
