@@ -1,0 +1,779 @@
+"""Sharded checkpoints of numpy state: save each rank's shard, commit once, restore any layout.
+
+A *state dict* maps string keys to:
+
+- ``Shard(array, global_shape, offsets)``: this rank's box of a global array;
+- a plain ``np.ndarray`` (or numpy scalar): the whole array;
+- anything else msgpack can encode (ints, floats, strings, lists, dicts, bytes):
+  a small non-array value, stored as an item of dtype ``"msgpack"`` with
+  ``global_shape``, ``offsets`` and ``shape`` all ``[]``.
+
+Saving is two steps so that ranks may live in different processes: each rank
+packs its shard into one byte stream (``stage_shard``), uploads its chunks and
+gets back its *shard entry*, a msgpack-able dict (``upload_shard`` /
+``save_shard``); the coordinator gathers every rank's entry and commits them as
+one manifest (``commit_checkpoint``). A rank that fails never hands over an
+entry, so the checkpoint is never committed. ``save_checkpoint`` does all of it
+for several ranks in one process; ``AsyncSaver`` returns as soon as the state is
+copied to reusable host staging buffers and uploads in the background.
+
+``restore_checkpoint`` fills caller-supplied arrays of any sharding: every
+requested box is intersected with the saved ones and only the byte ranges it
+needs are fetched, in parallel, straight into the destination's memory where it
+is contiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+
+from storaged.client.client import (
+    BytesLike,
+    CheckpointStatus,
+    CommitResult,
+    Holder,
+    RestorePlanDoc,
+    WritableBuffer,
+    run_all,
+)
+from storaged.client.errors import MissingChunks
+from storaged.client.layout import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_COALESCE_GAP,
+    DEFAULT_MAX_TILE,
+    MSGPACK_DTYPE,
+    Box,
+    DtypeMismatch,
+    Fetch,
+    Item,
+    KeyNotSaved,
+    Manifest,
+    Request,
+    RestorePlan,
+    ShardEntry,
+    StagedCopy,
+    build_manifest,
+    numpy_dtype,
+    pack_stream,
+    plan_restore,
+)
+from tiers.base import ByteRange
+
+log = logging.getLogger(__name__)
+
+#: Below this many bytes a copy runs on the loop: a thread hop would cost more.
+_INLINE_COPY_BYTES = 1 << 20
+#: Staging buffers restore may hold at once.
+DEFAULT_RESTORE_BUDGET = 256 << 20
+
+
+class CheckpointStore(Protocol):
+    """What saving and restoring need from a client (``Client`` provides it)."""
+
+    @property
+    def max_chunk_size(self) -> int: ...
+
+    async def put_chunks(
+        self, chunks: Sequence[BytesLike], chunk_ids: Sequence[str] | None = None
+    ) -> list[str]: ...
+
+    async def put_chunk(self, data: BytesLike, chunk_id: str | None = None) -> str: ...
+
+    async def get_chunk(
+        self,
+        chunk_id: str,
+        out: WritableBuffer | None = None,
+        byte_range: ByteRange | None = None,
+        *,
+        holders: Sequence[Holder | str] | None = None,
+    ) -> memoryview: ...
+
+    async def commit(self, name: str, manifest: Mapping[str, Any]) -> CommitResult: ...
+
+    async def get_manifest(self, name: str) -> dict[str, Any]: ...
+
+    async def plan(self, name: str) -> RestorePlanDoc: ...
+
+    async def wait(
+        self,
+        name: str,
+        state: str = "memory",
+        timeout: float = 60.0,  # noqa: ASYNC109
+    ) -> CheckpointStatus: ...
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """``array`` is the box at ``offsets`` of a global array of ``global_shape``.
+
+    ``dtype`` names the element type in the manifest when numpy's own name will not
+    do (e.g. ``"bfloat16"`` for bytes held in a ``uint16`` array); on restore it must
+    match what was saved.
+    """
+
+    array: np.ndarray[Any, Any]
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        global_shape = tuple(int(g) for g in self.global_shape)
+        offsets = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "global_shape", global_shape)
+        object.__setattr__(self, "offsets", offsets)
+        if not (len(global_shape) == len(offsets) == self.array.ndim):
+            raise ValueError(
+                f"shard of shape {self.array.shape} with global_shape {global_shape} "
+                f"and offsets {offsets}: ranks differ"
+            )
+        box = Box(offsets, tuple(self.array.shape))
+        if not box.within(global_shape):
+            raise ValueError(f"shard {box} lies outside global shape {global_shape}")
+
+
+StateDict = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _SaveItem:
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    #: The array to copy, or the msgpack encoding of a value.
+    source: np.ndarray[Any, Any] | bytes
+    nbytes: int
+
+
+def _array_item(
+    key: str,
+    array: np.ndarray[Any, Any],
+    global_shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    name: str | None,
+) -> _SaveItem:
+    if array.dtype.kind not in "biufc" or array.dtype.fields is not None:
+        raise TypeError(f"{key}: cannot save arrays of dtype {array.dtype}")
+    return _SaveItem(
+        key, name or array.dtype.name, global_shape, offsets, array, array.size * array.itemsize
+    )
+
+
+def describe_state(state: StateDict) -> list[_SaveItem]:
+    """The items of a state dict, checked; ``TypeError`` for what cannot be saved."""
+    items: list[_SaveItem] = []
+    for key, value in state.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"state dict keys must be non-empty strings, got {key!r}")
+        if isinstance(value, Shard):
+            items.append(
+                _array_item(key, value.array, value.global_shape, value.offsets, value.dtype)
+            )
+        elif isinstance(value, np.ndarray | np.generic):
+            array = np.asarray(value)
+            zeros = (0,) * array.ndim
+            items.append(_array_item(key, array, tuple(array.shape), zeros, None))
+        else:
+            try:
+                encoded = msgpack.packb(value)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TypeError(
+                    f"{key}: {type(value).__name__} is neither an array nor msgpack-able: {exc}"
+                ) from exc
+            items.append(_SaveItem(key, MSGPACK_DTYPE, (), (), encoded, len(encoded)))
+    return items
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class StagingBuffer:
+    """Host memory a rank's stream is packed into, kept from one save to the next.
+
+    It grows (never shrinks) when a stream does not fit; reusing it spares the page
+    faults of fresh memory on every save.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else len(self._buffer)
+
+    def reserve(self, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """A view of ``size`` bytes of the buffer (its content is whatever was left there)."""
+        if self._buffer is None or len(self._buffer) < size:
+            self._buffer = np.empty(size, dtype=np.uint8)
+        return self._buffer[:size]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedShard:
+    """A rank's stream laid out and cut into chunks, ready to upload."""
+
+    rank: int
+    items: tuple[Item, ...]
+    #: The bytes of each chunk, in stream order.
+    chunks: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+    def entry(self, chunk_ids: Sequence[str]) -> dict[str, Any]:
+        """The shard entry (API.md ``shards[]`` element) once the chunks have these ids."""
+        if len(chunk_ids) != len(self.chunks):
+            raise ValueError("one id per chunk")
+        sized = tuple((cid, len(c)) for cid, c in zip(chunk_ids, self.chunks, strict=True))
+        return ShardEntry(self.rank, sized, self.items).to_wire()
+
+
+def _copy_item(item: _SaveItem, into: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+    if isinstance(item.source, bytes):
+        into[:] = np.frombuffer(item.source, dtype=np.uint8)
+        return
+    array = item.source
+    native = array.dtype.newbyteorder("=")
+    # casting="equiv" lets a big-endian source land in native order, nothing more.
+    np.copyto(into.view(native).reshape(array.shape), array, casting="equiv")
+
+
+def _flat_bytes(array: np.ndarray[Any, Any]) -> memoryview:
+    return array.reshape(-1).view(np.uint8).data
+
+
+def stage_shard(
+    rank: int,
+    state: StateDict,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    staging: StagingBuffer | None = None,
+) -> StagedShard:
+    """Pack a rank's state into one stream and cut it into chunks (CPU bound: run in a thread).
+
+    With ``staging`` every byte is copied there, so the state may change as soon as
+    this returns. Without it large C-contiguous native arrays are referenced, not
+    copied: they must not change until the upload is done.
+    """
+    if rank < 0:
+        raise ValueError("rank must be >= 0")
+    described = describe_state(state)
+    layout = pack_stream([item.nbytes for item in described], chunk_size)
+    items = tuple(
+        Item(
+            d.key,
+            d.dtype,
+            d.global_shape,
+            d.offsets,
+            () if isinstance(d.source, bytes) else tuple(d.source.shape),
+            start,
+            d.nbytes,
+        )
+        for d, start in zip(described, layout.starts, strict=True)
+    )
+    # Segments of the stream: (offset, bytes); no chunk straddles two of them, because
+    # large items start and end chunks of their own (pack_stream).
+    segments: list[tuple[int, memoryview]] = []
+    if staging is not None:
+        buffer = staging.reserve(layout.size)
+        for d, start in zip(described, layout.starts, strict=True):
+            _copy_item(d, buffer[start : start + d.nbytes])
+        segments.append((0, buffer.data))
+    else:
+        small = sum(d.nbytes for d in described if d.nbytes < chunk_size)
+        packed = np.empty(small, dtype=np.uint8)
+        segments.append((0, packed.data))
+        for d, start in zip(described, layout.starts, strict=True):
+            if d.nbytes < chunk_size:
+                _copy_item(d, packed[start : start + d.nbytes])
+                continue
+            source = d.source
+            assert isinstance(source, np.ndarray)
+            if source.flags.c_contiguous and source.dtype.isnative:
+                segments.append((start, _flat_bytes(source)))
+            else:
+                # Strided or foreign byte order: one deliberate copy to get stream bytes.
+                copy = np.empty(d.nbytes, dtype=np.uint8)
+                _copy_item(d, copy)
+                segments.append((start, copy.data))
+    starts = [offset for offset, _ in segments]
+    chunks = []
+    for offset, size in layout.chunks:
+        index = bisect.bisect_right(starts, offset) - 1
+        seg_start, seg = segments[index]
+        chunks.append(seg[offset - seg_start : offset - seg_start + size])
+    return StagedShard(rank, items, tuple(chunks))
+
+
+def _chunk_size_for(store: CheckpointStore, chunk_size: int | None) -> int:
+    wanted = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    return min(wanted, store.max_chunk_size)
+
+
+# --------------------------------------------------------------------------- saving
+
+
+async def upload_shard(store: CheckpointStore, staged: StagedShard) -> dict[str, Any]:
+    """Upload a staged rank's chunks (those the cluster lacks); return its shard entry."""
+    ids = await store.put_chunks(staged.chunks)
+    return staged.entry(ids)
+
+
+async def save_shard(
+    store: CheckpointStore,
+    rank: int,
+    state: StateDict,
+    *,
+    chunk_size: int | None = None,
+    staging: StagingBuffer | None = None,
+) -> dict[str, Any]:
+    """Stage and upload one rank's shard; return its shard entry for the coordinator.
+
+    The entry is a msgpack-able dict; hand every rank's entry to
+    ``commit_checkpoint`` on one process. Nothing becomes visible before that.
+    """
+    staged = await asyncio.to_thread(
+        stage_shard, rank, state, _chunk_size_for(store, chunk_size), staging
+    )
+    return await upload_shard(store, staged)
+
+
+async def commit_checkpoint(
+    store: CheckpointStore,
+    name: str,
+    shards: Sequence[Mapping[str, Any]],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    created: float | None = None,
+) -> CommitResult:
+    """Commit the gathered shard entries of every rank as checkpoint ``name``.
+
+    Raises ``InvalidManifest`` (before any request) when the entries do not form a
+    valid manifest, and the ``Client.commit`` errors (``MissingChunks``, ``Exists``...).
+    """
+    manifest = build_manifest(
+        shards, created=time.time() if created is None else created, meta=meta
+    )
+    return await store.commit(name, manifest)
+
+
+async def _commit_staged(
+    store: CheckpointStore,
+    name: str,
+    staged: Sequence[StagedShard],
+    entries: Sequence[Mapping[str, Any]],
+    meta: Mapping[str, Any] | None,
+) -> CommitResult:
+    """Commit; if the cluster lost chunks since they were acked (or skipped as held), send
+    them again from the staged bytes and commit once more."""
+    manifest = build_manifest(entries, created=time.time(), meta=meta)
+    try:
+        return await store.commit(name, manifest)
+    except MissingChunks as exc:
+        wanted = set(exc.missing)
+        log.info("commit of %s: %d chunks missing, uploading them again", name, len(wanted))
+        resend: dict[str, memoryview] = {}
+        for shard, entry in zip(staged, entries, strict=True):
+            for (chunk, _), view in zip(entry["chunks"], shard.chunks, strict=True):
+                if chunk in wanted:
+                    resend.setdefault(chunk, view)
+        if set(resend) != wanted:
+            raise
+        await run_all([store.put_chunk(view, chunk) for chunk, view in resend.items()])
+        return await store.commit(name, manifest)
+
+
+async def save_checkpoint(
+    store: CheckpointStore,
+    name: str,
+    states: Mapping[int, StateDict],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    chunk_size: int | None = None,
+) -> CommitResult:
+    """Save every rank's state (``{rank: state dict}``) and commit them as one checkpoint.
+
+    Large contiguous arrays are uploaded from their own memory: do not change the
+    state until this returns. Either the checkpoint is committed, or this raises and
+    nothing is visible under ``name``.
+    """
+    size = _chunk_size_for(store, chunk_size)
+    staged = await run_all(
+        [asyncio.to_thread(stage_shard, rank, state, size, None) for rank, state in states.items()]
+    )
+    entries = await run_all([upload_shard(store, shard) for shard in staged])
+    return await _commit_staged(store, name, staged, entries, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What an acknowledged save produced."""
+
+    name: str
+    #: Shard entry of every rank saved, by rank.
+    shards: dict[int, dict[str, Any]]
+    #: None when the save was not asked to commit (multi-process ranks).
+    commit: CommitResult | None
+
+
+class SaveHandle:
+    """A save in progress, returned by ``AsyncSaver.save`` once the state is staged."""
+
+    def __init__(
+        self, store: CheckpointStore, name: str, staged_bytes: int, stall: float, commit: bool
+    ) -> None:
+        self.name = name
+        #: Bytes copied into staging buffers.
+        self.staged_bytes = staged_bytes
+        #: Seconds ``save`` took (waiting for a free staging buffer included).
+        self.stall_seconds = stall
+        self._store = store
+        self._commit = commit
+        self._result: asyncio.Future[SaveResult] = asyncio.get_running_loop().create_future()
+        self._result.add_done_callback(self._log_unseen_failure)
+
+    def _log_unseen_failure(self, future: asyncio.Future[SaveResult]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("checkpoint save %s failed: %s", self.name, future.exception())
+
+    def done(self) -> bool:
+        return self._result.done()
+
+    async def acked(self) -> SaveResult:
+        """Wait until every chunk is acknowledged and, if committing, the manifest committed.
+
+        Raises the failure of the save; in that case nothing is visible under the name.
+        Cancelling the caller does not cancel the save.
+        """
+        return await asyncio.shield(self._result)
+
+    async def durable(
+        self,
+        state: str = "nvme",
+        timeout: float = 300.0,  # noqa: ASYNC109
+    ) -> CheckpointStatus:
+        """Wait for ``acked``, then until the checkpoint reaches ``state`` (``WaitTimeout``)."""
+        if not self._commit:
+            raise RuntimeError("this save does not commit; wait on the committed checkpoint")
+        await self.acked()
+        return await self._store.wait(self.name, state, timeout)
+
+    def _settle(self, result: SaveResult | BaseException) -> None:
+        if self._result.done():
+            return
+        if isinstance(result, BaseException):
+            self._result.set_exception(result)
+        else:
+            self._result.set_result(result)
+
+
+class AsyncSaver:
+    """Saves that stall the caller only for the copy into host staging buffers.
+
+    ``buffers`` sets of staging buffers (one per rank) are reused from save to save;
+    while every set is still uploading, ``save`` waits for one (backpressure).
+    Use as ``async with AsyncSaver(client) as saver`` or call ``aclose``.
+    """
+
+    def __init__(
+        self, store: CheckpointStore, *, chunk_size: int | None = None, buffers: int = 1
+    ) -> None:
+        if buffers < 1:
+            raise ValueError("buffers must be >= 1")
+        self._store = store
+        self._chunk_size = chunk_size
+        self._free: asyncio.Queue[dict[int, StagingBuffer]] = asyncio.Queue()
+        for _ in range(buffers):
+            self._free.put_nowait({})
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> AsyncSaver:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def save(
+        self,
+        name: str,
+        states: Mapping[int, StateDict],
+        *,
+        meta: Mapping[str, Any] | None = None,
+        commit: bool = True,
+    ) -> SaveHandle:
+        """Copy ``{rank: state dict}`` into staging buffers, start the upload, return a handle.
+
+        When this returns the state may be changed freely. With ``commit=False`` the
+        ranks' shard entries are the result (``SaveResult.shards``), for a coordinator
+        to commit; ``name`` is then only a label.
+        """
+        began = time.perf_counter()
+        size = _chunk_size_for(self._store, self._chunk_size)
+        buffers = await self._free.get()
+        try:
+            staged = await run_all(
+                [
+                    asyncio.to_thread(
+                        stage_shard, rank, state, size, buffers.setdefault(rank, StagingBuffer())
+                    )
+                    for rank, state in states.items()
+                ]
+            )
+        except BaseException:
+            self._free.put_nowait(buffers)
+            raise
+        handle = SaveHandle(
+            self._store,
+            name,
+            sum(s.nbytes for s in staged),
+            time.perf_counter() - began,
+            commit,
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._upload(handle, staged, buffers, meta, commit)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handle
+
+    async def _upload(
+        self,
+        handle: SaveHandle,
+        staged: Sequence[StagedShard],
+        buffers: dict[int, StagingBuffer],
+        meta: Mapping[str, Any] | None,
+        commit: bool,
+    ) -> None:
+        try:
+            entries = await run_all([upload_shard(self._store, shard) for shard in staged])
+            result = None
+            if commit:
+                result = await _commit_staged(self._store, handle.name, staged, entries, meta)
+            shards = {shard.rank: entry for shard, entry in zip(staged, entries, strict=True)}
+            handle._settle(SaveResult(handle.name, shards, result))
+        except BaseException as exc:
+            handle._settle(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._free.put_nowait(buffers)
+
+    async def aclose(self) -> None:
+        """Wait for the saves in flight to finish (their outcome stays on their handles)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+# --------------------------------------------------------------------------- restoring
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes held at once (a single larger request is let through alone)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self, size: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self._used == 0 or self._used + size <= self._limit
+            )
+            self._used += size
+
+    async def release(self, size: int) -> None:
+        async with self._changed:
+            self._used -= size
+            self._changed.notify_all()
+
+
+Target = np.ndarray[Any, Any] | Shard | None
+
+
+def _requests(
+    manifest: Manifest,
+    targets: Mapping[str, Target],
+    dtype_map: Mapping[str, Any] | None,
+) -> tuple[list[Request], list[np.ndarray[Any, Any] | None], dict[str, np.ndarray[Any, Any]]]:
+    requests: list[Request] = []
+    arrays: list[np.ndarray[Any, Any] | None] = []
+    allocated: dict[str, np.ndarray[Any, Any]] = {}
+    for key, target in targets.items():
+        saved = manifest.items_of(key)[0][1]
+        if target is None:
+            if saved.dtype == MSGPACK_DTYPE:
+                requests.append(Request(key, (), Box((), ()), None))
+                arrays.append(None)
+                continue
+            dtype = numpy_dtype(saved.dtype, dtype_map)
+            assert dtype is not None
+            array: np.ndarray[Any, Any] = np.empty(saved.global_shape, dtype=dtype)
+            allocated[key] = array
+            target = array
+        if isinstance(target, Shard):
+            if target.dtype is not None and target.dtype != saved.dtype:
+                raise DtypeMismatch(f"{key}: saved as {saved.dtype}, requested {target.dtype}")
+            array, global_shape, offsets = target.array, target.global_shape, target.offsets
+        elif isinstance(target, np.ndarray):
+            array, global_shape, offsets = target, target.shape, (0,) * target.ndim
+        else:
+            raise TypeError(f"{key}: restore target must be an ndarray, a Shard or None")
+        if not array.flags.writeable:
+            raise ValueError(f"{key}: destination array is read-only")
+        requests.append(
+            Request(
+                key,
+                tuple(global_shape),
+                Box(tuple(offsets), tuple(array.shape)),
+                array.dtype,
+                bool(array.flags.c_contiguous),
+            )
+        )
+        arrays.append(array)
+    return requests, arrays, allocated
+
+
+async def restore_checkpoint(
+    store: CheckpointStore,
+    checkpoint: str | Manifest | Mapping[str, Any],
+    targets: Mapping[str, Target] | None = None,
+    *,
+    dtype_map: Mapping[str, Any] | None = None,
+    holders: RestorePlanDoc | None = None,
+    coalesce_gap: int = DEFAULT_COALESCE_GAP,
+    max_tile: int = DEFAULT_MAX_TILE,
+    staging_budget: int = DEFAULT_RESTORE_BUDGET,
+) -> dict[str, Any]:
+    """Fill ``targets`` from a checkpoint (a name, or its manifest); return what was not given.
+
+    ``targets`` maps keys to an ndarray (the whole global array), a ``Shard`` (a box
+    of it) or None (allocate the whole array, or decode a msgpack value); every such
+    None key is in the returned dict. ``targets=None`` restores every key that way.
+    Arrays are written in place. ``dtype_map`` maps saved dtype names to numpy
+    dtypes (e.g. ``{"bfloat16": np.uint16}``). ``holders`` (from ``Client.plan``) is
+    fetched when a name is given.
+
+    Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch``, ``RegionNotCovered``
+    before any chunk is read; client errors (``ChunkNotFound``...) while reading.
+    """
+    if isinstance(checkpoint, str):
+        if holders is None:
+            doc, holders = await asyncio.gather(
+                store.get_manifest(checkpoint), store.plan(checkpoint)
+            )
+        else:
+            doc = await store.get_manifest(checkpoint)
+        manifest = Manifest.from_wire(doc)
+    elif isinstance(checkpoint, Manifest):
+        manifest = checkpoint
+    else:
+        manifest = Manifest.from_wire(checkpoint)
+    wanted: Mapping[str, Target] = dict.fromkeys(manifest.keys()) if targets is None else targets
+    requests, arrays, allocated = _requests(manifest, wanted, dtype_map)
+    plan = await asyncio.to_thread(
+        plan_restore,
+        manifest,
+        requests,
+        dtype_map=dtype_map,
+        coalesce_gap=coalesce_gap,
+        max_tile=max_tile,
+    )
+    values = await execute_restore(
+        store, manifest, plan, arrays, holders=holders, staging_budget=staging_budget
+    )
+    result: dict[str, Any] = dict(allocated)
+    for request, value in values.items():
+        result[plan.requests[request].key] = value
+    missing = [key for key in wanted if wanted[key] is None and key not in result]
+    if missing:  # cannot happen unless the plan lost a request
+        raise KeyNotSaved(f"not restored: {missing}")
+    return result
+
+
+async def execute_restore(
+    store: CheckpointStore,
+    manifest: Manifest,
+    plan: RestorePlan,
+    arrays: Sequence[np.ndarray[Any, Any] | None],
+    *,
+    holders: RestorePlanDoc | None = None,
+    staging_budget: int = DEFAULT_RESTORE_BUDGET,
+) -> dict[int, Any]:
+    """Run a ``RestorePlan``: fetch in parallel, write into ``arrays`` (one per request).
+
+    Returns the decoded msgpack values by request index.
+    """
+    sizes = {chunk: size for shard in manifest.shards for chunk, size in shard.chunks}
+    targets: list[memoryview | None] = [
+        _flat_bytes(a) if a is not None and a.flags.c_contiguous else None for a in arrays
+    ]
+    value_buffers = [bytearray(v.length) for v in plan.values]
+    budget = _ByteBudget(staging_budget)
+
+    def destination(kind: str, index: int, staging: memoryview | None) -> memoryview:
+        if kind == "target":
+            view = targets[index]
+            assert view is not None, "direct write planned into a non-contiguous array"
+            return view
+        if kind == "value":
+            return memoryview(value_buffers[index])
+        assert staging is not None
+        return staging
+
+    async def fetch(item: Fetch, staging: memoryview | None = None) -> None:
+        full = item.start == 0 and item.end == sizes.get(item.chunk)
+        byte_range = None if full else ByteRange(item.start, item.end)
+        known = holders.get(item.chunk) if holders is not None else None
+        if item.direct:
+            part = item.parts[0]
+            into = destination(part.kind, part.index, staging)
+            await store.get_chunk(
+                item.chunk,
+                into[part.offset : part.offset + part.length],
+                byte_range,
+                holders=known,
+            )
+            return
+        # Several small pieces share one request: one bounce copy each, on purpose.
+        data = await store.get_chunk(item.chunk, None, byte_range, holders=known)
+        for part in item.parts:
+            into = destination(part.kind, part.index, staging)
+            into[part.offset : part.offset + part.length] = data[part.src : part.src + part.length]
+
+    async def staged(copy: StagedCopy) -> None:
+        await budget.acquire(copy.size)
+        try:
+            buffer = np.empty(copy.size, dtype=np.uint8)
+            view = buffer.data
+            await run_all([fetch(f, view) for f in copy.fetches])
+            array = arrays[copy.target]
+            assert array is not None
+            source: np.ndarray[Any, Any] = np.ndarray(
+                copy.shape, dtype=array.dtype, buffer=buffer, offset=0, strides=copy.strides
+            )
+            dest = (array.reshape(1) if array.ndim == 0 else array)[copy.dest.slices()]
+            if copy.size > _INLINE_COPY_BYTES:
+                await asyncio.to_thread(np.copyto, dest, source)
+            else:
+                np.copyto(dest, source)
+        finally:
+            await budget.release(copy.size)
+
+    await run_all([*(fetch(f) for f in plan.fetches), *(staged(s) for s in plan.staged)])
+    return {
+        read.request: msgpack.unpackb(bytes(buffer), raw=False)
+        for read, buffer in zip(plan.values, value_buffers, strict=True)
+    }

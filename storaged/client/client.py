@@ -1,0 +1,1012 @@
+"""Async client of the storaged HTTP API (``/work/shared/API.md``, version 1).
+
+One ``Client`` talks to a whole cluster: it learns the membership from
+``GET /v1/cluster`` on any of the URLs it is given, sends each chunk PUT to the
+chunk's first placement node (rendezvous order over the live nodes), spreads GETs
+over the holders of each chunk (least in-flight requests first) and fails over
+to other holders, then to any node, when one fails. Every request is bounded in
+time; 502/503/504 and lost connections are retried with jittered backoff,
+honouring ``Retry-After``. Service errors surface as typed ``StoragedError``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import itertools
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+from urllib.parse import quote
+
+import aiohttp
+import msgpack
+import numpy as np
+
+from storaged.client.errors import (
+    BadName,
+    BadRange,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    ChunkNotFound,
+    ConnectionFailed,
+    NotFound,
+    ProtocolError,
+    StoragedError,
+    TooLarge,
+    Unavailable,
+    decode_body,
+    error_from_response,
+    is_retryable,
+)
+from storaged.client.retry import RetryPolicy
+from storaged.ids import chunk_id_of, chunk_id_of_async, is_checkpoint_name, is_chunk_id
+from storaged.placement import rendezvous_order
+from tiers.base import ByteRange
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: What ``put_chunk`` accepts without copying.
+BytesLike = bytes | bytearray | memoryview
+#: What ``get_chunk`` can read into: any C-contiguous writable buffer.
+WritableBuffer = bytearray | memoryview | np.ndarray[Any, Any]
+
+#: Durability levels, weakest first.
+STATES: Final = ("memory", "nvme", "cold")
+
+MSGPACK: Final = "application/msgpack"
+# Bodies are streamed to the socket in slices this big: the transport buffers (copies)
+# only what the kernel does not take at once, and memory stays bounded per request.
+_SEND_SLICE = 1 << 20
+
+
+def state_rank(state: str) -> int:
+    """Position of a durability level in ``STATES``; ``ValueError`` for anything else."""
+    try:
+        return STATES.index(state)
+    except ValueError:
+        raise ValueError(f"unknown durability level {state!r}; expected one of {STATES}") from None
+
+
+def state_at_least(state: str, level: str) -> bool:
+    """True when ``state`` is ``level`` or further along ``memory < nvme < cold``."""
+    return state_rank(state) >= state_rank(level)
+
+
+# --------------------------------------------------------------------------- documents
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpace:
+    used: int
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    id: str
+    url: str
+    alive: bool
+    #: Space per tier ("memory", "nvme", "cold") as the node reported it.
+    tiers: Mapping[str, TierSpace] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ErasureInfo:
+    codec: str
+    k: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """The membership and settings from ``GET /v1/cluster``."""
+
+    nodes: tuple[NodeInfo, ...]
+    replication: int
+    erasure: ErasureInfo | None
+    max_chunk_size: int
+
+    @property
+    def live(self) -> tuple[NodeInfo, ...]:
+        return tuple(node for node in self.nodes if node.alive)
+
+    def node(self, node_id: str) -> NodeInfo:
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        raise KeyError(node_id)
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> ClusterInfo:
+        """Parse a ``/v1/cluster`` document; ``ProtocolError`` when it lacks what API.md lists."""
+        try:
+            nodes = []
+            for raw in doc["nodes"]:
+                tiers = {
+                    tier: TierSpace(int(raw[tier]["used"]), int(raw[tier]["capacity"]))
+                    for tier in STATES
+                    if isinstance(raw.get(tier), dict)
+                }
+                nodes.append(
+                    NodeInfo(str(raw["id"]), str(raw["url"]).rstrip("/"), bool(raw["alive"]), tiers)
+                )
+            erasure_doc = doc.get("erasure")
+            erasure = (
+                ErasureInfo(str(erasure_doc["codec"]), int(erasure_doc["k"]), int(erasure_doc["n"]))
+                if isinstance(erasure_doc, dict)
+                else None
+            )
+            return cls(tuple(nodes), int(doc["replication"]), erasure, int(doc["max_chunk_size"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(message=f"malformed cluster document: {exc!r}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    chunk: str
+    size: int
+    replicas: tuple[str, ...]
+    state: str
+    #: False when the cluster already held the chunk (HTTP 200 rather than 201).
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    chunk: str
+    size: int
+    tier: str | None
+    state: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    name: str
+    #: Number of distinct chunks the checkpoint names.
+    chunks: int
+    #: Their total size.
+    bytes: int
+    #: False when the identical manifest was already committed (HTTP 200 rather than 201).
+    created: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStatus:
+    """``?status``: how many distinct chunks reached at least each level, and the overall one."""
+
+    state: str
+    chunks: int
+    memory: int
+    nvme: int
+    cold: int
+
+    def reached(self, level: str) -> bool:
+        return state_at_least(self.state, level)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    name: str
+    created: float
+    bytes: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A node that can serve a chunk, and from which tier."""
+
+    node: str
+    url: str
+    tier: str
+
+
+#: ``?plan``: chunk id -> holders, fastest tier first.
+RestorePlanDoc = dict[str, list[Holder]]
+
+
+@dataclass(slots=True)
+class ClientStats:
+    """Counters since the client was opened (or ``reset``). Not thread-safe; one loop."""
+
+    requests: int = 0
+    retries: int = 0
+    failovers: int = 0
+    chunks_uploaded: int = 0
+    bytes_uploaded: int = 0
+    #: Chunks ``put_chunks`` did not send because the cluster already held them.
+    chunks_skipped: int = 0
+    bytes_skipped: int = 0
+    chunks_downloaded: int = 0
+    bytes_downloaded: int = 0
+
+    def reset(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+
+class WaitTimeout(TimeoutError):
+    """``Client.wait`` ran out of time; ``status`` is the last one seen (None if none)."""
+
+    def __init__(self, message: str, status: CheckpointStatus | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def range_header(byte_range: ByteRange) -> str:
+    """``Range`` header for an exclusive-end ``ByteRange`` (the wire's end is inclusive)."""
+    if byte_range.start < 0 or (byte_range.end is not None and byte_range.end <= byte_range.start):
+        raise ValueError(f"cannot request {byte_range}: empty or negative")
+    if byte_range.end is None:
+        return f"bytes={byte_range.start}-"
+    return f"bytes={byte_range.start}-{byte_range.end - 1}"
+
+
+def writable_view(out: WritableBuffer) -> memoryview:
+    """A flat, writable byte view of ``out``; ``TypeError`` if it is read-only or strided."""
+    view = out.data if isinstance(out, np.ndarray) else memoryview(out)
+    if view.readonly:
+        raise TypeError("output buffer is read-only")
+    if not view.c_contiguous:
+        raise TypeError("output buffer must be C-contiguous")
+    return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+
+
+async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
+    for offset in range(0, len(view), _SEND_SLICE):
+        yield view[offset : offset + _SEND_SLICE]
+
+
+async def run_all(aws: Sequence[Awaitable[T]]) -> list[T]:
+    """Await all, in order; on the first failure cancel the rest, wait for them, and raise it."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _as_bytes_view(data: BytesLike) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise TypeError("chunk data must be C-contiguous")
+    return view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class Client:
+    """An async session with a storaged cluster. Use as ``async with Client(urls) as c``.
+
+    ``urls``: one node URL or several; the rest of the cluster is learned from the
+    first that answers. ``token``: the client bearer token, if the nodes require one.
+    ``max_concurrency`` bounds the requests in flight; ``retry`` says how failures are
+    retried; ``request_timeout`` bounds each attempt (``connect_timeout`` its
+    connection, ``read_timeout`` each wait for body bytes).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        token: str | None = None,
+        max_concurrency: int = 8,
+        retry: RetryPolicy | None = None,
+        request_timeout: float = 120.0,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        missing_batch: int = 512,
+        hash_threads: int | None = None,
+        suspect_seconds: float = 2.0,
+        verify_reads: bool = False,
+    ) -> None:
+        seeds = [urls] if isinstance(urls, str) else list(urls)
+        if not seeds:
+            raise ValueError("need at least one node URL")
+        if max_concurrency < 1 or missing_batch < 1:
+            raise ValueError("max_concurrency and missing_batch must be >= 1")
+        self._seeds = [url.rstrip("/") for url in seeds]
+        self._token = token
+        self._retry = retry or RetryPolicy()
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout, connect=connect_timeout, sock_read=read_timeout
+        )
+        self._max_concurrency = max_concurrency
+        self._missing_batch = missing_batch
+        self._hash_threads = hash_threads or max(1, os.cpu_count() or 1)
+        self._suspect_seconds = suspect_seconds
+        self._verify_reads = verify_reads
+
+        self._session: aiohttp.ClientSession | None = None
+        self._owns_session = True
+        self._request_slots = asyncio.Semaphore(max_concurrency)
+        self._hash_slots = asyncio.Semaphore(self._hash_threads)
+        self._cluster: ClusterInfo | None = None
+        #: node id (or seed URL before the membership is known) -> base URL
+        self._urls: dict[str, str] = {url: url for url in self._seeds}
+        self._inflight: dict[str, int] = {}
+        self._suspect_until: dict[str, float] = {}
+        self._rotation = itertools.count()
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._last_refresh = 0.0
+        self._rng = random.Random()
+        self.stats = ClientStats()
+
+    def __repr__(self) -> str:  # never shows the token
+        nodes = len(self._cluster.nodes) if self._cluster else "?"
+        return f"Client({self._seeds!r}, nodes={nodes})"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Client:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def open(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Open the HTTP session and learn the cluster; ``Unavailable`` if no URL answers."""
+        if self._session is None:
+            if session is not None:
+                self._session, self._owns_session = session, False
+            else:
+                # Chunk bytes are incompressible: ask for every body as it is.
+                headers = {"Accept": MSGPACK, "Accept-Encoding": "identity"}
+                if self._token is not None:
+                    headers["Authorization"] = f"Bearer {self._token}"
+                self._session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
+                    headers=headers,
+                    timeout=self._timeout,
+                    auto_decompress=False,
+                )
+        try:
+            await self.refresh_cluster()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refresh_task
+            self._refresh_task = None
+        if self._session is not None and self._owns_session:
+            await self._session.close()
+        self._session = None
+
+    @property
+    def cluster(self) -> ClusterInfo:
+        """The membership as last learned; ``RuntimeError`` before ``open``."""
+        if self._cluster is None:
+            raise RuntimeError("client is not open")
+        return self._cluster
+
+    @property
+    def max_chunk_size(self) -> int:
+        """The cluster's largest accepted chunk (savers cut streams no coarser)."""
+        return self.cluster.max_chunk_size
+
+    async def refresh_cluster(self) -> ClusterInfo:
+        """Ask ``GET /v1/cluster`` again (known live nodes first, then the seed URLs)."""
+        known = [node.id for node in self._cluster.live] if self._cluster else []
+        candidates = list(dict.fromkeys([*known, *self._seeds]))
+
+        async def handle(resp: aiohttp.ClientResponse) -> ClusterInfo:
+            return ClusterInfo.from_wire(await self._decoded(resp))
+
+        info = await self._call("GET", "/v1/cluster", handle, candidates=candidates)
+        self._cluster = info
+        self._last_refresh = time.monotonic()
+        for node in info.nodes:
+            self._urls[node.id] = node.url
+        return info
+
+    # ------------------------------------------------------------------ placement
+
+    def placement(self, chunk_id: str) -> list[str]:
+        """Live node ids in rendezvous order for ``chunk_id`` (the first holds the hot copy)."""
+        return rendezvous_order(chunk_id, [node.id for node in self.cluster.live])
+
+    def _by_load(self, nodes: Sequence[str]) -> list[str]:
+        """``nodes`` least in-flight first; ties rotate so that idle nodes share the load."""
+        if not nodes:
+            return []
+        shift = next(self._rotation) % len(nodes)
+        rotated = [*nodes[shift:], *nodes[:shift]]
+        return sorted(rotated, key=lambda node: self._inflight.get(node, 0))
+
+    def _any_nodes(self) -> list[str]:
+        live = [node.id for node in self.cluster.live]
+        rest = [node.id for node in self.cluster.nodes if not node.alive]
+        return [*self._by_load(live), *rest]
+
+    def _suspected(self, node: str, now: float) -> bool:
+        return self._suspect_until.get(node, 0.0) > now
+
+    def _suspect(self, node: str) -> None:
+        self._suspect_until[node] = time.monotonic() + self._suspect_seconds
+        self._schedule_refresh()
+
+    def _schedule_refresh(self) -> None:
+        if self._session is None or (self._refresh_task and not self._refresh_task.done()):
+            return
+        if time.monotonic() - self._last_refresh < 1.0:
+            return
+
+        async def refresh() -> None:
+            try:
+                await self.refresh_cluster()
+            except StoragedError as exc:
+                log.debug("cluster refresh failed: %s", exc)
+
+        self._refresh_task = asyncio.get_running_loop().create_task(refresh())
+
+    # ------------------------------------------------------------------ transport
+
+    def _url(self, node: str, path_query: str) -> str:
+        try:
+            return self._urls[node] + path_query
+        except KeyError:
+            raise Unavailable(message=f"no URL known for node {node!r}") from None
+
+    async def _decoded(self, resp: aiohttp.ClientResponse) -> Any:
+        raw = await resp.read()
+        try:
+            return decode_body(raw, resp.headers.get("Content-Type"))
+        except ValueError as exc:
+            raise ProtocolError(message=str(exc), status=resp.status) from exc
+
+    async def _call(
+        self,
+        method: str,
+        path_query: str,
+        handle: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        *,
+        candidates: Sequence[str] | None = None,
+        body: Callable[[], Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        next_node_on: tuple[type[StoragedError], ...] = (),
+    ) -> T:
+        """One logical request: attempts over ``candidates`` with failover and retries.
+
+        ``handle`` runs while the response is open, only for status < 400. A lost
+        connection or timeout marks the node suspect and moves on to the next
+        candidate at once (waiting only when every candidate has failed in a row);
+        502/503/504 wait (``Retry-After`` honoured) and try again; an error in
+        ``next_node_on`` moves to the next candidate and is raised once all gave it.
+        Errors raised after an attempt that may have reached the server carry
+        ``replayed = True``.
+        """
+        session = self._session
+        if session is None:
+            raise RuntimeError("client is not open")
+        now = time.monotonic()
+        given = list(candidates) if candidates is not None else self._any_nodes()
+        order = [n for n in given if not self._suspected(n, now)]
+        order += [n for n in given if self._suspected(n, now)]
+        if not order:
+            raise Unavailable(message="no node to send the request to")
+        started = now
+        attempts = 0
+        position = 0
+        lost_in_a_row = 0
+        replayed = False
+        refused_by: list[StoragedError] = []
+        while True:
+            node = order[position % len(order)]
+            attempts += 1
+            self.stats.requests += 1
+            try:
+                async with self._request_slots:
+                    self._inflight[node] = self._inflight.get(node, 0) + 1
+                    try:
+                        async with session.request(
+                            method,
+                            self._url(node, path_query),
+                            data=body() if body is not None else None,
+                            headers=headers,
+                        ) as resp:
+                            if resp.status >= 400:
+                                raise error_from_response(
+                                    resp.status,
+                                    await resp.read(),
+                                    resp.headers.get("Content-Type"),
+                                    resp.headers.get("Retry-After"),
+                                )
+                            return await handle(resp)
+                    finally:
+                        self._inflight[node] -= 1
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                error: StoragedError = ConnectionFailed(
+                    message=f"{method} {path_query} on {node}: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                self._suspect(node)
+                replayed = replayed or method != "GET"
+                lost_in_a_row += 1
+                position += 1
+                self.stats.failovers += 1
+                if lost_in_a_row < len(order) and self._may_retry(attempts, started):
+                    continue  # an untried node remains: no reason to wait
+            except StoragedError as exc:
+                error = exc
+                lost_in_a_row = 0
+                if isinstance(exc, next_node_on):
+                    refused_by.append(exc)
+                    position += 1
+                    if len(refused_by) < len(order):
+                        continue
+                    raise self._mark(exc, replayed) from None
+                if not is_retryable(exc):
+                    raise self._mark(exc, replayed) from None
+                if exc.status in (502, 504):
+                    position += 1  # a proxy failure: another entry node may fare better
+            if not self._may_retry(attempts, started):
+                if refused_by and isinstance(error, ConnectionFailed):
+                    # Some nodes answered "not here" and the others were unreachable: the
+                    # answer we got is more telling than the lost connection.
+                    raise self._mark(refused_by[-1], replayed) from None
+                raise self._mark(error, replayed)
+            self.stats.retries += 1
+            retry_after = error.retry_after if isinstance(error, StoragedError) else None
+            await asyncio.sleep(self._retry.delay(attempts, retry_after, self._rng))
+            lost_in_a_row = 0
+
+    def _may_retry(self, attempts: int, started: float) -> bool:
+        return (
+            attempts < self._retry.max_attempts
+            and time.monotonic() - started < self._retry.deadline
+        )
+
+    @staticmethod
+    def _mark(error: StoragedError, replayed: bool) -> StoragedError:
+        error.replayed = replayed
+        return error
+
+    # ------------------------------------------------------------------ chunks
+
+    async def put_chunk(self, data: BytesLike, chunk_id: str | None = None) -> str:
+        """Upload one chunk; return its id once ``replication`` nodes hold it in RAM.
+
+        ``chunk_id``, when given, must be the BLAKE3 of ``data`` (the server refuses a
+        mismatch with ``ChecksumMismatch``); otherwise it is computed in a thread.
+        """
+        return (await self.put_chunk_result(data, chunk_id)).chunk
+
+    async def put_chunk_result(self, data: BytesLike, chunk_id: str | None = None) -> PutResult:
+        """``put_chunk`` with the server's answer (replicas, state, created or not)."""
+        view = _as_bytes_view(data)
+        if chunk_id is None:
+            chunk_id = await chunk_id_of_async(view)
+        elif not is_chunk_id(chunk_id):
+            raise ValueError(f"not a chunk id: {chunk_id!r}")
+        limit = self.cluster.max_chunk_size
+        if len(view) > limit:
+            raise TooLarge(message=f"chunk of {len(view)} bytes exceeds max_chunk_size {limit}")
+        size = len(view)
+        placement = self.placement(chunk_id)
+        others = [n.id for n in self.cluster.nodes if n.id not in placement]
+
+        async def handle(resp: aiohttp.ClientResponse) -> PutResult:
+            doc = await self._decoded(resp)
+            try:
+                return PutResult(
+                    str(doc["chunk"]),
+                    int(doc["size"]),
+                    tuple(str(r) for r in doc.get("replicas", ())),
+                    str(doc.get("state", "memory")),
+                    resp.status == 201,
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(message=f"malformed PUT answer: {exc!r}") from exc
+
+        result = await self._call(
+            "PUT",
+            f"/v1/chunks/{chunk_id}",
+            handle,
+            candidates=[*placement, *others],
+            body=lambda: _slices(view),
+            headers={
+                "Content-Length": str(size),
+                "Content-Type": "application/octet-stream",
+            },
+        )
+        self.stats.chunks_uploaded += 1
+        self.stats.bytes_uploaded += size
+        return result
+
+    async def missing_chunks(self, chunk_ids: Sequence[str]) -> list[str]:
+        """The ids among ``chunk_ids`` the cluster does not hold, in request order."""
+        missing: list[str] = []
+        for lo in range(0, len(chunk_ids), self._missing_batch):
+            batch = list(chunk_ids[lo : lo + self._missing_batch])
+            payload: bytes = msgpack.packb({"chunks": batch})
+
+            def body(payload: bytes = payload) -> bytes:
+                return payload
+
+            async def handle(resp: aiohttp.ClientResponse) -> list[str]:
+                doc = await self._decoded(resp)
+                if not isinstance(doc, dict) or not isinstance(doc.get("missing"), list):
+                    raise ProtocolError(message="malformed /v1/chunks/missing answer")
+                return [str(c) for c in doc["missing"]]
+
+            missing += await self._call(
+                "POST",
+                "/v1/chunks/missing",
+                handle,
+                body=body,
+                headers={"Content-Type": MSGPACK},
+            )
+        return missing
+
+    async def chunk_ids(self, chunks: Sequence[BytesLike]) -> list[str]:
+        """BLAKE3 ids of ``chunks``, hashed in threads (at most ``hash_threads`` at a time)."""
+
+        async def one(data: BytesLike) -> str:
+            async with self._hash_slots:
+                return await chunk_id_of_async(data)
+
+        return await run_all([one(c) for c in chunks])
+
+    async def put_chunks(
+        self, chunks: Sequence[BytesLike], chunk_ids: Sequence[str] | None = None
+    ) -> list[str]:
+        """Upload the chunks the cluster does not hold yet; return every chunk's id, in order.
+
+        Works in batches: hash (threads), ask ``POST /v1/chunks/missing``, PUT what is
+        missing, each chunk once even if it occurs several times; the batches overlap so
+        that hashing the next one runs while this one uploads. Returns once every chunk
+        is acknowledged (or held already); raises the first failure otherwise.
+        """
+        if chunk_ids is not None and len(chunk_ids) != len(chunks):
+            raise ValueError("chunk_ids must match chunks one to one")
+        ids: list[str] = [""] * len(chunks)
+        uploads: dict[str, asyncio.Future[None]] = {}
+
+        async def batch(lo: int, hi: int) -> None:
+            if chunk_ids is None:
+                ids[lo:hi] = await self.chunk_ids(chunks[lo:hi])
+            else:
+                ids[lo:hi] = chunk_ids[lo:hi]
+            first: dict[str, int] = {}
+            for index in range(lo, hi):
+                first.setdefault(ids[index], index)
+            missing = set(await self.missing_chunks(list(first)))
+            waits: list[Awaitable[None]] = []
+            for chunk, index in first.items():
+                if chunk not in missing:
+                    self.stats.chunks_skipped += 1
+                    self.stats.bytes_skipped += _as_bytes_view(chunks[index]).nbytes
+                    continue
+                if chunk not in uploads:  # another batch may be uploading it already
+                    uploads[chunk] = asyncio.ensure_future(self._put_quiet(chunks[index], chunk))
+                waits.append(uploads[chunk])
+            await run_all(waits)
+
+        step = self._missing_batch
+        try:
+            await run_all(
+                [batch(lo, min(lo + step, len(chunks))) for lo in range(0, len(chunks), step)]
+            )
+        finally:
+            for future in uploads.values():
+                future.cancel()
+            await asyncio.gather(*uploads.values(), return_exceptions=True)
+        return ids
+
+    async def _put_quiet(self, data: BytesLike, chunk_id: str) -> None:
+        await self.put_chunk_result(data, chunk_id)
+
+    async def head_chunk(self, chunk_id: str) -> ChunkInfo:
+        """Size, tier and state of a chunk; ``ChunkNotFound`` when the cluster does not hold it."""
+        self._check_chunk_id(chunk_id)
+
+        async def handle(resp: aiohttp.ClientResponse) -> ChunkInfo:
+            length = resp.headers.get("Content-Length")
+            if length is None:
+                raise ProtocolError(message="HEAD answer without Content-Length")
+            return ChunkInfo(
+                chunk_id,
+                int(length),
+                resp.headers.get("X-Storaged-Tier"),
+                resp.headers.get("X-Storaged-State"),
+            )
+
+        try:
+            return await self._call(
+                "HEAD",
+                f"/v1/chunks/{chunk_id}",
+                handle,
+                candidates=self._read_candidates(chunk_id, None),
+                next_node_on=(NotFound,),
+            )
+        except NotFound as exc:  # HEAD has no body: the status is all we get
+            raise ChunkNotFound(message=f"chunk {chunk_id} not found", status=exc.status) from None
+
+    def _read_candidates(self, chunk_id: str, holders: Sequence[Holder | str] | None) -> list[str]:
+        """Holders (least loaded among the hot ones first), then the rest in placement order."""
+        ordered: list[str] = []
+        if holders:
+            hot: list[str] = []
+            cold: list[str] = []
+            for holder in holders:
+                if isinstance(holder, Holder):
+                    self._urls.setdefault(holder.node, holder.url.rstrip("/"))
+                    (cold if holder.tier == "cold" else hot).append(holder.node)
+                else:
+                    hot.append(holder)
+            ordered = [*self._by_load(list(dict.fromkeys(hot))), *self._by_load(cold)]
+        placement = self.placement(chunk_id)
+        first = self._by_load(placement[: self.cluster.replication]) if not holders else []
+        rest = [n.id for n in self.cluster.nodes]
+        return list(dict.fromkeys([*ordered, *first, *placement, *rest]))
+
+    async def get_chunk(
+        self,
+        chunk_id: str,
+        out: WritableBuffer | None = None,
+        byte_range: ByteRange | None = None,
+        *,
+        holders: Sequence[Holder | str] | None = None,
+    ) -> memoryview:
+        """Read a chunk (or ``byte_range`` of it, exclusive end) and return a view of the bytes.
+
+        With ``out`` the bytes are written into its start and the returned view is that
+        part of ``out``; ``out`` must be large enough (``ValueError`` otherwise, before
+        any request when the size is known). Without it a buffer is allocated.
+        ``holders`` (from ``plan``) are tried first, least loaded first; then other
+        nodes. Raises ``ChunkNotFound`` when no node has it, ``BadRange`` for a range
+        outside the chunk.
+        """
+        self._check_chunk_id(chunk_id)
+        target = writable_view(out) if out is not None else None
+        want: int | None = None
+        headers: dict[str, str] = {"Accept-Encoding": "identity"}
+        if byte_range is not None and (byte_range.start != 0 or byte_range.end is not None):
+            if byte_range.end is not None:
+                want = byte_range.end - byte_range.start
+                if want < 0 or byte_range.start < 0:
+                    raise BadRange(message=f"invalid range {byte_range}")
+                if want == 0:  # HTTP cannot ask for nothing
+                    return (target if target is not None else memoryview(bytearray()))[:0]
+            headers["Range"] = range_header(byte_range)
+        if target is not None and want is not None and len(target) < want:
+            raise ValueError(f"output buffer of {len(target)} bytes < {want} requested")
+        ranged = "Range" in headers
+        skip = byte_range.start if byte_range is not None else 0
+
+        async def handle(resp: aiohttp.ClientResponse) -> memoryview:
+            # A server that ignores Range answers 200 with the whole chunk: skip to the range.
+            to_skip = skip if (ranged and resp.status == 200) else 0
+            length = resp.content_length
+            expected = (
+                want if want is not None else (length - to_skip if length is not None else None)
+            )
+            view = await self._read_body(resp, target, expected, to_skip)
+            if self._verify_reads and not ranged and chunk_id_of(view) != chunk_id:
+                raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
+            return view
+
+        view = await self._call(
+            "GET",
+            f"/v1/chunks/{chunk_id}",
+            handle,
+            candidates=self._read_candidates(chunk_id, holders),
+            headers=headers,
+            next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
+        )
+        self.stats.chunks_downloaded += 1
+        self.stats.bytes_downloaded += len(view)
+        return view
+
+    @staticmethod
+    async def _read_body(
+        resp: aiohttp.ClientResponse, out: memoryview | None, expected: int | None, skip: int
+    ) -> memoryview:
+        """Stream the body into ``out`` (or a new buffer), dropping its first ``skip`` bytes."""
+        if out is None:
+            if expected is None:
+                # No length announced (chunked encoding): the one place we join pieces.
+                raw = await resp.read()
+                return memoryview(raw)[skip:]
+            out = memoryview(bytearray(expected))
+        limit = len(out) if expected is None else expected
+        if expected is not None and len(out) < expected:
+            raise ValueError(f"output buffer of {len(out)} bytes < {expected} to read")
+        pos = 0
+        stream = resp.content
+        while True:
+            piece = await stream.readany()
+            if not piece:
+                break
+            if skip:
+                dropped = min(skip, len(piece))
+                skip -= dropped
+                piece = piece[dropped:]
+                if not piece:
+                    continue
+            end = pos + len(piece)
+            if end > limit:
+                raise ProtocolError(message=f"response longer than the {limit} bytes expected")
+            out[pos:end] = piece
+            pos = end
+        if expected is not None and pos != expected:
+            raise ProtocolError(message=f"response of {pos} bytes, expected {expected}")
+        return out[:pos]
+
+    @staticmethod
+    def _check_chunk_id(chunk_id: str) -> None:
+        if not is_chunk_id(chunk_id):
+            raise ValueError(f"not a chunk id: {chunk_id!r}")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @staticmethod
+    def _checkpoint_path(name: str) -> str:
+        if not is_checkpoint_name(name):
+            raise BadName(message=f"invalid checkpoint name {name!r}")
+        return f"/v1/checkpoints/{name}"
+
+    async def commit(self, name: str, manifest: Mapping[str, Any]) -> CommitResult:
+        """Commit ``manifest`` under ``name``: the checkpoint becomes visible, immutably.
+
+        Raises ``MissingChunks`` (its ``missing`` lists them), ``Exists`` for a different
+        manifest under that name, ``BadManifest``. Committing the identical manifest
+        again succeeds with ``created=False``.
+        """
+        path = self._checkpoint_path(name)
+        payload = msgpack.packb(manifest)
+
+        async def handle(resp: aiohttp.ClientResponse) -> CommitResult:
+            doc = await self._decoded(resp)
+            try:
+                chunks = doc["chunks"]
+                return CommitResult(
+                    str(doc.get("name", name)),
+                    len(chunks) if isinstance(chunks, list) else int(chunks),
+                    int(doc["bytes"]),
+                    resp.status == 201,
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(message=f"malformed commit answer: {exc!r}") from exc
+
+        return await self._call(
+            "PUT", path, handle, body=lambda: payload, headers={"Content-Type": MSGPACK}
+        )
+
+    async def get_manifest(self, name: str) -> dict[str, Any]:
+        """The manifest as committed; ``CheckpointNotFound`` if there is none."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+            doc = await self._decoded(resp)
+            if not isinstance(doc, dict):
+                raise ProtocolError(message="manifest is not a map")
+            return doc
+
+        return await self._checkpoint_call("GET", name, "", handle)
+
+    async def status(self, name: str) -> CheckpointStatus:
+        """Durability of a checkpoint (see ``CheckpointStatus``)."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> CheckpointStatus:
+            doc = await self._decoded(resp)
+            try:
+                return CheckpointStatus(
+                    str(doc["state"]),
+                    int(doc["chunks"]),
+                    int(doc["memory"]),
+                    int(doc["nvme"]),
+                    int(doc["cold"]),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(message=f"malformed status: {exc!r}") from exc
+
+        return await self._checkpoint_call("GET", name, "?status", handle)
+
+    async def plan(self, name: str) -> RestorePlanDoc:
+        """Who can serve each chunk of a checkpoint, fastest tier first."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> RestorePlanDoc:
+            doc = await self._decoded(resp)
+            try:
+                return {
+                    str(chunk): [
+                        Holder(str(h["node"]), str(h["url"]), str(h["tier"])) for h in holders
+                    ]
+                    for chunk, holders in doc["chunks"].items()
+                }
+            except (KeyError, TypeError, AttributeError) as exc:
+                raise ProtocolError(message=f"malformed plan: {exc!r}") from exc
+
+        plan = await self._checkpoint_call("GET", name, "?plan", handle)
+        for holders in plan.values():
+            for holder in holders:
+                self._urls.setdefault(holder.node, holder.url.rstrip("/"))
+        return plan
+
+    async def delete(self, name: str) -> None:
+        """Delete a checkpoint (its chunks are freed once no other checkpoint names them).
+
+        ``CheckpointNotFound`` if there is none; not raised when an earlier attempt of
+        this same call may have deleted it before its answer was lost.
+        """
+
+        async def handle(resp: aiohttp.ClientResponse) -> None:
+            await resp.read()
+
+        try:
+            await self._checkpoint_call("DELETE", name, "", handle)
+        except CheckpointNotFound as exc:
+            if not exc.replayed:
+                raise
+
+    async def wait(
+        self,
+        name: str,
+        state: str = "memory",
+        # The issue's signature; asyncio.timeout around it would lose the last status.
+        timeout: float = 60.0,  # noqa: ASYNC109
+    ) -> CheckpointStatus:
+        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s."""
+        state_rank(state)
+        deadline = time.monotonic() + timeout
+        pause = 0.05
+        last: CheckpointStatus | None = None
+        while True:
+            last = await self.status(name)
+            if last.reached(state):
+                return last
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(
+                    f"checkpoint {name} is {last.state} after {timeout}s, waiting for {state}",
+                    last,
+                )
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 1.0)
+
+    async def _checkpoint_call(
+        self,
+        method: str,
+        name: str,
+        query: str,
+        handle: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+    ) -> T:
+        return await self._call(method, self._checkpoint_path(name) + query, handle)
+
+    async def list(self, prefix: str = "") -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints whose names start with ``prefix``, sorted by name."""
+        query = f"?prefix={quote(prefix, safe='/')}" if prefix else ""
+
+        async def handle(resp: aiohttp.ClientResponse) -> builtins.list[CheckpointInfo]:
+            doc = await self._decoded(resp)
+            try:
+                return [
+                    CheckpointInfo(
+                        str(c["name"]), float(c["created"]), int(c["bytes"]), str(c["state"])
+                    )
+                    for c in doc["checkpoints"]
+                ]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(message=f"malformed checkpoint list: {exc!r}") from exc
+
+        return await self._call("GET", f"/v1/checkpoints{query}", handle)

@@ -1,0 +1,300 @@
+"""Typed errors of the storaged client.
+
+Every error the service returns becomes a ``StoragedError`` carrying the API's stable
+error code (``code``), its human message, the HTTP status and the decoded error body.
+``error_from_response`` is the one place where a response becomes an exception.
+Failures that never reached a server (refused connection, timeout, a request the
+client refuses to send) carry ``status=None`` and a client-side code.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+
+
+class StoragedError(Exception):
+    """An error from the storaged API (or from the client on its way there).
+
+    ``code`` is the stable string of API.md (e.g. ``"chunk_not_found"``);
+    ``status`` the HTTP status, ``None`` when no response was received;
+    ``body`` the decoded error document (empty when there was none).
+    """
+
+    #: Code used when a response carries none (also the class's canonical code).
+    default_code = "error"
+
+    def __init__(
+        self,
+        code: str | None = None,
+        message: str = "",
+        status: int | None = None,
+        body: Mapping[str, Any] | None = None,
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        self.code = code or self.default_code
+        self.message = message or self.code
+        self.status = status
+        self.body: Mapping[str, Any] = body if body is not None else {}
+        #: Seconds the server asked us to wait before retrying (503 ``Retry-After``).
+        self.retry_after = retry_after
+        #: True when an earlier attempt of the same call may have reached the server
+        #: before its answer was lost (so e.g. a 404 on DELETE may be our own doing).
+        self.replayed = False
+        super().__init__(self.code, self.message)
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status} " if self.status is not None else ""
+        return f"{where}{self.code}: {self.message}"
+
+
+class BadRequest(StoragedError):
+    """A 400: the request was refused and nothing changed."""
+
+    default_code = "bad_request"
+
+
+class BadChunkId(BadRequest):
+    default_code = "bad_chunk_id"
+
+
+class ChecksumMismatch(BadRequest):
+    """The bytes do not hash to the chunk id (on upload, or on a verified read)."""
+
+    default_code = "checksum_mismatch"
+
+
+class Truncated(BadRequest):
+    default_code = "truncated"
+
+
+class BadName(BadRequest):
+    default_code = "bad_name"
+
+
+class BadManifest(BadRequest):
+    default_code = "bad_manifest"
+
+
+class BadRange(BadRequest):
+    default_code = "bad_range"
+
+
+class TooLarge(BadRequest):
+    default_code = "too_large"
+
+
+class LengthRequired(BadRequest):
+    default_code = "length_required"
+
+
+class Unauthorized(StoragedError):
+    default_code = "unauthorized"
+
+
+class Forbidden(StoragedError):
+    default_code = "forbidden"
+
+
+class NotFound(StoragedError, KeyError):
+    """Something named does not exist (also a ``KeyError``)."""
+
+    default_code = "not_found"
+
+    def __str__(self) -> str:  # KeyError would quote the args
+        return StoragedError.__str__(self)
+
+
+class ChunkNotFound(NotFound):
+    default_code = "chunk_not_found"
+
+
+class CheckpointNotFound(NotFound):
+    default_code = "checkpoint_not_found"
+
+
+class Conflict(StoragedError):
+    """A 409: the request contradicts what the cluster holds; nothing changed."""
+
+    default_code = "conflict"
+
+
+class MissingChunks(Conflict):
+    """A commit named chunks the cluster does not hold; ``missing`` lists them."""
+
+    default_code = "missing_chunks"
+
+    def __init__(
+        self,
+        code: str | None = None,
+        message: str = "",
+        status: int | None = None,
+        body: Mapping[str, Any] | None = None,
+        *,
+        retry_after: float | None = None,
+        missing: Sequence[str] | None = None,
+    ) -> None:
+        if missing is not None:
+            body = {**(body or {}), "missing": list(missing)}
+        super().__init__(code, message, status, body, retry_after=retry_after)
+        value = self.body.get("missing", [])
+        #: Ids of the chunks the cluster does not hold, as the server listed them.
+        self.missing: list[str] = [str(v) for v in value] if isinstance(value, list) else []
+
+
+class Exists(Conflict):
+    """A different manifest is already committed under this name (checkpoints are immutable)."""
+
+    default_code = "exists"
+
+
+class Unavailable(StoragedError):
+    """The cluster cannot serve now (a 503, or no node reachable). Retried before raised."""
+
+    default_code = "unavailable"
+
+
+class InsufficientReplicas(Unavailable):
+    default_code = "insufficient_replicas"
+
+
+class MemoryFull(Unavailable):
+    default_code = "memory_full"
+
+
+class ConnectionFailed(Unavailable):
+    """No response: connection refused or reset, or the request timed out."""
+
+    default_code = "connection_failed"
+
+
+class ProtocolError(StoragedError):
+    """A response the client cannot make sense of (wrong length, undecodable body)."""
+
+    default_code = "bad_response"
+
+
+class ServerError(StoragedError):
+    default_code = "server_error"
+
+
+_BY_CODE: dict[str, type[StoragedError]] = {
+    cls.default_code: cls
+    for cls in (
+        BadRequest,
+        BadChunkId,
+        ChecksumMismatch,
+        Truncated,
+        BadName,
+        BadManifest,
+        BadRange,
+        TooLarge,
+        LengthRequired,
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        ChunkNotFound,
+        CheckpointNotFound,
+        MissingChunks,
+        Exists,
+        Unavailable,
+        InsufficientReplicas,
+        MemoryFull,
+    )
+}
+
+# When the body names no code we know, the status decides the class.
+_BY_STATUS: dict[int, type[StoragedError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    411: LengthRequired,
+    413: TooLarge,
+    416: BadRange,
+    502: Unavailable,
+    503: Unavailable,
+    504: Unavailable,
+}
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date), or None."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if seconds != seconds:  # NaN
+        return None
+    return max(0.0, seconds)
+
+
+def decode_body(raw: bytes, content_type: str | None) -> Any:
+    """Decode a msgpack or JSON body; raise ``ValueError`` when it is neither."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype == "application/json":
+        return json.loads(raw)
+    try:
+        return msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        if ctype in ("", "application/msgpack", "application/x-msgpack"):
+            try:
+                return json.loads(raw)
+            except ValueError:
+                pass
+        raise ValueError(f"undecodable {ctype or 'untyped'} body: {exc}") from exc
+
+
+def error_from_response(
+    status: int,
+    raw: bytes,
+    content_type: str | None = None,
+    retry_after: str | None = None,
+) -> StoragedError:
+    """The typed exception for an error response (``status`` >= 400).
+
+    The class follows the body's ``error`` code when known, else the status; an
+    undecodable body still gives an error of the status's class, with the raw text
+    (truncated) as the message.
+    """
+    body: Mapping[str, Any] = {}
+    message = ""
+    code: str | None = None
+    try:
+        decoded = decode_body(raw, content_type) if raw else {}
+    except ValueError:
+        decoded = None
+        message = raw[:200].decode("utf-8", "replace")
+    if isinstance(decoded, dict):
+        body = decoded
+        if isinstance(decoded.get("error"), str):
+            code = decoded["error"]
+        if isinstance(decoded.get("message"), str):
+            message = decoded["message"]
+    cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status)
+    if cls is None:
+        cls = ServerError if status >= 500 else StoragedError
+    if code is None:
+        code = cls.default_code if cls is not StoragedError else f"http_{status}"
+    return cls(code, message, status, body, retry_after=parse_retry_after(retry_after))
+
+
+def is_retryable(error: BaseException) -> bool:
+    """True for failures worth retrying after a pause: 502/503/504 and lost connections."""
+    if isinstance(error, ConnectionFailed):
+        return True
+    return isinstance(error, StoragedError) and error.status in (502, 503, 504)

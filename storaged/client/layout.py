@@ -1,0 +1,852 @@
+"""The geometry and byte layout of sharded checkpoints. Pure: no I/O, no event loop.
+
+Terms used throughout:
+
+- A *box* is a region of a global array: ``offsets`` and ``shape`` (one entry per
+  dimension). A rank saves, for every array, the box it holds.
+- A rank's *stream* is its bytes, one item after another; an item lies at
+  ``[start, start + length)`` of it, in row-major (C) order of its box. The stream
+  is cut into *chunks* (content addressed, ``[id, size]`` in the manifest).
+- Non-array values are items of dtype ``"msgpack"`` with ``global_shape``,
+  ``offsets`` and ``shape`` all ``[]`` and their msgpack encoding as bytes.
+
+``pack_stream`` places items in a stream so that unchanged large arrays dedup
+from one checkpoint to the next; ``Manifest`` parses and checks the API.md
+manifest; ``plan_restore`` turns requested boxes into chunk byte-range fetches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import numpy as np
+
+from storaged.ids import is_chunk_id
+
+FORMAT: Final = 1
+#: dtype of an item holding one msgpack-encoded non-array value.
+MSGPACK_DTYPE: Final = "msgpack"
+DEFAULT_CHUNK_SIZE: Final = 8 << 20
+#: Gaps up to this size between wanted byte runs of one chunk are fetched rather than
+#: split into another request: on loopback a request costs about this much transfer.
+DEFAULT_COALESCE_GAP: Final = 256 << 10
+#: A box that is not one contiguous run in both saved and requested layout goes
+#: through a staging buffer of at most this many bytes per tile.
+DEFAULT_MAX_TILE: Final = 32 << 20
+
+Shape = tuple[int, ...]
+
+
+class LayoutError(ValueError):
+    """A checkpoint and a request (or a manifest on its own) do not fit together."""
+
+
+class KeyNotSaved(LayoutError, KeyError):
+    """The checkpoint has no item under the requested key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "key not saved"
+
+
+class ShapeMismatch(LayoutError):
+    """The requested global shape (or box) differs from what was saved."""
+
+
+class DtypeMismatch(LayoutError):
+    """The destination's dtype differs from the saved one."""
+
+
+class RegionNotCovered(LayoutError):
+    """Part of a requested box was saved by no rank."""
+
+
+class InvalidManifest(LayoutError):
+    """A manifest breaks the schema of API.md (caught before the server sees it)."""
+
+
+# --------------------------------------------------------------------------- boxes
+
+
+def _volume(shape: Iterable[int]) -> int:
+    return math.prod(shape)
+
+
+def row_major_strides(shape: Shape) -> Shape:
+    """Element strides of a C-ordered array of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return tuple(strides)
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """``offsets`` and ``shape`` of a region of a global array (0-d boxes have one element)."""
+
+    offsets: Shape
+    shape: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.shape):
+            raise ValueError(f"offsets {self.offsets} and shape {self.shape} differ in rank")
+        if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.shape):
+            raise ValueError(f"negative offsets or shape in {self}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return _volume(self.shape)
+
+    @property
+    def stop(self) -> Shape:
+        return tuple(o + s for o, s in zip(self.offsets, self.shape, strict=True))
+
+    def within(self, global_shape: Shape) -> bool:
+        return len(global_shape) == self.ndim and all(
+            e <= g for e, g in zip(self.stop, global_shape, strict=True)
+        )
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region, or None when it has no element."""
+        if other.ndim != self.ndim:
+            raise ValueError(f"boxes of rank {self.ndim} and {other.ndim}")
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
+        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+            return None
+        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (which must contain it)."""
+        rel = tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True))
+        if any(r < 0 for r in rel) or any(
+            r + s > o for r, s, o in zip(rel, self.shape, outer.shape, strict=True)
+        ):
+            raise ValueError(f"{self} is not inside {outer}")
+        return Box(rel, self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.shape, strict=True))
+
+
+def run_dim(outer: Shape, inner: Shape) -> int:
+    """The dimension along which ``inner``'s contiguous runs in ``outer`` are cut.
+
+    Every dimension after it is whole in ``inner``; so each run spans ``inner`` along
+    it and everything after, and runs repeat over the dimensions before it.
+    """
+    for d in range(len(outer) - 1, -1, -1):
+        if inner[d] != outer[d]:
+            return d
+    return 0
+
+
+def run_starts(outer: Shape, rel_offsets: Shape, inner: Shape, k: int) -> np.ndarray[Any, Any]:
+    """Element offsets (row-major in ``outer``) of the runs of ``inner`` cut at dimension ``k``.
+
+    ``inner`` lies at ``rel_offsets`` in ``outer``; runs come in row-major order.
+    """
+    strides = row_major_strides(outer)
+    base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
+    starts = np.array([base], dtype=np.int64)
+    for d in range(k):
+        steps = np.arange(inner[d], dtype=np.int64) * strides[d]
+        starts = (starts[:, None] + steps[None, :]).ravel()
+    return starts
+
+
+def _promote(box: Box) -> Box:
+    """0-d boxes behave as 1-d boxes of one element in the run arithmetic."""
+    return Box((0,), (1,)) if box.ndim == 0 else box
+
+
+# --------------------------------------------------------------------------- streams
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLayout:
+    """Where each item lies in a rank's stream, and where the stream is cut into chunks."""
+
+    #: Start of each item, in the order the items were given.
+    starts: tuple[int, ...]
+    #: ``(offset, size)`` of each chunk, in stream order; they tile ``[0, size)``.
+    chunks: tuple[tuple[int, int], ...]
+    size: int
+
+
+def pack_stream(lengths: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) -> StreamLayout:
+    """Lay out items of ``lengths`` bytes in one stream and cut it into chunks.
+
+    Items shorter than ``chunk_size`` come first, packed back to back in the order
+    given, cut every ``chunk_size`` bytes. Each larger item follows on a chunk
+    boundary of its own and ends its last chunk, so its chunks depend on its bytes
+    alone: an array that did not change dedups against the previous checkpoint
+    wherever it sits in the state dict. Chunks are never empty and never exceed
+    ``chunk_size``.
+    """
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be >= 1")
+    if any(n < 0 for n in lengths):
+        raise ValueError("negative item length")
+    starts = [0] * len(lengths)
+    chunks: list[tuple[int, int]] = []
+
+    def cut(begin: int, end: int) -> None:
+        for offset in range(begin, end, chunk_size):
+            chunks.append((offset, min(chunk_size, end - offset)))
+
+    pos = 0
+    for index, n in enumerate(lengths):
+        if n < chunk_size:
+            starts[index] = pos
+            pos += n
+    cut(0, pos)
+    for index, n in enumerate(lengths):
+        if n >= chunk_size:
+            starts[index] = pos
+            cut(pos, pos + n)
+            pos += n
+    return StreamLayout(tuple(starts), tuple(chunks), pos)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def _int_list(value: Any, what: str) -> Shape:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise InvalidManifest(f"{what} must be a list of non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+def _nonneg_int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidManifest(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dtype[Any] | None:
+    """The numpy dtype a saved dtype name stands for, None for ``"msgpack"``.
+
+    ``dtype_map`` overrides or extends numpy's names (e.g. ``{"bfloat16": np.uint16}``
+    for bytes a framework saved in a dtype numpy lacks). ``DtypeMismatch`` if unknown.
+    """
+    if name == MSGPACK_DTYPE:
+        return None
+    if dtype_map is not None and name in dtype_map:
+        mapped: np.dtype[Any] = np.dtype(dtype_map[name])
+        return mapped
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise DtypeMismatch(f"unknown dtype {name!r}: pass a dtype_map entry for it") from None
+    if dtype.name != name or dtype.kind not in "biufc":
+        raise DtypeMismatch(f"{name!r} is not a numpy numeric dtype name")
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One item of a rank's stream (API.md ``items`` entry)."""
+
+    key: str
+    dtype: str
+    global_shape: Shape
+    offsets: Shape
+    shape: Shape
+    start: int
+    length: int
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "offsets": list(self.offsets),
+            "shape": list(self.shape),
+            "start": self.start,
+            "length": self.length,
+        }
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> Item:
+        if not isinstance(doc, Mapping):
+            raise InvalidManifest(f"item must be a map, got {type(doc).__name__}")
+        key, dtype = doc.get("key"), doc.get("dtype")
+        if not isinstance(key, str) or not key:
+            raise InvalidManifest(f"item key must be a non-empty string, got {key!r}")
+        if not isinstance(dtype, str) or not dtype:
+            raise InvalidManifest(f"{key}: dtype must be a non-empty string")
+        global_shape = _int_list(doc.get("global_shape"), f"{key}: global_shape")
+        offsets = _int_list(doc.get("offsets"), f"{key}: offsets")
+        shape = _int_list(doc.get("shape"), f"{key}: shape")
+        item = cls(
+            key,
+            dtype,
+            global_shape,
+            offsets,
+            shape,
+            _nonneg_int(doc.get("start"), f"{key}: start"),
+            _nonneg_int(doc.get("length"), f"{key}: length"),
+        )
+        item.check()
+        return item
+
+    def check(self) -> None:
+        """Internal consistency of one item; ``InvalidManifest`` when broken."""
+        if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
+            raise InvalidManifest(f"{self.key}: global_shape, offsets and shape differ in rank")
+        if not self.box.within(self.global_shape):
+            raise InvalidManifest(
+                f"{self.key}: box {list(self.offsets)}+{list(self.shape)} "
+                f"outside global shape {list(self.global_shape)}"
+            )
+        if self.dtype == MSGPACK_DTYPE:
+            if self.global_shape:
+                raise InvalidManifest(f"{self.key}: a msgpack item has shape []")
+            return
+        try:
+            dtype = numpy_dtype(self.dtype)
+        except DtypeMismatch:
+            return  # a dtype numpy lacks (e.g. bfloat16): the length cannot be checked here
+        assert dtype is not None
+        if self.length != self.box.size * dtype.itemsize:
+            raise InvalidManifest(
+                f"{self.key}: length {self.length} != {self.box.size} elements of {self.dtype}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardEntry:
+    """One rank's part of a manifest: its stream's chunks and the items in it."""
+
+    rank: int
+    chunks: tuple[tuple[str, int], ...]
+    items: tuple[Item, ...]
+
+    @property
+    def stream_size(self) -> int:
+        return sum(size for _, size in self.chunks)
+
+    def chunk_offsets(self) -> list[int]:
+        """Start of each chunk in the stream, plus the stream size at the end."""
+        offsets = [0]
+        for _, size in self.chunks:
+            offsets.append(offsets[-1] + size)
+        return offsets
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "chunks": [[chunk, size] for chunk, size in self.chunks],
+            "items": [item.to_wire() for item in self.items],
+        }
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> ShardEntry:
+        if not isinstance(doc, Mapping):
+            raise InvalidManifest("shard must be a map")
+        rank = _nonneg_int(doc.get("rank"), "rank")
+        raw_chunks = doc.get("chunks")
+        raw_items = doc.get("items")
+        if not isinstance(raw_chunks, list | tuple) or not isinstance(raw_items, list | tuple):
+            raise InvalidManifest(f"rank {rank}: chunks and items must be lists")
+        chunks: list[tuple[str, int]] = []
+        for entry in raw_chunks:
+            if not isinstance(entry, list | tuple) or len(entry) != 2 or not is_chunk_id(entry[0]):
+                raise InvalidManifest(f"rank {rank}: chunk entry {entry!r} is not [id, size]")
+            chunks.append((entry[0], _nonneg_int(entry[1], f"rank {rank}: chunk size")))
+        shard = cls(rank, tuple(chunks), tuple(Item.from_wire(i) for i in raw_items))
+        size = shard.stream_size
+        for item in shard.items:
+            if item.end > size:
+                raise InvalidManifest(
+                    f"rank {rank}: {item.key} at [{item.start}, {item.end}) "
+                    f"outside its stream of {size} bytes"
+                )
+        return shard
+
+
+def _check_keys(shards: Sequence[ShardEntry]) -> None:
+    """Per key: one dtype, one global shape, and no two boxes sharing an element."""
+    by_key: dict[str, list[tuple[int, Item]]] = {}
+    for shard in shards:
+        for item in shard.items:
+            by_key.setdefault(item.key, []).append((shard.rank, item))
+    for key, entries in by_key.items():
+        _, first = entries[0]
+        for rank, item in entries[1:]:
+            if item.dtype != first.dtype or item.global_shape != first.global_shape:
+                raise InvalidManifest(
+                    f"{key}: rank {rank} saved {item.dtype}{list(item.global_shape)}, "
+                    f"another rank {first.dtype}{list(first.global_shape)}"
+                )
+        boxes = sorted(
+            ((_promote(item.box), rank) for rank, item in entries if item.box.size > 0),
+            key=lambda entry: entry[0].offsets,
+        )
+        # Sweep along dimension 0: only boxes still open there can overlap the next one.
+        open_boxes: list[tuple[Box, int]] = []
+        for box, rank in boxes:
+            open_boxes = [(b, r) for b, r in open_boxes if b.stop[0] > box.offsets[0]]
+            for other, other_rank in open_boxes:
+                if other.intersect(box) is not None:
+                    raise InvalidManifest(f"{key}: boxes of ranks {other_rank} and {rank} overlap")
+            open_boxes.append((box, rank))
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A checkpoint's manifest (API.md), parsed and checked."""
+
+    created: float
+    meta: Mapping[str, Any]
+    shards: tuple[ShardEntry, ...]
+    format: int = FORMAT
+    _index: dict[str, list[tuple[int, Item]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        for position, shard in enumerate(self.shards):
+            for item in shard.items:
+                self._index.setdefault(item.key, []).append((position, item))
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+    def items_of(self, key: str) -> list[tuple[int, Item]]:
+        """``(shard position, item)`` for every saved piece of ``key``; ``KeyNotSaved`` if none."""
+        try:
+            return self._index[key]
+        except KeyError:
+            raise KeyNotSaved(f"the checkpoint has no item {key!r}") from None
+
+    @property
+    def chunk_ids(self) -> list[str]:
+        """Distinct chunk ids, in first-use order."""
+        return list(dict.fromkeys(c for shard in self.shards for c, _ in shard.chunks))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "created": self.created,
+            "meta": dict(self.meta),
+            "shards": [shard.to_wire() for shard in self.shards],
+        }
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> Manifest:
+        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong."""
+        if not isinstance(doc, Mapping):
+            raise InvalidManifest("manifest must be a map")
+        if doc.get("format") != FORMAT:
+            raise InvalidManifest(f"unsupported manifest format {doc.get('format')!r}")
+        created = doc.get("created")
+        if not isinstance(created, int | float) or isinstance(created, bool):
+            raise InvalidManifest("created must be a number")
+        meta = doc.get("meta", {})
+        if not isinstance(meta, Mapping):
+            raise InvalidManifest("meta must be a map")
+        raw_shards = doc.get("shards")
+        if not isinstance(raw_shards, list | tuple):
+            raise InvalidManifest("shards must be a list")
+        shards = tuple(ShardEntry.from_wire(s) for s in raw_shards)
+        ranks = [s.rank for s in shards]
+        if len(set(ranks)) != len(ranks):
+            raise InvalidManifest(f"duplicate ranks in {ranks}")
+        _check_keys(shards)
+        return cls(float(created), meta, shards)
+
+
+def build_manifest(
+    shards: Iterable[Mapping[str, Any] | ShardEntry],
+    *,
+    created: float,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest document (API.md) for the ranks' shard entries, checked.
+
+    Shards are ordered by rank. Where several ranks saved the same box of a key (a
+    replicated array, or a non-array value every rank passed), only the lowest rank's
+    item is kept: boxes of one key must not overlap. ``InvalidManifest`` otherwise.
+    """
+    entries = [s if isinstance(s, ShardEntry) else ShardEntry.from_wire(s) for s in shards]
+    entries.sort(key=lambda s: s.rank)
+    seen: set[tuple[str, Shape, Shape]] = set()
+    kept: list[ShardEntry] = []
+    for shard in entries:
+        items = []
+        for item in shard.items:
+            box_key = (item.key, item.offsets, item.shape)
+            if box_key in seen and item.box.size > 0:
+                continue
+            seen.add(box_key)
+            items.append(item)
+        kept.append(ShardEntry(shard.rank, shard.chunks, tuple(items)))
+    doc = Manifest(float(created), dict(meta or {}), tuple(kept)).to_wire()
+    Manifest.from_wire(doc)  # the same checks as a manifest read back
+    return doc
+
+
+# --------------------------------------------------------------------------- restore planning
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One destination: the box of key ``key`` that an array (or a value) should receive."""
+
+    key: str
+    global_shape: Shape
+    box: Box
+    #: Expected element type; None asks for a msgpack value.
+    dtype: np.dtype[Any] | None
+    #: True when the destination's memory is one C-ordered block (direct writes allowed).
+    contiguous: bool = True
+
+
+BufferKind = Literal["target", "staging", "value"]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Bytes ``[src, src + length)`` of a fetch go to ``offset`` of buffer ``(kind, index)``."""
+
+    src: int
+    length: int
+    kind: BufferKind
+    index: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch:
+    """One ranged GET: bytes ``[start, end)`` of chunk ``chunk``, scattered into ``parts``."""
+
+    chunk: str
+    start: int
+    end: int
+    parts: tuple[Part, ...]
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def direct(self) -> bool:
+        """True when the bytes land in one buffer as fetched (no bounce buffer needed)."""
+        return (
+            len(self.parts) == 1
+            and self.parts[0].src == 0
+            and self.parts[0].length == (self.end - self.start)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StagedCopy:
+    """A tile fetched into a staging buffer, then copied into its target array.
+
+    The staging buffer holds the saved box's bytes from the tile's first element
+    to its last; the tile is the strided view ``shape`` / ``strides`` (bytes) at
+    offset 0 of it, and goes to ``dest`` (in the target's own coordinates).
+    """
+
+    target: int
+    size: int
+    shape: Shape
+    strides: Shape
+    dest: Box
+    fetches: tuple[Fetch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRead:
+    """A msgpack value of ``length`` bytes for request ``request``."""
+
+    request: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    requests: tuple[Request, ...]
+    #: Fetches straight into targets or value buffers (kinds "target" and "value").
+    fetches: tuple[Fetch, ...]
+    #: Tiles that need a staging buffer (their fetches have kind "staging").
+    staged: tuple[StagedCopy, ...]
+    #: Value buffers (index = Part.index for kind "value").
+    values: tuple[ValueRead, ...]
+    #: Bytes the requests need, and the bytes the fetches transfer (gaps included).
+    bytes_needed: int
+    bytes_fetched: int
+
+
+def _split_stream_range(
+    shard: ShardEntry, offsets: Sequence[int], begin: int, end: int
+) -> Iterable[tuple[str, int, int, int]]:
+    """``(chunk, start, end, position in [begin, end))`` pieces of stream bytes ``[begin, end)``."""
+    index = bisect.bisect_right(offsets, begin) - 1
+    pos = begin
+    while pos < end:
+        chunk_start = offsets[index]
+        chunk_end = offsets[index + 1]
+        take_end = min(end, chunk_end)
+        if take_end > pos:
+            yield shard.chunks[index][0], pos - chunk_start, take_end - chunk_start, pos - begin
+        pos = take_end
+        index += 1
+
+
+@dataclass(slots=True)
+class _Piece:
+    chunk: str
+    start: int
+    end: int
+    kind: BufferKind
+    index: int
+    offset: int
+
+
+def _tiles(outer: Shape, rel: Shape, shape: Shape, itemsize: int, max_span: int) -> list[Box]:
+    """Split box ``rel + shape`` of ``outer`` until each piece spans at most ``max_span`` bytes."""
+    strides = row_major_strides(outer)
+
+    def span(offsets: Shape, extent: Shape) -> int:
+        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        last = sum((o + e - 1) * s for o, e, s in zip(offsets, extent, strides, strict=True))
+        return (last - first + 1) * itemsize
+
+    done: list[Box] = []
+    todo = [Box(rel, shape)]
+    while todo:
+        box = todo.pop()
+        size = span(box.offsets, box.shape)
+        splittable = [d for d, e in enumerate(box.shape) if e > 1]
+        if size <= max_span or not splittable:
+            done.append(box)
+            continue
+        d = splittable[0]
+        parts = min(box.shape[d], -(-size // max_span))
+        step = -(-box.shape[d] // parts)
+        for lo in range(0, box.shape[d], step):
+            offsets = list(box.offsets)
+            extent = list(box.shape)
+            offsets[d] += lo
+            extent[d] = min(step, box.shape[d] - lo)
+            todo.append(Box(tuple(offsets), tuple(extent)))
+    done.sort(key=lambda b: b.offsets)
+    return done
+
+
+def plan_restore(
+    manifest: Manifest,
+    requests: Sequence[Request],
+    *,
+    dtype_map: Mapping[str, Any] | None = None,
+    coalesce_gap: int = DEFAULT_COALESCE_GAP,
+    max_tile: int = DEFAULT_MAX_TILE,
+) -> RestorePlan:
+    """The fetches that fill ``requests`` from the checkpoint, reading only what they need.
+
+    Each requested box is intersected with the saved boxes of its key. An
+    intersection that is contiguous in the destination run by run, with runs of at
+    least ``coalesce_gap`` bytes (or a single run), is fetched straight into the
+    destination. Any other goes through staging tiles of at most ``max_tile`` bytes,
+    where runs of one chunk separated by at most ``coalesce_gap`` bytes are fetched
+    as one range. Small direct pieces of one chunk close together are merged into
+    one fetch with several parts.
+
+    Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch`` or ``RegionNotCovered``.
+    """
+    chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
+    pieces: list[_Piece] = []
+    staged: list[StagedCopy] = []
+    values: list[ValueRead] = []
+    needed = 0
+    for req_index, req in enumerate(requests):
+        saved = manifest.items_of(req.key)
+        first = saved[0][1]
+        if first.dtype == MSGPACK_DTYPE or req.dtype is None:
+            if first.dtype != MSGPACK_DTYPE:
+                raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
+            if req.dtype is not None:
+                raise DtypeMismatch(f"{req.key}: saved as a msgpack value, not an array")
+            position, item = saved[0]
+            value_index = len(values)
+            values.append(ValueRead(req_index, item.length))
+            needed += item.length
+            shard = manifest.shards[position]
+            for chunk, start, end, at in _split_stream_range(
+                shard, chunk_offsets[position], item.start, item.end
+            ):
+                pieces.append(_Piece(chunk, start, end, "value", value_index, at))
+            continue
+        saved_dtype = numpy_dtype(first.dtype, dtype_map)
+        assert saved_dtype is not None
+        if saved_dtype != req.dtype:
+            raise DtypeMismatch(f"{req.key}: saved as {first.dtype}, destination is {req.dtype}")
+        if tuple(first.global_shape) != tuple(req.global_shape):
+            raise ShapeMismatch(
+                f"{req.key}: saved global shape {list(first.global_shape)}, "
+                f"requested {list(req.global_shape)}"
+            )
+        if not req.box.within(req.global_shape):
+            raise ShapeMismatch(f"{req.key}: requested {req.box} outside {req.global_shape}")
+        itemsize = saved_dtype.itemsize
+        covered = 0
+        target_box = _promote(req.box)
+        for position, item in saved:
+            if item.length != item.box.size * itemsize:
+                raise DtypeMismatch(
+                    f"{req.key}: {item.length} bytes saved for {item.box.size} elements "
+                    f"of {first.dtype} as {saved_dtype}"
+                )
+            both = req.box.intersect(item.box)
+            if both is None:
+                continue
+            covered += both.size
+            needed += both.size * itemsize
+            source_box = _promote(item.box)
+            both = _promote(both)
+            shard = manifest.shards[position]
+            offsets = chunk_offsets[position]
+            rel_src = both.relative_to(source_box)
+            rel_dst = both.relative_to(target_box)
+            k = run_dim(source_box.shape, both.shape)
+            run_elems = both.shape[k] * _volume(source_box.shape[k + 1 :])
+            run_bytes = run_elems * itemsize
+            src_runs = run_starts(source_box.shape, rel_src.offsets, both.shape, k)
+            direct = (
+                req.contiguous
+                and run_dim(target_box.shape, both.shape) <= k
+                and (len(src_runs) == 1 or run_bytes >= coalesce_gap)
+            )
+            if direct:
+                dst_runs = run_starts(target_box.shape, rel_dst.offsets, both.shape, k)
+                for src_run, dst_run in zip(src_runs.tolist(), dst_runs.tolist(), strict=True):
+                    begin = item.start + src_run * itemsize
+                    for chunk, start, end, at in _split_stream_range(
+                        shard, offsets, begin, begin + run_bytes
+                    ):
+                        pieces.append(
+                            _Piece(chunk, start, end, "target", req_index, dst_run * itemsize + at)
+                        )
+                continue
+            src_strides = tuple(s * itemsize for s in row_major_strides(source_box.shape))
+            for tile in _tiles(source_box.shape, rel_src.offsets, both.shape, itemsize, max_tile):
+                staged.append(
+                    _staged_tile(
+                        req_index,
+                        shard,
+                        offsets,
+                        item.start,
+                        source_box.shape,
+                        src_strides,
+                        tile,
+                        Box(
+                            tuple(
+                                t - s + d
+                                for t, s, d in zip(
+                                    tile.offsets, rel_src.offsets, rel_dst.offsets, strict=True
+                                )
+                            ),
+                            tile.shape,
+                        ),
+                        itemsize,
+                        coalesce_gap,
+                        len(staged),
+                    )
+                )
+        if covered != req.box.size:
+            raise RegionNotCovered(
+                f"{req.key}: the saved shards cover {covered} of the {req.box.size} elements "
+                f"of box offsets={list(req.box.offsets)} shape={list(req.box.shape)}"
+            )
+    fetches = _merge_pieces(pieces, coalesce_gap)
+    fetched = sum(f.length for f in fetches) + sum(f.length for s in staged for f in s.fetches)
+    return RestorePlan(
+        tuple(requests), tuple(fetches), tuple(staged), tuple(values), needed, fetched
+    )
+
+
+def _staged_tile(
+    req_index: int,
+    shard: ShardEntry,
+    offsets: Sequence[int],
+    item_start: int,
+    source_shape: Shape,
+    src_strides: Shape,
+    tile: Box,
+    dest: Box,
+    itemsize: int,
+    coalesce_gap: int,
+    staged_index: int,
+) -> StagedCopy:
+    k = run_dim(source_shape, tile.shape)
+    run_bytes = tile.shape[k] * _volume(source_shape[k + 1 :]) * itemsize
+    starts = run_starts(source_shape, tile.offsets, tile.shape, k) * itemsize
+    span_start = int(starts[0])
+    span_end = int(starts[-1]) + run_bytes
+    # Runs closer than coalesce_gap are fetched as one range, gap included.
+    breaks = np.nonzero(starts[1:] - (starts[:-1] + run_bytes) > coalesce_gap)[0]
+    range_starts = np.concatenate(([starts[0]], starts[breaks + 1]))
+    range_ends = np.concatenate((starts[breaks] + run_bytes, [starts[-1] + run_bytes]))
+    fetches: list[Fetch] = []
+    for lo, hi in zip(range_starts.tolist(), range_ends.tolist(), strict=True):
+        begin = item_start + lo
+        for chunk, start, end, at in _split_stream_range(shard, offsets, begin, item_start + hi):
+            part = Part(0, end - start, "staging", staged_index, lo - span_start + at)
+            fetches.append(Fetch(chunk, start, end, (part,)))
+    return StagedCopy(
+        req_index, span_end - span_start, tile.shape, src_strides, dest, tuple(fetches)
+    )
+
+
+def _merge_pieces(pieces: list[_Piece], coalesce_gap: int) -> list[Fetch]:
+    """Fetches for the pieces: small ones of one chunk close together share a fetch."""
+    fetches: list[Fetch] = []
+    small: list[_Piece] = []
+    for piece in pieces:
+        if piece.end - piece.start >= coalesce_gap:
+            part = Part(0, piece.end - piece.start, piece.kind, piece.index, piece.offset)
+            fetches.append(Fetch(piece.chunk, piece.start, piece.end, (part,)))
+        else:
+            small.append(piece)
+    small.sort(key=lambda p: (p.chunk, p.start))
+    group: list[_Piece] = []
+    group_end = 0
+
+    def flush() -> None:
+        if not group:
+            return
+        start = group[0].start
+        parts = tuple(
+            Part(p.start - start, p.end - p.start, p.kind, p.index, p.offset) for p in group
+        )
+        fetches.append(Fetch(group[0].chunk, start, group_end, parts))
+        group.clear()
+
+    for piece in small:
+        if group and (piece.chunk != group[0].chunk or piece.start - group_end > coalesce_gap):
+            flush()
+        group_end = max(group_end, piece.end) if group else piece.end
+        group.append(piece)
+    flush()
+    return fetches
