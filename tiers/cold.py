@@ -7,9 +7,10 @@ fragment parses (magic, version, header CRC-32C, payload size and CRC-32C) and n
 chunk id and index of its key.
 
     tier = await ColdTier.open(root, capacity)
-    await tier.put_parts(fragment_key(cid, i), fragment.parts())   # header, payload: no join
-    indexes = tier.keys_for(cid)                                    # fragments held here
-    whole = await tier.get(fragment_key(cid, i))                    # parse_fragment(whole)
+    await tier.put_fragment(fragment)              # header and payload written, not joined
+    await tier.put_parts(key, [header, payload])   # the same from parts
+    indexes = tier.keys_for(cid)                   # fragments of a chunk held here
+    whole = await tier.get(fragment_key(cid, i))   # header + payload: parse_fragment(whole)
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from pathlib import Path
 import crc32c
 
 from erasure import HEADER_SIZE as FRAGMENT_HEADER_SIZE
-from erasure import CorruptFragment, parse_fragment, parse_fragment_key, parse_header
+from erasure import (
+    CorruptFragment,
+    Fragment,
+    fragment_key,
+    parse_fragment,
+    parse_fragment_key,
+    parse_header,
+)
 from tiers._durable import KIND_FRAGMENT, DurableTier, InvalidValue
 from tiers.base import InvalidKey
 
@@ -34,6 +42,13 @@ class ColdTier(DurableTier):
     def __init__(self, root: Path, capacity: int, *, _token: object = None) -> None:
         super().__init__(root, capacity, _token=_token)
         self._by_chunk: dict[str, set[int]] = {}
+
+    async def put_fragment(self, fragment: Fragment, *, verified: bool = False) -> str:
+        """Store a ``Fragment`` (from ``Codec.encode``) under its own fragment key, header and
+        payload written with one ``writev``; returns the key. ``verified`` as in ``put``."""
+        key = fragment_key(fragment.chunk_id, fragment.index)
+        await self.put_parts(key, fragment.parts(), verified=verified)
+        return key
 
     def keys_for(self, chunk_id: str) -> list[int]:
         """The indexes of ``chunk_id``'s fragments held here now, ascending."""

@@ -7,8 +7,8 @@ the way out either.
 
 Memory accounting and the pool, the policy callers may rely on:
 
-* Buffers come in size classes (16 per doubling, multiples of 4 KiB, so an 8 MiB
-  chunk takes exactly an 8 MiB buffer and no value wastes more than 1/16 of its
+* Buffers come in size classes (8 per doubling, multiples of 4 KiB, so an 8 MiB
+  chunk takes exactly an 8 MiB buffer and no value wastes more than 1/8 of its
   size). Everything is counted by its buffer's class size.
 * ``capacity`` bounds *all* the memory the pool holds: stored values, outstanding
   allocations, buffers of deleted values still under a lease, and free pooled
@@ -72,7 +72,7 @@ _INLINE_MAP_BYTES = 256 * 1024
 
 
 def size_class(size: int) -> int:
-    """The buffer size that holds ``size`` bytes: 0, or a multiple of 4 KiB at most 1/16 above."""
+    """The buffer size that holds ``size`` bytes: 0, or a multiple of 4 KiB less than 1/8 above."""
     if size < 0:
         raise ValueError(f"negative size {size}")
     if size == 0:
