@@ -130,6 +130,11 @@ class Config:
         return Path(self.data or self.node.data)
 
     def validate(self) -> Config:
+        if not self.cluster_secret:
+            raise ConfigError(
+                "no cluster secret: set [auth] cluster_secret / cluster_secret_env or "
+                "STORAGED_CLUSTER_SECRET (peer traffic is always authenticated)"
+            )
         ids = [n.id for n in self.nodes]
         if len(set(ids)) != len(ids):
             raise ConfigError("node ids must be unique")
@@ -158,11 +163,6 @@ class Config:
             raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
-        if not self.cluster_secret:
-            raise ConfigError(
-                "no cluster secret: set [auth] cluster_secret / cluster_secret_env or "
-                "STORAGED_CLUSTER_SECRET (peer traffic is always authenticated)"
-            )
         return self
 
 
