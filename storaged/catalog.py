@@ -38,7 +38,7 @@ class CatalogRecord:
     digest: str
     created: float
     committed: float
-    bytes: int
+    total_bytes: int
     chunks: list[str]
     #: the canonical msgpack manifest (None for a tombstone)
     manifest: bytes | None = None
@@ -51,7 +51,7 @@ class CatalogRecord:
             "digest": self.digest,
             "created": self.created,
             "committed": self.committed,
-            "bytes": self.bytes,
+            "bytes": self.total_bytes,
             "chunks": self.chunks,
             "manifest": self.manifest,
             "deleted": self.deleted,
@@ -64,7 +64,7 @@ class CatalogRecord:
             digest=str(doc["digest"]),
             created=float(doc["created"]),
             committed=float(doc["committed"]),
-            bytes=int(doc["bytes"]),
+            total_bytes=int(doc["bytes"]),
             chunks=[str(c) for c in doc["chunks"]],
             manifest=doc.get("manifest"),
             deleted=doc.get("deleted"),
@@ -188,4 +188,4 @@ class Catalog:
                 if record is not None and record.deleted is not None:
                     del self._records[name]
                     path = self.root / _file_name(name)
-                    await asyncio.to_thread(lambda p=path: p.unlink(missing_ok=True))
+                    await asyncio.to_thread(path.unlink, missing_ok=True)

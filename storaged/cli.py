@@ -111,7 +111,7 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 def _client_commands() -> list[Registrar]:
     """Client-side commands live with the client; absent parts just aren't offered."""
     try:
-        from storaged.client.cli import register
+        from storaged.client.cli import register  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         return []
     return [register]

@@ -110,9 +110,10 @@ class Config:
     scrub_interval: float = 3600.0
     drain_workers: int = 2
     encode_workers: int = 1
-    #: seconds a client may take to send request headers / stay idle on keep-alive
-    header_timeout: float = 10.0
-    keepalive_timeout: float = 30.0
+    #: an idle connection, or one that has not sent complete headers, is closed after this
+    keepalive_timeout: float = 15.0
+    #: a PUT body that delivers no byte for this long is abandoned (nothing is kept)
+    body_timeout: float = 30.0
     max_manifest_size: int = 64 * 2**20
     log_level: str = "INFO"
     log_json: bool = False
@@ -185,19 +186,21 @@ def _coerce(name: str, raw: object) -> Any:
         raise ConfigError(f"{name}: cannot use {raw!r}: {exc}") from exc
 
 
-def _flatten_file(doc: Mapping[str, Any]) -> dict[str, Any]:
+def _flatten_file(doc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in doc.items():
         if key in ("erasure", "tiers", "auth", "tls", "timeouts") and isinstance(value, dict):
             for sub, subval in value.items():
-                name = {"cert": "tls_cert", "key": "tls_key"}.get(sub, sub) if key == "tls" else sub
+                name = str(sub)
+                if key == "tls":
+                    name = {"cert": "tls_cert", "key": "tls_key"}.get(name, name)
                 out[name] = subval
         elif key != "nodes":
             out[key] = value
     for secret in ("token", "cluster_secret"):
         env_name = out.pop(f"{secret}_env", None)
         if env_name and not out.get(secret):
-            out[secret] = os.environ.get(str(env_name), "")
+            out[secret] = env.get(str(env_name), "")
     unknown = sorted(set(out) - set(_SCALARS))
     if unknown:
         raise ConfigError(f"unknown setting(s) in the cluster file: {', '.join(unknown)}")
@@ -214,12 +217,13 @@ def load_config(
     """The configuration of node ``node_id``: cluster file, then environment, then overrides."""
     values: dict[str, Any] = {}
     nodes: list[NodeSpec] = []
+    env = os.environ if environ is None else environ
     if path is not None:
         try:
             doc = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
-        values.update(_flatten_file(doc))
+        values.update(_flatten_file(doc, env))
         for entry in doc.get("nodes", []):
             try:
                 nodes.append(
@@ -232,7 +236,6 @@ def load_config(
                 )
             except KeyError as exc:
                 raise ConfigError(f"a [[nodes]] entry lacks {exc}") from exc
-    env = os.environ if environ is None else environ
     for name in _SCALARS:
         env_value = env.get(f"STORAGED_{name.upper()}")
         if env_value is not None:

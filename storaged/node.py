@@ -1022,7 +1022,7 @@ class Node:
             digest=checked.digest,
             created=float(checked.manifest["created"]),
             committed=now,
-            bytes=checked.total_bytes,
+            total_bytes=checked.total_bytes,
             chunks=ids,
             manifest=checked.encoded,
         )

@@ -33,8 +33,6 @@ NODE: web.AppKey[Node] = web.AppKey("node", Node)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
-#: how long a PUT body may go without a byte arriving
-BODY_STALL_TIMEOUT = 30.0
 _MAX_JSON_BODY = 64 * 2**20
 
 
@@ -136,12 +134,14 @@ def _chunk_id(request: web.Request) -> str:
     return cid
 
 
-async def _body_pieces(request: web.Request, size: int) -> AsyncIterator[bytes]:
+async def _body_pieces(
+    request: web.Request, size: int, stall_timeout: float
+) -> AsyncIterator[bytes]:
     """The body as the transport delivers it; each wait for bytes is bounded."""
     remaining = size
     while remaining > 0:
         try:
-            async with asyncio.timeout(BODY_STALL_TIMEOUT):
+            async with asyncio.timeout(stall_timeout):
                 # readchunk hands over one buffered piece as is; readany() would join pieces.
                 data, _ = await request.content.readchunk()
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
@@ -165,7 +165,7 @@ async def put_chunk(request: web.Request) -> web.Response:
         raise ApiError(
             413, "too_large", f"{size} bytes is over the max chunk size {node.config.max_chunk_size}"
         )
-    status, body = await node.put_chunk(cid, size, _body_pieces(request, size))
+    status, body = await node.put_chunk(cid, size, _body_pieces(request, size, node.config.body_timeout))
     return reply(request, body, status)
 
 
@@ -316,7 +316,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
                 {
                     "name": r.name,
                     "created": r.created,
-                    "bytes": r.bytes,
+                    "bytes": r.total_bytes,
                     "state": states.get(r.name, "memory"),
                 }
                 for r in records

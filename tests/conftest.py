@@ -72,7 +72,7 @@ class ClusterFactory:
         self.clusters: list[LocalCluster] = []
 
     def __call__(
-        self, nodes: int = 4, *, token: str = TOKEN, **settings: Any
+        self, nodes: int = 4, *, token: str = TOKEN, https: bool = False, **settings: Any
     ) -> LocalCluster:
         merged = {**FAST_SETTINGS, **settings}
         if "tiers" in settings:
@@ -86,6 +86,7 @@ class ClusterFactory:
             token=token,
             settings=merged,
             env=_node_env(),
+            https=https,
         )
         self.clusters.append(cluster)
         cluster.start()

@@ -173,6 +173,7 @@ async def test_missing_in_request_order(api: Api) -> None:
     ids = [absent[0], chunk_id_of(held), absent[1], absent[2]]
     r = await api.request("POST", "/v1/chunks/missing", doc={"chunks": ids})
     assert r.status == 200 and r.doc["missing"] == [absent[0], absent[1], absent[2]]
+    bad: Any
     for bad in ({"chunks": ["zz"]}, {"nope": []}, [1, 2]):
         r = await api.request("POST", "/v1/chunks/missing", doc=bad)
         assert r.status == 400 and r.error == "bad_request"

@@ -360,3 +360,57 @@ def test_missing_secret_refused(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert proc.returncode == 2 and "cluster secret" in proc.stderr
+
+
+async def test_stalled_body_is_abandoned(
+    cluster_factory: ClusterFactory, session: aiohttp.ClientSession
+) -> None:
+    cluster = cluster_factory(4, body_timeout=1.0)
+    api = Api(session, cluster.urls[0], TOKEN)
+    data = random_chunk(1 << 20)
+    cid = chunk_id_of(data)
+    head = (
+        f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+
+    def stall() -> bytes:
+        import socket
+
+        with socket.create_connection(("127.0.0.1", cluster.port), timeout=20) as s:
+            s.sendall(head + data[:1000])  # then nothing, connection left open
+            return s.recv(4096)
+
+    answer = await asyncio.to_thread(stall)
+    assert answer.startswith(b"HTTP/1.1 400") and b"truncated" in answer
+    for url in cluster.urls:
+        assert (await api.get_chunk(cid, url=url)).status == 404
+
+
+async def test_tls(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
+    import shutil
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed: cannot make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    c = cluster_factory(4, https=True, tls_cert=str(cert), tls_key=str(key))
+    assert c.urls[0].startswith("https://")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    data = random_chunk(70_000)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        async with s.put(f"{c.urls[0]}/v1/chunks/{chunk_id_of(data)}", data=data, ssl=ctx) as r:
+            assert r.status == 201
+        async with s.get(f"{c.urls[1]}/v1/chunks/{chunk_id_of(data)}", ssl=ctx) as got:
+            assert got.status == 200 and await got.read() == data
+        # A client that does not trust the certificate is refused the connection.
+        with pytest.raises(aiohttp.ClientError):
+            async with s.get(f"{c.urls[0]}/healthz", ssl=ssl.create_default_context()):
+                pass
