@@ -300,8 +300,9 @@ def stage_shard(
                 _copy_item(d, packed[start : start + d.nbytes])
                 continue
             source = d.source
-            assert isinstance(source, np.ndarray)
-            if source.flags.c_contiguous and source.dtype.isnative:
+            if isinstance(source, bytes):  # a large msgpack value: its encoding is ours
+                segments.append((start, memoryview(source)))
+            elif source.flags.c_contiguous and source.dtype.isnative:
                 segments.append((start, _flat_bytes(source)))
             else:
                 # Strided or foreign byte order: one deliberate copy to get stream bytes.

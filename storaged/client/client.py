@@ -45,7 +45,7 @@ from storaged.client.errors import (
     is_retryable,
 )
 from storaged.client.retry import RetryPolicy
-from storaged.ids import chunk_id_of, chunk_id_of_async, is_checkpoint_name, is_chunk_id
+from storaged.ids import chunk_id_of_async, is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
 from tiers.base import ByteRange
 
@@ -796,13 +796,14 @@ class Client:
 
         async def handle(resp: aiohttp.ClientResponse) -> memoryview:
             # A server that ignores Range answers 200 with the whole chunk: skip to the range.
-            to_skip = skip if (ranged and resp.status == 200) else 0
+            whole = ranged and resp.status == 200
+            to_skip = skip if whole else 0
             length = resp.content_length
             expected = (
                 want if want is not None else (length - to_skip if length is not None else None)
             )
-            view = await self._read_body(resp, target, expected, to_skip)
-            if self._verify_reads and not ranged and chunk_id_of(view) != chunk_id:
+            view = await self._read_body(resp, target, expected, to_skip, whole)
+            if self._verify_reads and not ranged and await chunk_id_of_async(view) != chunk_id:
                 raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
             return view
 
@@ -820,9 +821,17 @@ class Client:
 
     @staticmethod
     async def _read_body(
-        resp: aiohttp.ClientResponse, out: memoryview | None, expected: int | None, skip: int
+        resp: aiohttp.ClientResponse,
+        out: memoryview | None,
+        expected: int | None,
+        skip: int,
+        whole_chunk: bool = False,
     ) -> memoryview:
-        """Stream the body into ``out`` (or a new buffer), dropping its first ``skip`` bytes."""
+        """Stream the body into ``out`` (or a new buffer), dropping its first ``skip`` bytes.
+
+        ``whole_chunk``: the node ignored our Range; bytes past ``expected`` are dropped
+        (the connection is then closed rather than drained).
+        """
         if out is None:
             if expected is None:
                 # No length announced (chunked encoding): the one place we join pieces.
@@ -845,10 +854,15 @@ class Client:
                 if not piece:
                     continue
             end = pos + len(piece)
+            if end > limit and whole_chunk:
+                piece = piece[: limit - pos]
+                end = limit
             if end > limit:
                 raise ProtocolError(message=f"response longer than the {limit} bytes expected")
             out[pos:end] = piece
             pos = end
+            if whole_chunk and pos == limit:
+                break
         if expected is not None and pos != expected:
             raise ProtocolError(message=f"response of {pos} bytes, expected {expected}")
         return out[:pos]
