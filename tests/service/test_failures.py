@@ -414,3 +414,71 @@ async def test_tls(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
         with pytest.raises(aiohttp.ClientError):
             async with s.get(f"{c.urls[0]}/healthz", ssl=ssl.create_default_context()):
                 pass
+
+
+def _nvme_copies(cluster: LocalCluster, cid: str) -> list[int]:
+    return [
+        i
+        for i in range(cluster.nodes)
+        if any(p.name == cid for p in (cluster.data / f"n{i}" / "nvme").rglob(cid))
+    ]
+
+
+async def test_retention_keeps_newest_on_owner_nvme_only(
+    cluster_factory: ClusterFactory, session: aiohttp.ClientSession
+) -> None:
+    cluster = cluster_factory(4, retain_newest=1)
+    api = Api(session, cluster.urls[0], TOKEN)
+    old = [random_chunk(100_000 + i) for i in range(4)]
+    new = [random_chunk(200_000 + i) for i in range(4)]
+    await _put_all(api, old)
+    assert (await api.commit("ret/step-1", manifest_for(old, created=100.0))).status == 201
+    await api.wait_state("ret/step-1", "cold", timeout=120)
+    await _put_all(api, new)
+    assert (await api.commit("ret/step-2", manifest_for(new, created=200.0))).status == 201
+    await api.wait_state("ret/step-2", "cold", timeout=120)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        old_copies = {chunk_id_of(c): _nvme_copies(cluster, chunk_id_of(c)) for c in old}
+        new_copies = {chunk_id_of(c): _nvme_copies(cluster, chunk_id_of(c)) for c in new}
+        if all(not v for v in old_copies.values()) and all(
+            len(v) == 1 for v in new_copies.values()
+        ):
+            break
+        await asyncio.sleep(0.5)
+    else:
+        raise AssertionError(f"retention: old {old_copies} new {new_copies}")
+    # Still readable, from RAM, nvme or fragments.
+    for c in old + new:
+        assert (await api.get_chunk(chunk_id_of(c))).raw == c
+
+
+async def test_aborted_upload_leaves_nothing(
+    cluster_factory: ClusterFactory, session: aiohttp.ClientSession
+) -> None:
+    cluster = cluster_factory(4)
+    api = Api(session, cluster.urls[0], TOKEN)
+    data = random_chunk(4 << 20)
+    cid = chunk_id_of(data)
+    head = (
+        f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+
+    def abort() -> None:
+        import socket
+        import struct
+
+        s = socket.create_connection(("127.0.0.1", cluster.port), timeout=20)
+        s.sendall(head + data[: len(data) // 3])
+        time.sleep(0.3)
+        # SO_LINGER 0: close with a reset, as a crashed client would.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    await asyncio.to_thread(abort)
+    await asyncio.sleep(1.0)
+    for url in cluster.urls:
+        assert (await api.get_chunk(cid, url=url)).status == 404
+    # The node is fine afterwards and the same chunk uploads whole.
+    assert (await api.put_chunk(data)).status == 201
