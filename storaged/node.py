@@ -57,6 +57,9 @@ STATES = ("memory", "nvme", "cold")
 MEMORY, NVME, COLD = 1, 2, 3
 _STATE_RANK = {name: i + 1 for i, name in enumerate(STATES)}
 
+#: chunk ids per chunk_info call
+_INFO_BATCH = 4096
+
 BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
 
 
@@ -352,16 +355,18 @@ class Node:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped."""
         out: dict[str, list[Holding]] = {cid: [] for cid in ids}
 
-        async def ask(node_id: str) -> None:
+        async def ask(node_id: str, batch: list[str]) -> None:
             try:
-                reply, _ = await self.call(node_id, "chunk_info", {"ids": ids}, timeout=10.0)
+                reply, _ = await self.call(node_id, "chunk_info", {"ids": batch}, timeout=30.0)
             except PeerError:
                 return
             for cid, (mem, nvme, frags, state, size) in reply["info"].items():
                 if cid in out:
                     out[cid].append(Holding(node_id, mem, nvme, tuple(frags), state, size))
 
-        await asyncio.gather(*(ask(n) for n in node_ids))
+        # Batches keep each call's message small for checkpoints of many chunks.
+        batches = [ids[i : i + _INFO_BATCH] for i in range(0, len(ids), _INFO_BATCH)]
+        await asyncio.gather(*(ask(n, b) for n in node_ids for b in batches))
         return out
 
     # ---- the PeerHandler interface ---------------------------------------------------------
@@ -848,11 +853,9 @@ class Node:
             *(self.call(h.node, "set_state", {"ids": [chunk_id], "state": NVME}) for h in hot),
             return_exceptions=True,
         )
-        data = await self.read_verified_local(chunk_id)
-        if data is None:
-            return
-        if not await self.encode_and_spread(chunk_id, data):
-            return
+        async with self.local_copy(chunk_id) as data:
+            if data is None or not await self.encode_and_spread(chunk_id, data):
+                return
         holders = [h.node for h in hot]
         await asyncio.gather(
             *(self.call(n, "set_state", {"ids": [chunk_id], "state": COLD}) for n in holders),
@@ -913,9 +916,21 @@ class Node:
                 pass
         return None, ""
 
-    async def read_verified_local(self, chunk_id: str) -> bytes | memoryview | None:
-        data, _ = await self.read_hot(chunk_id)
-        return data
+    @contextlib.asynccontextmanager
+    async def local_copy(self, chunk_id: str) -> AsyncIterator[bytes | memoryview | None]:
+        """The chunk from this node's RAM (leased: valid inside the block only, and the pooled
+        buffer stays in the pool) or nvme (verified); None when neither holds it."""
+        async with contextlib.AsyncExitStack() as stack:
+            view: memoryview | None
+            try:
+                view = await stack.enter_async_context(self.memory.lease(chunk_id))
+            except ChunkNotFound:
+                view = None
+            if view is not None:
+                yield view
+            else:
+                data, _ = await self.read_hot(chunk_id)
+                yield data
 
     async def read_chunk(
         self, chunk_id: str, rng: ByteRange | None = None
@@ -1228,9 +1243,10 @@ class Node:
         if state >= COLD or len(frags) >= self.config.n:
             missing = set(range(self.config.n)) - frags
             if missing:
-                data = await self.read_verified_local(chunk_id) or await self.rebuild(chunk_id)
-                if data is not None and await self.encode_and_spread(chunk_id, data, missing):
-                    self.metrics.repaired.labels("fragment").inc(len(missing))
+                async with self.local_copy(chunk_id) as local:
+                    data = local if local is not None else await self.rebuild(chunk_id)
+                    if data is not None and await self.encode_and_spread(chunk_id, data, missing):
+                        self.metrics.repaired.labels("fragment").inc(len(missing))
             return
         hot = {h.node for h in held if h.hot}
         targets = order[: self.config.replication]
@@ -1242,16 +1258,16 @@ class Node:
                     with contextlib.suppress(PeerError):
                         await self.call(self.owner(chunk_id), "drained", {"id": chunk_id})
             return
-        data = await self.read_verified_local(chunk_id)
-        if data is None:
-            return
-        view = memoryview(data)
-        for node_id in lacking[: self.config.replication - len(hot)]:
-            try:
-                await self.push_copy(node_id, chunk_id, view)
-                self.metrics.repaired.labels("copy").inc()
-            except PeerError as exc:
-                log.warning("repair copy of %s to %s failed: %s", chunk_id, node_id, exc)
+        async with self.local_copy(chunk_id) as data:
+            if data is None:
+                return
+            view = memoryview(data)
+            for node_id in lacking[: self.config.replication - len(hot)]:
+                try:
+                    await self.push_copy(node_id, chunk_id, view)
+                    self.metrics.repaired.labels("copy").inc()
+                except PeerError as exc:
+                    log.warning("repair copy of %s to %s failed: %s", chunk_id, node_id, exc)
 
     async def scrub_pass(self) -> None:
         """Re-read every stored copy and fragment; what fails its check is quarantined."""
