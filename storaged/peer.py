@@ -102,7 +102,6 @@ _PREFIX = struct.Struct("!I")
 # Header reads ask for at least this much: a put header and the first body bytes
 # behind it arrive in one read, and the few body bytes are copied out of scratch.
 _MIN_HEADER_READ = 4096
-_SCRATCH_SIZE = _PREFIX.size + MAX_HEADER + _MIN_HEADER_READ
 _SERVER_LABEL = "storaged-peer/1 server"
 _CLIENT_LABEL = "storaged-peer/1 client"
 
@@ -251,7 +250,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
     """
 
     def __init__(self, max_header: int) -> None:
-        self._scratch = bytearray(_SCRATCH_SIZE)
+        self._scratch = bytearray(_PREFIX.size + max_header + _MIN_HEADER_READ)
         self._smv = memoryview(self._scratch)
         self._sbeg = 0  # unparsed bytes are scratch[_sbeg:_send]
         self._send = 0
@@ -280,17 +279,18 @@ class _FramedProtocol(asyncio.BufferedProtocol):
             assert self._body is not None
             return self._body[self._pos :]
         if mode == _DISCARD:
-            return self._smv[: min(self._discard_left, _SCRATCH_SIZE)]
+            return self._smv[: min(self._discard_left, len(self._scratch))]
         avail = self._send - self._sbeg
+        capacity = len(self._scratch)
         want = _MIN_HEADER_READ
         if avail >= _PREFIX.size:
             (hlen,) = _PREFIX.unpack_from(self._scratch, self._sbeg)
-            want = max(want, min(hlen + _PREFIX.size - avail, _SCRATCH_SIZE))
-        if _SCRATCH_SIZE - self._send < want and self._sbeg:
+            want = max(want, min(hlen + _PREFIX.size - avail, capacity))
+        if capacity - self._send < want and self._sbeg:
             # Move the partial frame to the front: at most one header's worth of bytes.
             self._scratch[:avail] = self._scratch[self._sbeg : self._send]
             self._sbeg, self._send = 0, avail
-        end = min(_SCRATCH_SIZE, self._send + want)
+        end = min(capacity, self._send + want)
         if end == self._send:
             # Only a peer that pipelines far past a paused reader gets here.
             raise BufferError("peer sent more than the connection buffers")
@@ -367,6 +367,17 @@ class _FramedProtocol(asyncio.BufferedProtocol):
                 return
             self._sbeg = start + hlen
             self._on_header(header)
+
+    def _set_max_header(self, max_header: int) -> None:
+        """Accept headers up to ``max_header`` bytes from now on (grows the scratch buffer)."""
+        self._max_header = max_header
+        size = _PREFIX.size + max_header + _MIN_HEADER_READ
+        if size > len(self._scratch):
+            avail = self._send - self._sbeg
+            scratch = bytearray(size)
+            scratch[:avail] = self._smv[self._sbeg : self._send]
+            self._scratch, self._smv = scratch, memoryview(scratch)
+            self._sbeg, self._send = 0, avail
 
     def _begin_body(self, dest: memoryview) -> None:
         """Receive the next ``len(dest)`` bytes into ``dest``, then call ``_body_complete``."""
@@ -706,7 +717,8 @@ class _ServerConn(_FramedProtocol):
                 self._refuse_and_close("forbidden", "peer authentication failed: wrong secret")
                 return
             self._authed = True
-            self._max_header = MAX_HEADER
+            # Unauthenticated connections hold a small buffer; this one may now send more.
+            self._set_max_header(MAX_HEADER)
             self._mark = self._loop.time()
             self._send_frame({"ok": True})
         else:

@@ -674,6 +674,8 @@ async def test_rpc_with_and_without_bodies(node: Node) -> None:
     c, addr = node.client, node.addr
     assert await c.call(addr, "echo", {"a": [1, "b"]}) == ({"a": [1, "b"]}, None)
     assert await c.call(addr, "echo", None, b"") == ({}, None)
+    big_args = {"pad": "x" * (60 << 10)}  # near the 64 KiB header cap
+    assert await c.call(addr, "echo", big_args) == (big_args, None)
     body = os.urandom(3 * MiB + 1)
     result, reply_body = await c.call(addr, "echo", {"n": 1}, memoryview(body))
     assert result == {"n": 1}
