@@ -1,0 +1,803 @@
+"""3-copy ack throughput next to a one-copy aiohttp upload: ``python -m loadtest.ack``.
+
+This process is the client. It uploads ``--size`` GiB as distinct random chunks of
+``--chunk-mib`` MiB with ``--concurrency`` uploads in flight, and times each PUT from
+its first byte to its answer (the ack). The same upload code (aiohttp, one session,
+the body sent as 1 MiB memoryview slices with a ``Content-Length``, as
+``storaged.client`` sends it) runs against two servers:
+
+- ``baseline``: one aiohttp process on 127.0.0.1 that reads the body with
+  ``readchunk()`` into a reused, pre-faulted buffer and answers 201: the best
+  one-copy receive aiohttp allows, and all a single-copy store would have to do.
+- ``storaged``: a fresh ``LocalCluster`` of ``--nodes`` node processes per round; each
+  chunk goes to its first placement node (``rendezvous_order`` over the node ids, as
+  the real client does), which answers 201 once three nodes hold it in RAM.
+
+Before any of it, a raw loopback socket figure (one blocking TCP stream into a reused
+buffer) gives the ceiling of this machine for context.
+
+Reported per configuration: GB/s (10^9 acked body bytes per second of wall time), p50
+and p99 ack latency, the ratio of GB/s to the baseline at the same concurrency (the
+issue's target is >= 0.6), and CPU seconds per acked GB of the server processes
+(utime + stime from ``/proc/<pid>/stat``, all threads; for storaged the sum over all
+nodes, background drain and encode included while they run in the timed window) and of
+this client process. Rounds alternate baseline and storaged so drift on a shared
+machine hits both; the median round (by GB/s) is reported.
+
+With ``py-spy`` next to the interpreter (``pip install py-spy``), one more storaged
+round runs with ``py-spy record --native`` attached to one node, and its samples are
+summed by where the CPU goes (hashing, copies, aiohttp, peer protocol, ...).
+
+The results go to ``loadtest/results/ack.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import blake3
+
+from storaged.cluster import LocalCluster, free_port_block
+from storaged.placement import rendezvous_order
+
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 1e9
+HOST = "127.0.0.1"
+TOKEN = "loadtest-ack-token"
+#: what storaged.client sends per write
+SEND_SLICE = 1 << 20
+#: bytes at the head of each chunk that make it distinct: (round tag, chunk index)
+STAMP = struct.Struct("!QQ")
+RESULTS = Path(__file__).resolve().parent / "results"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _new_loop(name: str) -> asyncio.AbstractEventLoop:
+    if name == "uvloop":
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def _prefaulted(size: int) -> bytearray:
+    # bytearray * n fills with memset: every page is touched now, not during a transfer.
+    return bytearray(b"\x01") * size
+
+
+# -- the chunks -----------------------------------------------------------------------------------
+
+
+class Corpus:
+    """``count`` random chunks of ``chunk`` bytes, made once (BLAKE3 XOF: faster than urandom).
+
+    ``uploads(tag)`` gives them with the first 16 bytes replaced by (tag, index), so each
+    round uploads chunks no node has seen: no dedup, every PUT is a real 3-copy write.
+    """
+
+    def __init__(self, chunk: int, count: int, seed: bytes = b"loadtest.ack") -> None:
+        if chunk <= STAMP.size:
+            raise ValueError(f"chunk of {chunk} bytes is too small")
+        self.chunk = chunk
+        self.data = [
+            memoryview(blake3.blake3(seed + i.to_bytes(8, "big")).digest(length=chunk))
+            for i in range(count)
+        ]
+
+    def uploads(self, tag: int, count: int | None = None) -> list[Upload]:
+        out = []
+        for i, view in enumerate(self.data[:count]):
+            stamp = STAMP.pack(tag, i)
+            hasher = blake3.blake3(stamp)
+            hasher.update(view[STAMP.size :])
+            out.append(Upload(hasher.hexdigest(), stamp, view))
+        return out
+
+
+@dataclass(frozen=True)
+class Upload:
+    chunk_id: str
+    stamp: bytes
+    view: memoryview
+
+    @property
+    def size(self) -> int:
+        return len(self.view)
+
+    async def body(self) -> AsyncIterator[bytes | memoryview]:
+        # The slices storaged.client sends, with the stamp in front of the first one.
+        yield self.stamp
+        yield self.view[STAMP.size : SEND_SLICE]
+        for offset in range(SEND_SLICE, len(self.view), SEND_SLICE):
+            yield self.view[offset : offset + SEND_SLICE]
+
+
+# -- servers for the baseline and the raw figure (child processes) --------------------------------
+
+
+def _serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) -> None:
+    from aiohttp import web
+
+    pool = [_prefaulted(chunk) for _ in range(slots)]
+
+    async def put_chunk(request: web.Request) -> web.Response:
+        size = request.content_length
+        if size is None or size > chunk:
+            return web.Response(status=413)
+        buf = pool.pop()
+        try:
+            pos = 0
+            while pos < size:
+                data, _ = await request.content.readchunk()
+                if not data:
+                    return web.Response(status=400, text="truncated")
+                buf[pos : pos + len(data)] = data  # the one copy a store has to make
+                pos += len(data)
+        finally:
+            pool.append(buf)
+        return web.Response(status=201, body=b"\x80")  # an empty msgpack map, like a node's
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_put("/v1/chunks/{id}", put_chunk)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, 0, backlog=1024).start()
+        return runner
+
+    loop = _new_loop(loop_name)
+    asyncio.set_event_loop(loop)
+    runner = loop.run_until_complete(start())
+    control.send(runner.addresses[0][1])
+    loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    loop.run_forever()
+
+
+def _serve_raw(chunk: int, control: Connection) -> None:
+    """One connection: an 8-byte length, that many bytes into a reused buffer, then b"k"."""
+    listener = socket.create_server((HOST, 0))
+    control.send(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    with conn, listener:
+        head = b""
+        while len(head) < 8:
+            head += conn.recv(8 - len(head))
+        (left,) = struct.unpack("!Q", head)
+        view = memoryview(_prefaulted(chunk))
+        while left:
+            n = conn.recv_into(view[: min(left, len(view))])
+            if not n:
+                raise ConnectionError("raw sender went away")
+            left -= n
+        conn.sendall(b"k")
+
+
+def _child(target: Callable[..., None], *args: Any) -> tuple[BaseProcess, int]:
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+    proc.start()
+    if not mine.poll(60):
+        proc.kill()
+        raise RuntimeError(f"{target.__name__} did not start")
+    port: int = mine.recv()
+    return proc, port
+
+
+def _stop_child(proc: BaseProcess) -> None:
+    if proc.is_alive():
+        proc.terminate()
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+
+
+@dataclass
+class Measure:
+    """One timed upload of a set of chunks."""
+
+    config: str
+    kind: str  # raw | baseline | storaged
+    concurrency: int
+    chunks: int
+    nbytes: int
+    seconds: float
+    server_cpu: float
+    client_cpu: float
+    latencies: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / GB / self.seconds
+
+    def summary(self, base: Measure | None) -> dict[str, Any]:
+        gb = self.nbytes / GB
+        out: dict[str, Any] = {
+            "config": self.config,
+            "kind": self.kind,
+            "concurrency": self.concurrency,
+            "chunks": self.chunks,
+            "bytes": self.nbytes,
+            "seconds": round(self.seconds, 4),
+            "gbps": round(self.gbps, 4),
+            "p50_ms": None,
+            "p99_ms": None,
+            "ratio": None,
+            "p50_ratio": None,
+            "server_cpu_s_per_gb": round(self.server_cpu / gb, 4),
+            "client_cpu_s_per_gb": round(self.client_cpu / gb, 4),
+        }
+        if self.latencies:
+            out["p50_ms"] = round(percentile(self.latencies, 50) * 1e3, 2)
+            out["p99_ms"] = round(percentile(self.latencies, 99) * 1e3, 2)
+        if base is not None:
+            out["ratio"] = round(self.gbps / base.gbps, 3)
+            if self.latencies and base.latencies:
+                # > 1: the ack takes that many times as long as the one-copy upload
+                out["p50_ratio"] = round(
+                    percentile(self.latencies, 50) / percentile(base.latencies, 50), 3
+                )
+        return out
+
+
+def raw_socket(corpus: Corpus, nbytes: int) -> Measure:
+    """One blocking TCP stream over loopback into a reused buffer: the machine's ceiling."""
+    proc, port = _child(_serve_raw, corpus.chunk)
+    try:
+        chunks = max(1, nbytes // corpus.chunk)
+        with socket.create_connection((HOST, port)) as sock:
+            cpu0, srv0, t0 = (
+                time.process_time(),
+                proc_cpu_seconds(proc.pid or 0),
+                time.perf_counter(),
+            )
+            sock.sendall(struct.pack("!Q", chunks * corpus.chunk))
+            for i in range(chunks):
+                sock.sendall(corpus.data[i % len(corpus.data)])
+            if sock.recv(1) != b"k":
+                raise ConnectionError("raw receiver did not confirm")
+            seconds = time.perf_counter() - t0
+            client = time.process_time() - cpu0
+            server = proc_cpu_seconds(proc.pid or 0) - srv0
+    finally:
+        _stop_child(proc)
+    return Measure("raw loopback socket, 1 stream", "raw", 1, chunks,
+                   chunks * corpus.chunk, seconds, server, client)  # fmt: skip
+
+
+# -- the client -----------------------------------------------------------------------------------
+
+
+class UploadError(RuntimeError):
+    pass
+
+
+async def upload_all(
+    session: aiohttp.ClientSession,
+    uploads: Sequence[Upload],
+    url_of: Callable[[Upload], str],
+    concurrency: int,
+    max_seconds: float = math.inf,
+) -> tuple[float, list[float]]:
+    """PUT the uploads with ``concurrency`` in flight; (wall seconds, ack latencies).
+
+    No new PUT starts after ``max_seconds``: there is one latency per acked upload.
+    """
+    latencies: list[float] = []
+    todo = iter(uploads)
+    deadline = time.perf_counter() + max_seconds
+
+    async def worker() -> None:
+        for up in todo:
+            if time.perf_counter() > deadline:
+                return  # bounded run time on a slow or busy machine: stop sending new chunks
+            t0 = time.perf_counter()
+            headers = {"Content-Length": str(up.size), "Content-Type": "application/octet-stream"}
+            async with session.put(url_of(up), data=up.body(), headers=headers) as resp:
+                await resp.read()
+                if resp.status != 201:
+                    text = (await resp.read())[:200]
+                    raise UploadError(f"PUT {up.chunk_id[:12]} gave {resp.status}: {text!r}")
+            latencies.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return time.perf_counter() - t0, latencies
+
+
+async def timed_uploads(
+    kind: str,
+    config: str,
+    uploads: Sequence[Upload],
+    warmup: Sequence[Upload],
+    url_of: Callable[[Upload], str],
+    concurrency: int,
+    server_pids: Sequence[int],
+    max_seconds: float,
+) -> Measure:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession(connector=connector, headers=auth) as session:
+        # Untimed: opens the client's connections and the nodes' peer connections.
+        await upload_all(session, warmup, url_of, concurrency)
+        srv0 = sum(proc_cpu_seconds(p) for p in server_pids)
+        cpu0 = time.process_time()
+        seconds, latencies = await upload_all(session, uploads, url_of, concurrency, max_seconds)
+        client = time.process_time() - cpu0
+        server = sum(proc_cpu_seconds(p) for p in server_pids) - srv0
+    # Every upload has the same size: the acked bytes are the count of acks times it.
+    nbytes = len(latencies) * uploads[0].size
+    return Measure(config, kind, concurrency, len(latencies), nbytes, seconds, server, client,
+                   latencies)  # fmt: skip
+
+
+# -- storaged -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    memory: str
+    chunk: int
+    background: bool
+    loop: str
+
+
+def start_cluster(spec: ClusterSpec, root: Path) -> LocalCluster:
+    settings: dict[str, Any] = {
+        "max_chunk_size": max(spec.chunk, 16 * MiB),
+        "tiers": {"memory_capacity": spec.memory, "nvme_capacity": "256GiB",
+                  "cold_capacity": "256GiB"},
+        "log_level": "WARNING",
+    }  # fmt: skip
+    if not spec.background:
+        settings["drain_workers"] = 0
+        settings["encode_workers"] = 0
+    port = free_port_block(spec.nodes * 2 + 1)
+    cluster = LocalCluster(
+        nodes=spec.nodes,
+        data=root,
+        port=port,
+        peer_port=port + spec.nodes,
+        token=TOKEN,
+        settings=settings,
+        env={"PYTHONASYNCIODEBUG": ""},
+    )
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def _first_placement(cluster: LocalCluster) -> Callable[[Upload], str]:
+    ids = [cluster.node_id(i) for i in range(cluster.nodes)]
+    urls = {cluster.node_id(i): cluster.url(i) for i in range(cluster.nodes)}
+
+    def url_of(up: Upload) -> str:
+        return f"{urls[rendezvous_order(up.chunk_id, ids)[0]]}/v1/chunks/{up.chunk_id}"
+
+    return url_of
+
+
+def run_storaged(
+    spec: ClusterSpec,
+    uploads: Sequence[Upload],
+    warmup: Sequence[Upload],
+    concurrency: int,
+    max_seconds: float,
+    profile_to: Path | None = None,
+) -> tuple[Measure, Path | None]:
+    """One round on a fresh cluster; with ``profile_to``, py-spy records node n0 meanwhile."""
+    root = Path(tempfile.mkdtemp(prefix="storaged-ack-"))
+    cluster: LocalCluster | None = None
+    spy: subprocess.Popen[bytes] | None = None
+    try:
+        cluster = start_cluster(spec, root)
+        pids = [cluster.procs[i].pid for i in range(cluster.nodes)]
+        url_of = _first_placement(cluster)
+        config = f"storaged {spec.nodes} nodes x3, c={concurrency}"
+        if profile_to is not None:
+            spy = _start_py_spy(pids[0], profile_to)
+        measure = _run(
+            timed_uploads(
+                "storaged", config, uploads, warmup, url_of, concurrency, pids, max_seconds
+            ),
+            spec.loop,
+        )
+        if spy is not None:
+            _stop_py_spy(spy)
+            spy = None
+        return measure, profile_to
+    finally:
+        if spy is not None:
+            spy.kill()
+            spy.wait(10)
+        if cluster is not None:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(coro: Any, loop_name: str) -> Measure:
+    with asyncio.Runner(loop_factory=lambda: _new_loop(loop_name)) as runner:
+        result: Measure = runner.run(coro)
+        return result
+
+
+# -- the profile ----------------------------------------------------------------------------------
+
+
+def py_spy_path() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    exe = py_spy_path()
+    assert exe is not None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # --native shows time inside C extensions (BLAKE3, memcpy, uvloop, the HTTP parser).
+    cmd = [exe, "record", "-p", str(pid), "-o", str(out), "--format", "raw", "-r", "200",
+           "--native"]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # let it attach before the uploads start
+    if spy.poll() is not None:
+        err = spy.stderr.read().decode(errors="replace") if spy.stderr else ""
+        raise RuntimeError(f"py-spy could not attach: {err.strip()[:300]}")
+    return spy
+
+
+def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        spy.wait(30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait(10)
+
+
+#: (category, pattern of a frame), tried in order on each frame from the leaf up
+CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
+    ("BLAKE3 hash (id check)", re.compile(r"blake3|chunk_id_of", re.I)),
+    ("buffer mapping (mmap + page faults)", re.compile(r"_map_buffer|\bmmap|prefault")),
+    ("drain to nvme", re.compile(r"tiers/_durable\.py|\bdrain \(|drain_worker")),
+    ("erasure encode", re.compile(r"erasure/|encode_and_spread|encode_worker|zfec", re.I)),
+    ("peer protocol (sending replicas, replica receive)", re.compile(r"storaged/peer\.py")),
+    ("HTTP (aiohttp parsing, body stream)", re.compile(r"aiohttp/|_http_parser|_body_pieces")),
+    ("copy into the RAM buffer (Node._receive)", re.compile(r"_receive \(storaged/node\.py")),
+    ("memory tier bookkeeping", re.compile(r"tiers/memory\.py")),
+    ("rest of storaged", re.compile(r"storaged/|tiers/")),
+    ("thread pool hand-offs (to_thread, futures)", re.compile(r"concurrent/futures|threads\.py|"
+                                                             r"asyncio/futures\.py")),
+]  # fmt: skip
+#: socket I/O done by the event loop itself (no Python frame above the syscall)
+_LOOP_IO = [
+    ("socket reads in the event loop (HTTP and replica bodies)", re.compile(r"^(read|recv)")),
+    ("socket writes in the event loop", re.compile(r"^(write|writev|send)")),
+]
+#: frames every stack starts with: the interpreter, the CLI, the loop runner, thread entry
+_ROOT = re.compile(
+    r"^(<module>|_run_module_as_main|_run_code|main \(storaged|cmd_serve|run \(asyncio/runners"
+    r"|Runner\.run|Thread\.|_bootstrap|_worker \(.*concurrent/futures|_WorkItem\.run|0x|\? )"
+)
+
+
+def categorize(frames: Sequence[str]) -> str:
+    """Where one busy py-spy stack (root first) spends its sample."""
+    inner = list(frames)
+    while inner and _ROOT.match(inner[0]):
+        inner.pop(0)
+    # The frame nearest the leaf that names a known piece of work decides (a memcpy under
+    # Node._receive is the copy, not the aiohttp handler further up).
+    for frame in reversed(inner):
+        for name, pattern in CATEGORIES:
+            if pattern.search(frame):
+                return name
+    if not any(".py:" in f for f in inner):
+        for name, pattern in _LOOP_IO:
+            if pattern.match(frames[-1]):
+                return name
+        return "event loop (uvloop, asyncio tasks)"
+    return "other"
+
+
+#: Waits that py-spy --native counts as busy (its idle test misses futex and epoll waits):
+#: the event loop polling, pool threads waiting for work, threads blocked on a condition,
+#: threads waiting for the disk in fsync.
+_IDLE_LEAF = re.compile(r"^(epoll_p?wait|epoll_wait|poll |select |fsync |fdatasync )")
+_IDLE_PY = re.compile(r"^(_worker \(.*concurrent/futures/thread\.py|wait \(.*threading\.py)")
+#: a thread back from a system call or a C extension waiting to take the GIL again
+_GIL_WAIT = re.compile(r"^pthread_cond_(timed)?wait")
+
+
+def is_idle(frames: Sequence[str]) -> bool:
+    """Whether a py-spy stack (root first) is a thread waiting for work, not working."""
+    if _IDLE_LEAF.match(frames[-1]):
+        return True
+    py = [f for f in frames if ".py:" in f]
+    return bool(py) and _IDLE_PY.match(py[-1]) is not None
+
+
+def is_gil_wait(frames: Sequence[str]) -> bool:
+    """Whether a py-spy stack is a thread waiting for the GIL (or another condition)."""
+    return any(_GIL_WAIT.match(f) for f in frames[-3:])
+
+
+def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
+    """Busy samples of a py-spy raw file summed by category and by leaf frame (shares)."""
+    categories: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    python_leaves: Counter[str] = Counter()
+    total = idle = gil = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        if is_idle(frames):
+            idle += count
+            continue
+        if is_gil_wait(frames):
+            gil += count
+            continue
+        total += count
+        categories[categorize(frames)] += count
+        leaves[_frame_name(frames[-1])] += count
+        py = [f for f in frames if ".py:" in f]
+        if py:
+            python_leaves[_frame_name(py[-1], keep_line=True)] += count
+    share = {k: round(v / total, 3) for k, v in categories.most_common()} if total else {}
+    return {
+        "samples": total,
+        "idle_samples": idle,
+        "gil_wait_samples": gil,
+        "categories": share,
+        "top_leaves": [[k, round(v / total, 3)] for k, v in leaves.most_common(top)]
+        if total
+        else [],
+        "top_python_lines": [[k, round(v / total, 3)] for k, v in python_leaves.most_common(top)]
+        if total
+        else [],
+    }
+
+
+def _frame_name(frame: str, keep_line: bool = False) -> str:
+    # "func (path/to/file.py:123)" or "0x7f.. (lib.so)": shorten paths, drop addresses.
+    m = re.match(r"(.*) \((.*)\)$", frame)
+    if not m:
+        return frame
+    func, where = m.groups()
+    where = re.sub(r".*/site-packages/", "", where)
+    where = re.sub(r".*/lib/python3\.\d+/", "", where)
+    where = re.sub(r"^/work/[^/]+/", "", where)
+    if not keep_line:
+        where = re.sub(r":\d+$", "", where)
+    if func.startswith("0x"):
+        func = "?"
+    return f"{func} ({where})"
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def _median(measures: list[Measure]) -> Measure:
+    ordered = sorted(measures, key=lambda m: m.gbps)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    def num(value: Any, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    head = ("config", "GB/s", "p50 ms", "p99 ms", "ratio", "p50 x base",
+            "CPU s/GB nodes", "CPU s/GB client")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['gbps']:.2f} | {num(r['p50_ms'], '.1f')} "
+            f"| {num(r['p99_ms'], '.1f')} | {num(r['ratio'], '.2f')} "
+            f"| {num(r['p50_ratio'], '.2f')} | {r['server_cpu_s_per_gb']:.2f} "
+            f"| {r['client_cpu_s_per_gb']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _parse_concurrency(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"want positive integers like 4,8, not {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.ack", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--size", type=float, help="GiB uploaded per round (default 2)")
+    parser.add_argument("--chunk-mib", type=float, default=8.0)
+    parser.add_argument(
+        "--concurrency",
+        type=_parse_concurrency,
+        help="uploads in flight, e.g. 4,8 (default; one configuration each)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=15.0,
+        help="no new PUT after this long in a timed window (bounds run time)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; the median is reported")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--memory", default="3GiB", help="memory tier capacity per node")
+    parser.add_argument(
+        "--no-background",
+        action="store_true",
+        help="nodes run no drain or encode workers: the ack path alone",
+    )
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy round")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few seconds: 128 MiB, concurrency 4, no profile"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "ack.json")
+    args = parser.parse_args(argv)  # fmt: skip
+    if args.quick:
+        args.no_profile = True
+    if args.size is None:
+        args.size = 0.125 if args.quick else 2.0
+    if args.concurrency is None:
+        args.concurrency = [4] if args.quick else [4, 8]
+    chunk = int(args.chunk_mib * MiB)
+    count = int(args.size * GiB) // chunk if chunk > 0 else 0
+    if chunk <= STAMP.size:
+        parser.error(f"--chunk-mib {args.chunk_mib} is too small")
+    if count < 1:
+        parser.error(f"--size {args.size} GiB holds no chunk of {args.chunk_mib} MiB")
+    if args.repeat < 1 or args.nodes < 3:
+        parser.error("--repeat must be >= 1 and --nodes >= 3 (three copies)")
+    spec = ClusterSpec(args.nodes, args.memory, chunk, not args.no_background, args.loop)
+    command = "python -m loadtest.ack " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# {command}".rstrip(), flush=True)
+
+    load_before = os.getloadavg()
+    t_gen = time.perf_counter()
+    corpus = Corpus(chunk, count)
+    warm = max(args.concurrency)
+    print(f"# {count} chunks of {chunk / MiB:g} MiB ({count * chunk / GiB:.2f} GiB) made in "
+          f"{time.perf_counter() - t_gen:.1f} s; {os.cpu_count()} CPUs, {args.loop}, "
+          f"{args.nodes} nodes x {args.memory} RAM, background "
+          f"{'on' if spec.background else 'off'}", flush=True)  # fmt: skip
+
+    raw = raw_socket(corpus, min(count * chunk, GiB))
+    rows: list[dict[str, Any]] = [raw.summary(None)]
+    print(f"# raw loopback socket: {raw.gbps:.2f} GB/s", flush=True)
+
+    proc, port = _child(_serve_baseline, chunk, warm + 4, args.loop)
+    tag = 0
+    measures: dict[tuple[str, int], list[Measure]] = {}
+    try:
+        base_pid = proc.pid or 0
+
+        def base_url(up: Upload) -> str:
+            return f"http://{HOST}:{port}/v1/chunks/{up.chunk_id}"
+
+        for rnd in range(args.repeat):
+            for conc in args.concurrency:
+                tag += 1
+                base = _run(
+                    timed_uploads("baseline", f"baseline aiohttp 1 copy, c={conc}",
+                                  corpus.uploads(tag), corpus.uploads(tag + 1000, warm),
+                                  base_url, conc, [base_pid], args.max_seconds),
+                    args.loop,
+                )  # fmt: skip
+                measures.setdefault(("baseline", conc), []).append(base)
+                tag += 1
+                store, _ = run_storaged(
+                    spec,
+                    corpus.uploads(tag),
+                    corpus.uploads(tag + 1000, warm),
+                    conc,
+                    args.max_seconds,
+                )
+                measures.setdefault(("storaged", conc), []).append(store)
+                print(f"# round {rnd + 1}, c={conc}: baseline {base.gbps:.2f} GB/s, "
+                      f"storaged {store.gbps:.2f} GB/s", flush=True)  # fmt: skip
+    finally:
+        _stop_child(proc)
+
+    for conc in args.concurrency:
+        base = _median(measures[("baseline", conc)])
+        rows.append(base.summary(None))
+        rows.append(_median(measures[("storaged", conc)]).summary(base))
+
+    profile: dict[str, Any] = {"available": py_spy_path() is not None, "ran": False}
+    if not args.no_profile and profile["available"]:
+        conc = max(args.concurrency)
+        tag += 1
+        raw_path = args.out.parent / "ack-profile-n0.txt"
+        store, _ = run_storaged(spec, corpus.uploads(tag), corpus.uploads(tag + 1000, warm),
+                                conc, args.max_seconds, profile_to=raw_path)  # fmt: skip
+        profile.update(ran=True, node="n0", concurrency=conc, raw=str(raw_path),
+                       gbps_while_profiled=round(store.gbps, 3),
+                       **summarize_profile(raw_path))  # fmt: skip
+
+    print(_table(rows))
+    if profile["ran"]:
+        print(f"# py-spy on n0 (c={profile['concurrency']}, {profile['samples']} samples at "
+              f"200 Hz, {profile['gbps_while_profiled']:.2f} GB/s while profiled): where the "
+              "CPU goes")  # fmt: skip
+        for name, share in profile["categories"].items():
+            print(f"#   {share * 100:5.1f} %  {name}")
+        print("# top leaf frames:")
+        for name, share in profile["top_leaves"][:10]:
+            print(f"#   {share * 100:5.1f} %  {name}")
+    elif not args.no_profile:
+        print("# no profile: py-spy not found (pip install py-spy)")
+
+    result = {
+        "command": command,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "aiohttp": aiohttp.__version__, "loop": args.loop,
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "settings": {"chunk_bytes": chunk, "chunks": count, "nodes": args.nodes,
+                     "memory_per_node": args.memory, "background": spec.background,
+                     "repeat": args.repeat, "concurrency": args.concurrency},
+        "results": rows,
+        "profile": profile,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"# results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

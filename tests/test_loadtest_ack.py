@@ -1,0 +1,180 @@
+"""Smoke test of ``python -m loadtest.ack``: it runs end to end and reports what it promises.
+
+No timing is asserted: only the structure of the table and of the JSON, and that the
+figures are the kind of numbers they claim to be. The profile summary is checked on a
+py-spy file written here, since py-spy itself is optional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.ack import Corpus, categorize, is_gil_wait, is_idle, percentile, summarize_profile
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float = 55) -> subprocess.CompletedProcess[str]:
+    # The node processes and the benchmark run without asyncio debug mode (conftest sets it).
+    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "loadtest.ack", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(60)
+def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "ack.json"
+    proc = _run("--quick", "--size", "0.0625", "--chunk-mib", "2", "--concurrency", "2",
+                "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = [line for line in lines if line.startswith("| config |")]
+    assert len(header) == 1
+    assert header[0].split(" | ")[1:] == [
+        "GB/s", "p50 ms", "p99 ms", "ratio", "p50 x base", "CPU s/GB nodes", "CPU s/GB client |",
+    ]  # fmt: skip
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| raw loopback socket, 1 stream",
+        "| baseline aiohttp 1 copy, c=2",
+        "| storaged 4 nodes x3, c=2",
+    ]
+
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python -m loadtest.ack --quick")
+    assert doc["settings"]["chunk_bytes"] == 2 << 20
+    assert doc["settings"]["chunks"] == 32
+    assert doc["profile"]["ran"] is False  # --quick never profiles
+    raw, base, store = doc["results"]
+    assert [r["kind"] for r in doc["results"]] == ["raw", "baseline", "storaged"]
+    for row in (base, store):
+        assert row["concurrency"] == 2
+        assert 1 <= row["chunks"] <= 32
+        assert row["bytes"] == row["chunks"] * (2 << 20)
+        assert row["gbps"] > 0 and row["seconds"] > 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["server_cpu_s_per_gb"] >= 0 and row["client_cpu_s_per_gb"] >= 0
+    assert base["ratio"] is None
+    assert store["ratio"] == pytest.approx(store["gbps"] / base["gbps"], rel=0.01)
+    assert store["p50_ratio"] == pytest.approx(store["p50_ms"] / base["p50_ms"], rel=0.02)
+    assert raw["gbps"] > 0 and raw["p50_ms"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--concurrency", "0"], "positive integers"),
+        (["--concurrency", "four"], "positive integers"),
+        (["--size", "0.001"], "holds no chunk"),
+        (["--chunk-mib", "0"], "too small"),
+        (["--nodes", "2"], "--nodes >= 3"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(args: list[str], message: str) -> None:
+    proc = _run("--quick", *args, timeout=30)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "| config |" not in proc.stdout
+
+
+def test_corpus_rounds_are_distinct_chunks_with_true_ids() -> None:
+    import blake3
+
+    corpus = Corpus(64 << 10, 3)
+    first, second = corpus.uploads(1), corpus.uploads(2)
+    ids = {u.chunk_id for u in first} | {u.chunk_id for u in second}
+    assert len(ids) == 6  # no dedup between chunks or between rounds
+    for up in first:
+        body = up.stamp + bytes(up.view[len(up.stamp) :])
+        assert blake3.blake3(body).hexdigest() == up.chunk_id
+        assert len(body) == up.size
+
+
+async def test_upload_body_is_the_stamped_chunk_in_client_slices() -> None:
+    up = Corpus((3 << 20) + 5, 1).uploads(7)[0]
+    pieces = [bytes(p) async for p in up.body()]
+    assert b"".join(pieces) == up.stamp + bytes(up.view[len(up.stamp) :])
+    assert [len(p) for p in pieces] == [16, (1 << 20) - 16, 1 << 20, 1 << 20, 5]
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([2.0, 1.0], 50) == 1.0
+
+
+def _stack(*frames: str) -> str:
+    return ";".join(frames)
+
+
+LOOP = _stack(
+    "<module> (storaged/__main__.py:5)", "cmd_serve (storaged/cli.py:52)",
+    "Runner.run (asyncio/runners.py:118)",
+)  # fmt: skip
+POOL = _stack(
+    "Thread._bootstrap_inner (threading.py:1045)", "_worker (concurrent/futures/thread.py:83)",
+    "_WorkItem.run (concurrent/futures/thread.py:58)",
+)  # fmt: skip
+
+
+def test_profile_summary_separates_waits_from_work(tmp_path: Path) -> None:
+    lines = [
+        # waits: the loop in epoll, a pool thread waiting for work, a thread back for the GIL
+        _stack(LOOP, "uv_run (core.c:1)", "epoll_pwait (libc.so.6) 50"),
+        _stack("Thread._bootstrap_inner (threading.py:1045)",
+               "_worker (concurrent/futures/thread.py:81)", "0x7f (libc.so.6) 40"),
+        _stack(POOL, "chunk_id_of (storaged/ids.py:31)", "PyEval_RestoreThread (x.so)",
+               "pthread_cond_timedwait (libc.so.6)", "0x1 (libc.so.6) 5"),
+        # work
+        _stack(POOL, "chunk_id_of (storaged/ids.py:31)", "0x2 (blake3/blake3.cpython-311.so) 7"),
+        _stack(LOOP, "put_chunk (storaged/server.py:168)", "Node._receive (storaged/node.py:683)",
+               "0x7f (libc.so.6) 2"),
+        _stack(LOOP, "Node._receive (storaged/node.py:689)",
+               "PutStream.write (storaged/peer.py:1050)", "write (libc.so.6) 6"),
+        _stack(LOOP, "uv__read (stream.c:1)", "read (libc.so.6) 4"),
+        _stack(LOOP, "_http_parser_cb_on_body (_http_parser.c:1)", "0x7f (libc.so.6) 1"),
+        "garbage line without count",
+    ]  # fmt: skip
+    path = tmp_path / "profile.txt"
+    path.write_text("\n".join(lines) + "\n")
+    summary = summarize_profile(path)
+    assert summary["samples"] == 20
+    assert summary["idle_samples"] == 90
+    assert summary["gil_wait_samples"] == 5
+    assert summary["categories"] == {
+        "BLAKE3 hash (id check)": 0.35,
+        "peer protocol (sending replicas, replica receive)": 0.3,
+        "socket reads in the event loop (HTTP and replica bodies)": 0.2,
+        "copy into the RAM buffer (Node._receive)": 0.1,
+        "HTTP (aiohttp parsing, body stream)": 0.05,
+    }
+    assert summary["top_leaves"][0] == ["? (blake3/blake3.cpython-311.so)", 0.35]
+
+
+def test_categorize_and_wait_rules_on_single_stacks() -> None:
+    assert is_idle(["a (x.py:1)", "epoll_wait (libc.so.6)"])
+    assert is_idle(["_worker (/usr/lib/python3.11/concurrent/futures/thread.py:81)", "0x1 (libc)"])
+    assert not is_idle(["Node._receive (storaged/node.py:1)", "0x1 (libc.so.6)"])
+    assert is_gil_wait(["f (a.py:1)", "pthread_cond_timedwait (libc.so.6)", "0x1 (libc.so.6)"])
+    assert (
+        categorize(["_write_parts (tiers/_durable.py:574)", "writev (libc.so.6)"])
+        == "drain to nvme"
+    )
+    assert categorize(["Runner.run (asyncio/runners.py:1)", "task_step (x.c:1)"]) == (
+        "event loop (uvloop, asyncio tasks)"
+    )
+    assert categorize(["mystery (elsewhere.py:3)"]) == "other"
