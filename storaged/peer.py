@@ -62,10 +62,11 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import ssl as ssl_module
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Final, cast
 
@@ -560,7 +561,6 @@ class _ServerConn(_FramedProtocol):
         self._inflight: tuple[str, memoryview] | None = None  # buffer owed to the handler
         self._method = ""
         self._args: dict[str, Any] = {}
-        self._after_discard: Header | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -640,7 +640,11 @@ class _ServerConn(_FramedProtocol):
         self._mode = _BUSY
         self._pause_reading()
         if self._transport is not None:
-            self._transport.close()  # flushes the refusal first
+            self._transport.close()  # flushes the refusal first...
+            # ...unless the peer never reads it.
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._loop.call_later(self._server.io_timeout, self._transport.abort)
         self._closed = True
         self._abort_inflight()
 
@@ -829,6 +833,8 @@ class _ServerConn(_FramedProtocol):
         out: memoryview | None = None
         try:
             result, out_body = await self._server.handler.call(method, args, body)
+            if not isinstance(result, dict):
+                raise TypeError(f"call({method!r}) returned a {type(result).__name__}, not a dict")
             reply: Header = {"ok": True, "result": result}
             if out_body is not None:
                 out = _byte_view(out_body)
@@ -877,15 +883,16 @@ class _ServerConn(_FramedProtocol):
 
 
 class _ClientConn(_FramedProtocol):
-    def __init__(self, addr: Addr, write_buffer: int) -> None:
+    def __init__(self, addr: Addr, write_buffer: int, max_reply_body: int) -> None:
         super().__init__(MAX_HEADER)
         self.addr = addr
         self._write_buffer = write_buffer
+        self._max_reply_body = max_reply_body
         self._waiter: asyncio.Future[Reply] | None = None
         self._reply_header: Header = {}
         self.idle_since = 0.0
         self.peer_node = ""
-        self.on_lost: Any = None
+        self.on_lost: Callable[[_ClientConn], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -931,6 +938,21 @@ class _ClientConn(_FramedProtocol):
             and (self._waiter is None or self._waiter.done())
         )
 
+    def readable(self) -> bool:
+        """Whether bytes or an EOF wait unread: on an idle connection, the peer closed it.
+
+        The loop learns of a close one iteration late; this asks the kernel, so a
+        pooled connection the peer just closed is not handed out.
+        """
+        if self._transport is None or not hasattr(select, "poll"):
+            return False
+        sock = self._transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
     def expect_reply(self) -> asyncio.Future[Reply]:
         self._waiter = asyncio.get_running_loop().create_future()
         return self._waiter
@@ -952,8 +974,8 @@ class _ClientConn(_FramedProtocol):
             self._protocol_error("unexpected frame")
             return
         size = _length_field(header, "body")
-        if size is None:
-            self._protocol_error("reply with a bad body length")
+        if size is None or size > self._max_reply_body:
+            self._protocol_error(f"reply with a bad body length {header.get('body')!r}")
             return
         self._reply_header = header
         if size:
@@ -1152,6 +1174,7 @@ class PeerClient:
         pool_size: int = 8,
         pool_idle_timeout: float = 20,
         write_buffer: int = 1 << 20,
+        max_reply_body: int = 1 << 30,
     ) -> None:
         if not secret:
             raise ValueError("the cluster secret must not be empty")
@@ -1163,6 +1186,7 @@ class PeerClient:
         self.pool_size = pool_size
         self.pool_idle_timeout = pool_idle_timeout
         self._write_buffer = write_buffer
+        self._max_reply_body = max_reply_body
         self._idle: dict[Addr, list[_ClientConn]] = {}
         self._conns: set[_ClientConn] = set()
         self._closed = False
@@ -1245,7 +1269,8 @@ class PeerClient:
             now = asyncio.get_running_loop().time()
             while idle:
                 conn = idle.pop()  # the most recently used one
-                if conn.clean() and now - conn.idle_since < self.pool_idle_timeout:
+                fresh = now - conn.idle_since < self.pool_idle_timeout
+                if fresh and conn.clean() and not conn.readable():
                     return conn
                 self._discard(conn)
         return await self._connect(addr)
@@ -1278,7 +1303,7 @@ class PeerClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConn(addr, self._write_buffer),
+                    lambda: _ClientConn(addr, self._write_buffer, self._max_reply_body),
                     host,
                     port,
                     ssl=self._ssl,

@@ -722,6 +722,19 @@ async def test_rpc_body_over_the_cap_is_refused_and_skipped() -> None:
         await stop_node(n)
 
 
+async def test_reply_body_over_the_client_cap_drops_the_connection(node: Node) -> None:
+    client = PeerClient("client", SECRET, max_reply_body=1000)
+    try:
+        echoed = (await client.call(node.addr, "echo", {}, b"x" * 1000))[1]
+        assert echoed is not None and bytes(echoed) == b"x" * 1000
+        with pytest.raises(PeerUnavailable) as info:
+            await client.call(node.addr, "echo", {}, b"x" * 1001)
+        assert info.value.code == "protocol_error"
+        assert (await client.call(node.addr, "echo", {"z": 1}))[0] == {"z": 1}
+    finally:
+        await client.close()
+
+
 async def test_oversized_request_header_is_refused_locally(node: Node) -> None:
     with pytest.raises(PeerError) as info:
         await node.client.call(node.addr, "echo", {"pad": "x" * (70 << 10)})
