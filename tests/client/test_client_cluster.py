@@ -1,0 +1,377 @@
+"""The client against a real 4-node cluster (node processes on 127.0.0.1).
+
+Round trips of random shapes, dtypes and shardings; N -> M resharding; dedup of
+unchanged state; the chunk and checkpoint API; async save with the source mutated
+after return; a node killed in the middle of a save; restore with nodes dead;
+RAM backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from storaged.client import (
+    AsyncSaver,
+    BadManifest,
+    BadRange,
+    ByteRange,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    ChunkNotFound,
+    Client,
+    ClusterInfo,
+    Exists,
+    MissingChunks,
+    Shard,
+    StoragedError,
+    TooLarge,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from storaged.client.errors import Unauthorized
+from storaged.client.retry import RetryPolicy
+from storaged.cluster import LocalCluster
+from storaged.ids import chunk_id_of
+from tests.conftest import ClusterFactory
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
+    return Client(cluster.urls, token=cluster.token, **kwargs)
+
+
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+State = dict[int, dict[str, Any]]
+
+
+def split(shape: tuple[int, ...], axis: int, bounds: list[int]) -> Boxes:
+    """(offsets, shape) boxes cutting ``shape`` along ``axis`` at ``bounds``."""
+    boxes = []
+    for lo, hi in itertools.pairwise(bounds):
+        offsets = [0] * len(shape)
+        extent = list(shape)
+        offsets[axis], extent[axis] = lo, hi - lo
+        boxes.append((tuple(offsets), tuple(extent)))
+    return boxes
+
+
+def shards_of(g: np.ndarray[Any, Any], boxes: Boxes) -> list[Shard]:
+    return [
+        Shard(g[tuple(slice(o, o + n) for o, n in zip(offs, ext, strict=True))], g.shape, offs)
+        for offs, ext in boxes
+    ]
+
+
+async def restored_boxes(
+    client: Client,
+    name: str,
+    key: str,
+    g: np.ndarray[Any, Any],
+    boxes: Boxes,
+) -> None:
+    """Restore ``key`` box by box (one "rank" each, concurrently) and compare with ``g``."""
+
+    async def one(offs: tuple[int, ...], ext: tuple[int, ...]) -> None:
+        dst = np.zeros(ext, g.dtype)
+        await restore_checkpoint(client, name, {key: Shard(dst, g.shape, offs)})
+        index = tuple(slice(o, o + n) for o, n in zip(offs, ext, strict=True))
+        assert dst.tobytes() == g[index].tobytes()
+
+    await asyncio.gather(*(one(o, e) for o, e in boxes))
+
+
+async def all_alive(client: Client) -> ClusterInfo:
+    """The cluster view once every node is alive in it (right after start-up the nodes
+    may not have heard each other yet)."""
+    info = client.cluster
+    for _ in range(100):
+        if all(n.alive for n in info.nodes):
+            break
+        await asyncio.sleep(0.1)
+        info = await client.refresh_cluster()
+    assert all(n.alive for n in info.nodes), info
+    return info
+
+
+# --------------------------------------------------------------------------- API
+
+
+async def test_client_learns_the_cluster_from_one_url(cluster: LocalCluster) -> None:
+    async with Client(cluster.urls[2], token=cluster.token) as client:
+        assert sorted(n.id for n in client.cluster.nodes) == [cluster.node_id(i) for i in range(4)]
+        info = await all_alive(client)
+        assert info.replication == 3
+        assert info.max_chunk_size == 16 << 20 and info.erasure is not None
+    with pytest.raises(Unauthorized):
+        async with Client(cluster.urls[0], token="wrong"):
+            pass
+
+
+async def test_chunk_api(cluster: LocalCluster) -> None:
+    data = np.random.default_rng(1).bytes(300_000)
+    async with client_for(cluster) as client:
+        await all_alive(client)
+        result = await client.put_chunk_result(data)
+        cid = chunk_id_of(data)
+        assert result.chunk == cid and result.size == len(data)
+        # The client's placement is the cluster's: the hot copies are on its first three.
+        assert set(result.replicas) == set(client.placement(cid)[:3])
+        assert await client.missing_chunks([cid, chunk_id_of(b"never")]) == [chunk_id_of(b"never")]
+        out = bytearray(len(data) + 10)
+        view = await client.get_chunk(cid, out)
+        assert view.obj is out and bytes(view) == data
+        assert bytes(await client.get_chunk(cid, None, ByteRange(1000, 5000))) == data[1000:5000]
+        assert bytes(await client.get_chunk(cid, None, ByteRange(299_990))) == data[299_990:]
+        head = await client.head_chunk(cid)
+        assert head.size == len(data) and head.tier in ("memory", "nvme", "cold")
+        with pytest.raises(ChunkNotFound):
+            await client.get_chunk(chunk_id_of(b"never"))
+        with pytest.raises(ChunkNotFound):
+            await client.head_chunk(chunk_id_of(b"never"))
+        with pytest.raises(BadRange):
+            await client.get_chunk(cid, None, ByteRange(400_000, 400_010))
+        with pytest.raises(ChecksumMismatch):
+            await client.put_chunk(b"these bytes", chunk_id_of(b"other bytes"))
+        with pytest.raises(TooLarge):
+            await client.put_chunk(bytes(client.cluster.max_chunk_size + 1))
+        assert client.stats.failovers == 0
+
+
+async def test_checkpoint_api(cluster: LocalCluster) -> None:
+    async with client_for(cluster) as client:
+        g = np.arange(5000, dtype=np.float64).reshape(50, 100)
+        states = {
+            r: {"g": s, "step": 3}
+            for r, s in enumerate(shards_of(g, split(g.shape, 0, [0, 20, 50])))
+        }
+        result = await save_checkpoint(client, "api/step-3", states, meta={"step": 3})
+        assert result.created and result.bytes >= g.nbytes
+        manifest = await client.get_manifest("api/step-3")
+        assert manifest["format"] == 1 and manifest["meta"] == {"step": 3}
+        assert [s["rank"] for s in manifest["shards"]] == [0, 1]
+        listed = await client.list("api/")
+        assert [c.name for c in listed] == ["api/step-3"] and listed[0].bytes == result.bytes
+        plan = await client.plan("api/step-3")
+        chunk_ids = {c for s in manifest["shards"] for c, _ in s["chunks"]}
+        assert set(plan) == chunk_ids and all(plan[c] for c in chunk_ids)
+        status = await client.wait("api/step-3", "cold", timeout=60)
+        assert status.cold == status.chunks == len(chunk_ids)
+        # Immutable; idempotent for the identical manifest.
+        again = await client.commit("api/step-3", manifest)
+        assert not again.created
+        with pytest.raises(Exists):
+            await client.commit("api/step-3", {**manifest, "meta": {"step": 4}})
+        ghost = chunk_id_of(b"no such chunk")
+        orphan = {**manifest, "shards": [{"rank": 0, "chunks": [[ghost, 13]], "items": []}]}
+        with pytest.raises(MissingChunks) as missing:
+            await client.commit("api/orphan", orphan)
+        assert missing.value.missing == [ghost]
+        overlapping = {
+            **manifest,
+            "shards": [
+                {**manifest["shards"][0], "rank": 0},
+                {**manifest["shards"][0], "rank": 1},
+            ],
+        }
+        with pytest.raises(BadManifest):
+            await client.commit("api/overlap", overlapping)
+        assert [c.name for c in await client.list("api/")] == ["api/step-3"]
+        await client.delete("api/step-3")
+        with pytest.raises(CheckpointNotFound):
+            await client.get_manifest("api/step-3")
+        with pytest.raises(CheckpointNotFound):
+            await client.delete("api/step-3")
+        assert await client.list("api/") == []
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], str, int, list[int], int, list[int], int]:
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=ndim, max_size=ndim)))
+    dtype = draw(st.sampled_from(["float32", "float64", "int8", "uint16", "complex64", "bool"]))
+    save_axis = draw(st.integers(0, ndim - 1))
+    n = draw(st.integers(1, 4))
+    save_cuts = sorted(
+        draw(st.lists(st.integers(0, shape[save_axis]), min_size=n - 1, max_size=n - 1))
+    )
+    load_axis = draw(st.integers(0, ndim - 1))
+    m = draw(st.integers(1, 4))
+    load_cuts = sorted(
+        draw(st.lists(st.integers(0, shape[load_axis]), min_size=m - 1, max_size=m - 1))
+    )
+    return shape, dtype, save_axis, save_cuts, load_axis, load_cuts, draw(st.integers(0, 2**31))
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(layouts())
+def test_random_round_trips(cluster: LocalCluster, layout: Any) -> None:
+    shape, dtype, save_axis, save_cuts, load_axis, load_cuts, seed = layout
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    g = (raw % 2 if dtype == "bool" else raw).view(dtype).reshape(shape)
+    saved = split(shape, save_axis, [0, *save_cuts, shape[save_axis]])
+    wanted = split(shape, load_axis, [0, *load_cuts, shape[load_axis]])
+    name = f"rt/{seed}-{len(saved)}-{len(wanted)}"
+
+    async def run() -> None:
+        async with client_for(cluster) as client:
+            states = {r: {"g": s, "seed": seed} for r, s in enumerate(shards_of(g, saved))}
+            await save_checkpoint(client, name, states, chunk_size=1024)
+            await restored_boxes(client, name, "g", g, wanted)
+            assert (await restore_checkpoint(client, name, {"seed": None}))["seed"] == seed
+
+    asyncio.run(run())
+
+
+async def test_uneven_resharding_reads_only_what_each_rank_needs(cluster: LocalCluster) -> None:
+    g = np.random.default_rng(5).standard_normal((1000, 512)).astype(np.float32)  # 2 MB
+    async with client_for(cluster) as client:
+        saved = split(g.shape, 0, [0, 100, 450, 451, 1000])
+        states = {r: {"g": s} for r, s in enumerate(shards_of(g, saved))}
+        await save_checkpoint(client, "reshard/4", states, chunk_size=256 << 10)
+        for bounds in ([0, 333, 999, 1000], [0, 1000], [0, 1, 2, 500, 900, 1000]):
+            client.stats.reset()
+            await restored_boxes(client, "reshard/4", "g", g, split(g.shape, 0, bounds))
+            # Row splits map onto contiguous byte ranges: nothing beyond them is read.
+            assert client.stats.bytes_downloaded == g.nbytes
+        # Column splits read whole rows of each tile (gaps are cheaper than requests).
+        await restored_boxes(client, "reshard/4", "g", g, split(g.shape, 1, [0, 100, 512]))
+
+
+async def test_unchanged_state_uploads_only_the_manifest(cluster: LocalCluster) -> None:
+    rng = np.random.default_rng(6)
+    head = rng.standard_normal((64, 64)).astype(np.float32)
+    state: dict[str, Any] = {
+        "frozen": rng.standard_normal((512, 1024)).astype(np.float32),  # 2 MiB
+        "head": head,
+        "step": 1,
+    }
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, "dedup/1", {0: state}, chunk_size=1 << 20)
+        client.stats.reset()
+        await save_checkpoint(client, "dedup/2", {0: state}, chunk_size=1 << 20)
+        assert client.stats.bytes_uploaded == 0 and client.stats.chunks_uploaded == 0
+        assert client.stats.chunks_skipped > 0
+        head += 1.0
+        state["step"] = 2
+        client.stats.reset()
+        await save_checkpoint(client, "dedup/3", {0: state}, chunk_size=1 << 20)
+        # Only the packed small items changed; the 2 MiB array kept its chunks.
+        assert 0 < client.stats.bytes_uploaded < 64 * 1024
+        got = await restore_checkpoint(client, "dedup/3")
+        assert np.array_equal(got["head"], head) and got["step"] == 2
+
+
+async def test_async_save_ignores_mutation_after_return(cluster: LocalCluster) -> None:
+    rng = np.random.default_rng(7)
+    g = rng.standard_normal((2048, 512)).astype(np.float32)  # 4 MiB
+    original = g.copy()
+    states = {
+        r: {"g": s, "step": 9}
+        for r, s in enumerate(shards_of(g, split(g.shape, 0, [0, 700, 2048])))
+    }
+    async with client_for(cluster) as client, AsyncSaver(client, chunk_size=512 << 10) as saver:
+        handle = await saver.save("async/9", states, meta={"step": 9})
+        g[...] = -1.0  # the training loop writes the next step into the same memory
+        result = await handle.acked()
+        assert result.commit is not None and result.commit.created
+        status = await handle.durable("nvme", timeout=60)
+        assert status.nvme == status.chunks
+        await restored_boxes(client, "async/9", "g", original, split(g.shape, 0, [0, 1024, 2048]))
+        # The staging buffers are reused: a second save of the mutated state is right too.
+        handle = await saver.save("async/10", states)
+        await handle.acked()
+        await restored_boxes(client, "async/10", "g", g, split(g.shape, 0, [0, 2048]))
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def big_state(seed: int, rows: int = 4096) -> tuple[np.ndarray[Any, Any], State]:
+    g = np.random.default_rng(seed).standard_normal((rows, 2048)).astype(np.float32)
+    boxes = split(g.shape, 0, [0, rows // 3, rows])
+    return g, {r: {"g": s, "step": seed} for r, s in enumerate(shards_of(g, boxes))}
+
+
+async def uploads_reach(client: Client, chunks: int, save: asyncio.Future[Any]) -> None:
+    """Return once the save has uploaded ``chunks`` chunks (or ended)."""
+    for _ in range(3000):
+        if client.stats.chunks_uploaded >= chunks or save.done():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_node_killed_during_a_save(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(4)
+    g, states = big_state(11)  # 32 MiB in 256 KiB chunks
+    async with client_for(cluster, max_concurrency=4) as client:
+        save = asyncio.ensure_future(
+            save_checkpoint(client, "kill/1", states, chunk_size=256 << 10)
+        )
+        await uploads_reach(client, 20, save)
+        await asyncio.to_thread(cluster.kill, 3)
+        try:
+            await save
+        except StoragedError as exc:  # allowed: a clear error, and nothing visible
+            assert exc.code, exc
+            assert [c.name for c in await client.list("kill/")] == []
+            return
+        # Completed despite the dead node: every byte is back.
+        await restored_boxes(client, "kill/1", "g", g, split(g.shape, 0, [0, 1000, 4096]))
+
+
+async def test_save_that_cannot_complete_is_never_visible(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(4)
+    _, states = big_state(12, rows=2048)
+    policy = RetryPolicy(max_attempts=4, max_delay=0.5, max_retry_after=1.0, deadline=10)
+    async with client_for(cluster, max_concurrency=4, retry=policy) as client:
+        save = asyncio.ensure_future(
+            save_checkpoint(client, "kill/2", states, chunk_size=256 << 10)
+        )
+        await uploads_reach(client, 10, save)
+        # Two of four nodes gone: fewer live nodes than the replication factor.
+        await asyncio.to_thread(cluster.kill, 2)
+        await asyncio.to_thread(cluster.kill, 3)
+        with pytest.raises(StoragedError) as failure:
+            await save
+        assert failure.value.code in ("insufficient_replicas", "connection_failed", "unavailable")
+        assert [c.name for c in await client.list("kill/")] == []
+
+
+async def test_restore_with_nodes_dead(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(4)
+    g, states = big_state(13, rows=1024)
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, "dead/1", states, chunk_size=256 << 10)
+        # Acked means in RAM on three nodes: losing two of them loses nothing.
+        await asyncio.to_thread(cluster.kill, 0)
+        await asyncio.to_thread(cluster.kill, 1)
+        started = time.monotonic()
+        await restored_boxes(client, "dead/1", "g", g, split(g.shape, 0, [0, 500, 1024]))
+        assert time.monotonic() - started < 60
+        await asyncio.to_thread(cluster.restart, 1)
+        await restored_boxes(client, "dead/1", "g", g, split(g.shape, 1, [0, 1000, 2048]))
+
+
+async def test_full_memory_is_backpressure_not_failure(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(4, max_chunk_size=1 << 20, tiers={"memory_capacity": "3MiB"})
+    g, states = big_state(14, rows=2048)  # 16 MiB through 3 MiB of RAM per node
+    async with client_for(cluster, max_concurrency=8) as client:
+        await save_checkpoint(client, "full/1", states, chunk_size=1 << 20)
+        await restored_boxes(client, "full/1", "g", g, split(g.shape, 0, [0, 2048]))
