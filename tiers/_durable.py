@@ -375,6 +375,8 @@ class DurableTier(Tier):
                     await asyncio.to_thread(self._check_or_raise, key, parts)
                 return
             if self._used + self._reserved + size > self._capacity:
+                if not verified:  # bad input is reported as such, full or not
+                    await asyncio.to_thread(self._check_or_raise, key, parts)
                 raise TierFull(
                     f"{self.name} tier full: {self._used} + {size} bytes over capacity"
                     f" {self._capacity}"

@@ -287,7 +287,12 @@ class MemoryTier(Tier):
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
             return
-        buf = await self._acquire(size_class(src.nbytes), self._put_timeout)
+        try:
+            buf = await self._acquire(size_class(src.nbytes), self._put_timeout)
+        except TierFull:
+            if not verified and await _hash(src) != key:  # bad input is reported as such
+                raise CorruptChunk(key, "BLAKE3 of the data does not match") from None
+            raise
         dst = memoryview(buf.mem)[: src.nbytes]
         # The one deliberate copy of this path. Hashing our copy rather than the source
         # guarantees that what is stored is what was checked.

@@ -367,6 +367,9 @@ class TierTests:
                     await tier.put(key, value)
                     stored[key] = value
             assert len(stored) == 3
+            bad_key, bad = self.make_value(rng, size)
+            with pytest.raises(CorruptChunk):  # bad input is reported as such, full or not
+                await tier.put(bad_key, bad[:-1])
             usage = tier.usage()
             assert usage.count == 3 and usage.used <= usage.capacity
             assert sorted(await all_keys(tier)) == sorted(stored)
