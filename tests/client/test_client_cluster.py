@@ -325,6 +325,7 @@ async def test_node_killed_during_a_save(cluster_factory: ClusterFactory) -> Non
             save_checkpoint(client, "kill/1", states, chunk_size=256 << 10)
         )
         await uploads_reach(client, 20, save)
+        assert not save.done()  # the kill lands in the middle of the save
         await asyncio.to_thread(cluster.kill, 3)
         try:
             await save
@@ -345,6 +346,7 @@ async def test_save_that_cannot_complete_is_never_visible(cluster_factory: Clust
             save_checkpoint(client, "kill/2", states, chunk_size=256 << 10)
         )
         await uploads_reach(client, 10, save)
+        assert not save.done()
         # Two of four nodes gone: fewer live nodes than the replication factor.
         await asyncio.to_thread(cluster.kill, 2)
         await asyncio.to_thread(cluster.kill, 3)
