@@ -110,11 +110,22 @@ Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 
 def _client_commands() -> list[Registrar]:
     """Client-side commands live with the client; absent parts just aren't offered."""
+    registrars: list[Registrar] = []
     try:
-        from storaged.client.cli import register  # type: ignore[import-not-found,unused-ignore]
+        from storaged.client.cli import register
     except ImportError:
-        return []
-    return [register]
+        pass
+    else:
+        registrars.append(register)
+    try:
+        from storaged.advise import (  # type: ignore[import-not-found,unused-ignore]
+            register as register_advise,
+        )
+    except ImportError:
+        pass
+    else:
+        registrars.append(register_advise)
+    return registrars
 
 
 def main(argv: Sequence[str] | None = None) -> int:
