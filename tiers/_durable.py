@@ -44,11 +44,12 @@ import errno
 import fcntl
 import itertools
 import logging
-import mmap
 import os
 import struct
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -83,9 +84,6 @@ QUARANTINE = "quarantine"
 LOCK_FILE = ".lock"
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _HEX = frozenset("0123456789abcdef")
-# Fresh read buffers at least this big are anonymous maps: the read itself faults the
-# pages in, where bytearray(n) would zero them first (a second pass over the memory).
-_MAP_READ_BYTES = 256 * 1024
 
 
 class InvalidValue(Exception):
@@ -129,13 +127,6 @@ def parse_file_header(head: BytesLike) -> FileHeader:
     if version != FILE_VERSION or reserved != 0:
         raise InvalidValue(f"unsupported file version {version} (reserved {reserved})")
     return FileHeader(kind=kind, index=index, length=length, digest=digest)
-
-
-def fresh_buffer(nbytes: int) -> mmap.mmap | bytearray:
-    """A new writable buffer of ``nbytes`` for a read to fill."""
-    if nbytes < _MAP_READ_BYTES:
-        return bytearray(nbytes)
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 def fsync_dir(path: str) -> None:
@@ -394,18 +385,25 @@ class DurableTier(Tier):
             if self._drop(key):
                 await asyncio.to_thread(_unlink_quietly, self._paths(key)[2])
 
-    async def _read(self, key: str, out: memoryview | None) -> mmap.mmap | bytearray | memoryview:
+    async def _read(self, key: str, out: memoryview | None) -> bytes | memoryview:
         path = self._paths(key)[2]
         try:
             return await asyncio.to_thread(self._read_sync, key, path, out)
         except FileNotFoundError:
             # Deleted under us, or removed behind our back: either way, not here.
-            if key not in self._locks and key in self._index:
-                self._drop(key)
+            await self._forget_if_vanished(key, path)
             raise ChunkNotFound(key) from None
         except _CorruptFile as exc:
             await self._quarantine(key, exc.inode, exc.reason)
             raise CorruptChunk(key, exc.reason) from None
+
+    async def _forget_if_vanished(self, key: str, path: str) -> None:
+        """Drop ``key`` from the index if its file is gone (removed behind the tier's back).
+        Under the key's lock, so that a put or delete in flight cannot be mistaken for it."""
+        async with self._key_lock(key):
+            if key in self._index and not await asyncio.to_thread(os.path.exists, path):
+                log.warning("%s tier: %s vanished from disk", self.name, key)
+                self._drop(key)
 
     async def _quarantine(self, key: str, inode: int, reason: str) -> None:
         async with self._key_lock(key):
@@ -424,16 +422,27 @@ class DurableTier(Tier):
     def _write_sync(
         self, key: str, header: bytes, parts: Sequence[memoryview], check: bool
     ) -> None:
-        if check:
-            self._check_or_raise(key, parts)
+        # The check runs in another thread while this one writes and fsyncs (both release
+        # the GIL): the rename waits for its verdict. The check pool never waits on anything,
+        # so this cannot deadlock however many writes are in flight.
+        pending = _check_pool().submit(self._check_or_raise, key, parts) if check else None
         d1, d2, final = self._paths(key)
         try:
-            self._ensure_dirs(d1, d2)
-        except OSError as exc:
-            if exc.errno in _FULL_ERRNOS:
-                raise TierFull(f"{self.name} disk full making {d2}: {exc}") from exc
+            try:
+                self._ensure_dirs(d1, d2)
+            except OSError as exc:
+                if exc.errno in _FULL_ERRNOS:
+                    raise TierFull(f"{self.name} disk full making {d2}: {exc}") from exc
+                raise
+            _write_parts(
+                final,
+                [memoryview(header), *parts],
+                before_rename=None if pending is None else pending.result,
+            )
+        except TierFull:
+            if pending is not None:
+                pending.result()  # bad input is reported as such, full disk or not
             raise
-        _write_parts(final, [memoryview(header), *parts])
 
     def _ensure_dirs(self, d1: str, d2: str) -> None:
         if d2 in self._dirs:
@@ -446,9 +455,7 @@ class DurableTier(Tier):
             fsync_dir(parent)  # the new directory entry must survive a crash too
         self._dirs.add(d2)
 
-    def _read_sync(
-        self, key: str, path: str, out: memoryview | None
-    ) -> mmap.mmap | bytearray | memoryview:
+    def _read_sync(self, key: str, path: str, out: memoryview | None) -> bytes | memoryview:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -457,22 +464,30 @@ class DurableTier(Tier):
                 raise _CorruptFile(st.st_ino, f"file of {st.st_size} bytes has no whole header")
             if out is not None and out.nbytes != length:
                 raise _CorruptFile(st.st_ino, f"file holds {length} bytes, index {out.nbytes}")
-            buf = fresh_buffer(length) if out is None else out
-            head = bytearray(HEADER_SIZE)
-            payload = memoryview(buf)
-            got = preadv_all(fd, [memoryview(head), payload], 0)
+            if out is None:
+                # A new bytes object per read: no zero-filling, malloc reuses freed memory
+                # (measured 0.8 ms per 8 MiB against 5-10 ms for a fresh anonymous map), and
+                # it is immutable, so the caller's view stays valid and unchanged.
+                head = os.pread(fd, HEADER_SIZE, 0)
+                payload: bytes | memoryview = os.pread(fd, length, HEADER_SIZE)
+                got = len(head) + len(payload)
+            else:
+                head_buf = bytearray(HEADER_SIZE)
+                payload = out
+                got = preadv_all(fd, [memoryview(head_buf), out], 0)
+                head = bytes(head_buf)
             if got != st.st_size:
                 raise _CorruptFile(st.st_ino, f"short read: {got} of {st.st_size} bytes")
             try:
                 self._check_file(key, head, length)
-                self._check_value(key, [payload])
+                self._check_value(key, [memoryview(payload)])
             except InvalidValue as exc:
                 raise _CorruptFile(st.st_ino, exc.reason) from None
-            return buf
+            return payload
         finally:
             os.close(fd)
 
-    def _check_file(self, key: str, head: bytearray, length: int) -> None:
+    def _check_file(self, key: str, head: bytes, length: int) -> None:
         header = parse_file_header(head)
         digest, index = self._parse_key(key)
         if header.kind != self.kind:
@@ -565,7 +580,10 @@ def write_file_durably(path: Path | str, data: BytesLike | Sequence[BytesLike]) 
     _write_parts(os.fspath(path), [memoryview(p).cast("B") for p in parts])
 
 
-def _write_parts(final: str, parts: Sequence[memoryview]) -> None:
+def _write_parts(
+    final: str, parts: Sequence[memoryview], before_rename: Callable[[], object] | None = None
+) -> None:
+    """The durable write. ``before_rename`` may raise to abandon it (temp file removed)."""
     directory, name = os.path.split(final)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.{next(_TMP_SEQ)}{TMP_SUFFIX}")
     try:
@@ -576,6 +594,8 @@ def _write_parts(final: str, parts: Sequence[memoryview]) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if before_rename is not None:
+                before_rename()
             os.rename(tmp, final)
         except BaseException:
             _unlink_quietly(tmp)
@@ -594,6 +614,19 @@ def _write_parts(final: str, parts: Sequence[memoryview]) -> None:
 
 
 _TMP_SEQ = itertools.count()
+_CHECK_POOL: ThreadPoolExecutor | None = None
+_CHECK_POOL_LOCK = threading.Lock()
+
+
+def _check_pool() -> ThreadPoolExecutor:
+    """Threads for the value checks that run alongside writes."""
+    global _CHECK_POOL
+    with _CHECK_POOL_LOCK:
+        if _CHECK_POOL is None:
+            _CHECK_POOL = ThreadPoolExecutor(
+                max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="tier-check"
+            )
+        return _CHECK_POOL
 
 
 def _subdirs(path: str) -> Iterator[os.DirEntry[str]]:

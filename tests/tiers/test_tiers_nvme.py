@@ -420,3 +420,14 @@ def test_write_file_durably_replaces_whole_files(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [target]
     with pytest.raises(FileNotFoundError):
         write_file_durably(tmp_path / "missing-dir" / "x", b"")
+
+
+async def test_a_file_removed_behind_the_tiers_back_is_not_found_and_forgotten(
+    nvme: NvmeTier, rng: random.Random
+) -> None:
+    key, data = chunk(rng, 1000)
+    await nvme.put(key, data)
+    path_of(nvme, key).unlink()
+    with pytest.raises(ChunkNotFound):
+        await nvme.get(key)
+    assert not nvme.has(key) and nvme.usage().count == 0
