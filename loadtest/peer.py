@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import multiprocessing
 import os
 import statistics
@@ -65,11 +66,15 @@ def _prefaulted(size: int) -> bytearray:
 
 
 class _RawSink(asyncio.BufferedProtocol):
-    """8-byte big-endian length, then that many bytes into a reused buffer, then b"k"."""
+    """8-byte big-endian length, then that many bytes into pooled buffers, then b"k".
 
-    def __init__(self, pool: list[bytearray], chunk: int) -> None:
+    Each chunk's worth of bytes lands in the next buffer of a pool shared with the
+    other connections, as in the peer handler: the same memory, the same cache misses.
+    """
+
+    def __init__(self, pool: collections.deque[bytearray]) -> None:
         self._pool = pool
-        self._slot = pool.pop() if pool else _prefaulted(chunk)
+        self._slot = pool.popleft()
         self._buf = memoryview(self._slot)
         self._head = bytearray(8)
         self._hpos = 0
@@ -87,6 +92,9 @@ class _RawSink(asyncio.BufferedProtocol):
         if self._hpos < 8:
             return memoryview(self._head)[self._hpos :]
         if self._pos == len(self._buf):
+            self._pool.append(self._slot)
+            self._slot = self._pool.popleft()
+            self._buf = memoryview(self._slot)
             self._pos = 0
         end = min(len(self._buf), self._pos + self._left)
         return self._buf[self._pos : end]
@@ -135,8 +143,8 @@ class _PoolHandler(PeerHandler):
 async def _start_server(mode: str, chunk: int, slots: int, verify: bool) -> int:
     loop = asyncio.get_running_loop()
     if mode == "raw":
-        sink_buffers = [_prefaulted(chunk) for _ in range(slots)]
-        server = await loop.create_server(lambda: _RawSink(sink_buffers, chunk), HOST, 0)
+        sink_buffers = collections.deque(_prefaulted(chunk) for _ in range(slots))
+        server = await loop.create_server(lambda: _RawSink(sink_buffers), HOST, 0)
         port: int = server.sockets[0].getsockname()[1]
         return port
     if mode == "peer":
