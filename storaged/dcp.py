@@ -372,7 +372,8 @@ class StoragedWriter(StorageWriter):
 
     After a successful save, ``last_commit`` (coordinator) holds the commit answer
     and ``last_stats`` (every rank) the client counters of its upload.
-    ``use_collectives=False`` is refused: one manifest needs one coordinator.
+    ``use_collectives=False`` is refused: one manifest needs one coordinator. A writer
+    serves one save at a time (like DCP's file system writer).
     """
 
     def __init__(
