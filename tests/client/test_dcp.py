@@ -42,13 +42,13 @@ from storaged.cluster import LocalCluster
 from storaged.dcp import BYTES_DTYPE, FRAMEWORK, StoragedReader, StoragedWriter
 from tests.conftest import TOKEN
 
-pytestmark = [pytest.mark.torch, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(280)]
 
 REPO = Path(__file__).resolve().parents[2]
 #: Small chunks, so that streams span many chunks and reads cross chunk boundaries.
 CHUNK = 1024
 #: Seconds a group of rank processes may take in all (each imports torch: ~4 s of CPU).
-WORKER_TIMEOUT = 80.0
+WORKER_TIMEOUT = 120.0
 
 
 def _name(tag: str) -> str:
