@@ -1211,7 +1211,7 @@ class PeerClient:
         args: Mapping[str, Any] | None = None,
         body: BytesLike | None = None,
         *,
-        timeout: float | None = None,  # noqa: ASYNC109 (a per-call default, applied inside)
+        timeout: float | None = None,
     ) -> tuple[dict[str, Any], memoryview | None]:
         """Call ``method`` on the peer; return (result, reply body or None).
 

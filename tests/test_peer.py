@@ -129,7 +129,7 @@ class Node:
 
 async def start_node(**server_kw: Any) -> Node:
     handler = StoreHandler()
-    kw: dict[str, Any] = {"io_timeout": 0.5, "auth_timeout": 0.5} | server_kw
+    kw: dict[str, Any] = {"io_timeout": 10, "auth_timeout": 10} | server_kw
     server = PeerServer("server", SECRET, handler, **kw)
     await server.start("127.0.0.1", 0)
     client = PeerClient("client", SECRET, io_timeout=5, connect_timeout=5)
@@ -141,6 +141,11 @@ async def stop_node(node: Node) -> None:
     await node.server.close()
 
 
+#: Tests of the stall timers use a server with short ones (``impatient``); the others a
+#: patient one, so that a loaded machine cannot make them drop a connection.
+SHORT = 0.5
+
+
 @pytest.fixture
 async def node() -> AsyncIterator[Node]:
     n = await start_node()
@@ -148,10 +153,17 @@ async def node() -> AsyncIterator[Node]:
     await stop_node(n)
 
 
+@pytest.fixture
+async def impatient() -> AsyncIterator[Node]:
+    n = await start_node(io_timeout=SHORT, auth_timeout=SHORT)
+    yield n
+    await stop_node(n)
+
+
 async def wait_until(predicate: Callable[[], bool], within: float = 5) -> None:
     async with asyncio.timeout(within):
         # Polling: the conditions live in the handler and server, which have no events.
-        while not predicate():  # noqa: ASYNC110
+        while not predicate():
             await asyncio.sleep(0.01)
 
 
@@ -451,22 +463,32 @@ async def test_peer_dying_mid_stream_is_unavailable() -> None:
 # -- stalls and timeouts ---------------------------------------------------------------------------
 
 
-async def test_half_a_header_then_silence_is_dropped(node: Node, raw: RawPeer) -> None:
+async def test_half_a_header_then_silence_is_dropped(impatient: Node) -> None:
+    raw = await RawPeer.connect(impatient.server.port)
+    assert (await raw.authenticate())["ok"] is True
     whole = frame({"op": "call", "method": "echo", "args": {"pad": "x" * 100}})
     await raw.send(whole[:50])
     assert await raw.closed_by_server()
+    raw.close()
 
 
-async def test_half_a_body_then_silence_is_dropped_and_aborted(node: Node, raw: RawPeer) -> None:
+async def test_half_a_body_then_silence_is_dropped_and_aborted(impatient: Node) -> None:
+    node = impatient
+    raw = await RawPeer.connect(node.server.port)
+    assert (await raw.authenticate())["ok"] is True
     data = os.urandom(MiB)
     await raw.send(frame({"op": "put", "id": chunk_id(data), "size": len(data)}) + data[:1000])
     assert await raw.closed_by_server()
+    raw.close()
     await wait_until(lambda: node.handler.aborted == [chunk_id(data)])
     assert node.handler.lent == 0
     await put(node.client, node.addr, data)  # the server still serves
 
 
-async def test_unauthenticated_connection_is_dropped_after_the_auth_timeout(node: Node) -> None:
+async def test_unauthenticated_connection_is_dropped_after_the_auth_timeout(
+    impatient: Node,
+) -> None:
+    node = impatient
     silent = await RawPeer.connect(node.server.port)
     slow = await RawPeer.connect(node.server.port)
     await slow.send(frame({"op": "hello", "v": 1, "node": "slow", "nonce": os.urandom(32)})[:9])
@@ -477,7 +499,7 @@ async def test_unauthenticated_connection_is_dropped_after_the_auth_timeout(node
 
 
 async def test_idle_connections_are_closed_and_the_pool_reconnects() -> None:
-    n = await start_node(idle_timeout=0.3)
+    n = await start_node(idle_timeout=SHORT)
     try:
         client = PeerClient("client", SECRET, pool_idle_timeout=60)
         await client.call(n.addr, "echo", {"a": 1})
