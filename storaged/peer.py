@@ -53,6 +53,19 @@ step, while the client, which learns of the refusal early, may stop sending and
 close the connection instead. An unknown ``op`` with a valid ``body`` length is
 refused with ``unknown_op`` and its body skipped; a request whose length fields
 cannot be trusted closes the connection.
+
+Copies and flow control
+-----------------------
+
+A put body is received straight into the buffer the handler lends
+(``BufferedProtocol.get_buffer``); only the body bytes that arrived in the same
+read as the header (at most 4 KiB) are copied out of the header buffer. While
+the handler decides (``receive_chunk``, which may wait for memory) and while it
+checks and stores (``chunk_received``), the server stops reading, so TCP pushes
+back on the sender instead of bytes piling up. The client hands each piece to
+the transport as a memoryview and waits whenever more than ``write_buffer``
+bytes are queued there; uvloop sends from the caller's memory, plain asyncio
+(Python 3.11) copies the part the socket did not take at once.
 """
 
 from __future__ import annotations
