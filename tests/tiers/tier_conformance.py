@@ -12,9 +12,11 @@ made on the event loop's thread fail the test.
 from __future__ import annotations
 
 import asyncio
+import linecache
 import os
 import random
 import sys
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,13 +69,21 @@ _GUARDED_OS_CALLS = (
 _TIERS_DIR = os.path.dirname(os.path.abspath(tiers.__file__)) + os.sep
 
 
+# asyncio's debug mode records tracebacks (linecache stats source files) inside any call
+# that makes a future: bookkeeping of the test run, not the tier's doing.
+_BOOKKEEPING = (traceback.__file__, linecache.__file__)
+
+
 def _tier_code_on_loop_thread() -> bool:
     """Whether tier code called us on a thread that runs an event loop."""
     if asyncio._get_running_loop() is None:
         return False
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_TIERS_DIR):
+        filename = frame.f_code.co_filename
+        if filename in _BOOKKEEPING:
+            return False
+        if filename.startswith(_TIERS_DIR):
             return True
         frame = frame.f_back
     return False
