@@ -221,7 +221,7 @@ def _decode_header(data: memoryview) -> Header:
 
 def _byte_view(data: BytesLike) -> memoryview:
     """A flat unsigned-byte view of ``data`` (no copy); non-contiguous data is refused."""
-    mv = memoryview(data)
+    mv = data if type(data) is memoryview else memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
@@ -1086,7 +1086,8 @@ class PutStream:
         Raises the peer's ``PeerError`` as soon as it refused the chunk,
         ``PeerUnavailable`` on connection loss or a stall of ``io_timeout``.
         """
-        self._check()
+        if self._done or self._verdict.done():  # the common case skips the call
+            self._check()
         mv = _byte_view(piece)
         n = mv.nbytes
         if n > self._left:
@@ -1094,7 +1095,13 @@ class PutStream:
         if not n:
             return
         conn = self._conn
-        conn.transport.write(mv)
+        transport = conn._transport
+        if transport is None or conn._closed:
+            self._check()  # connection_lost has failed the verdict, or
+            lost = PeerUnavailable("connection_lost", f"peer {_fmt(conn.addr)}: closed")
+            self._fail(lost)
+            raise lost
+        transport.write(mv)
         self._left -= n
         if conn._write_paused:
             try:
