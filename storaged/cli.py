@@ -136,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     _add_up(sub)
     for register in _client_commands():
-        register(sub)
+        try:
+            register(sub)
+        except ImportError as exc:  # a half-installed optional part must not stop `serve`
+            print(f"storaged: some commands are unavailable: {exc}", file=sys.stderr)
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

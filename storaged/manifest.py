@@ -68,10 +68,12 @@ def _int_list(value: object, what: str) -> list[int]:
 def _item_size(dtype: str, shape: list[int]) -> int | None:
     """Bytes an item of this numpy dtype and shape must span; None for non-numpy dtypes."""
     try:
-        itemsize = np.dtype(dtype).itemsize
+        parsed = np.dtype(dtype)
     except TypeError:
         return None
-    return math.prod(shape) * itemsize
+    if parsed.kind not in "biufc":
+        return None  # flexible or object kinds ("bytes", "str", ...) carry their own length
+    return math.prod(shape) * parsed.itemsize
 
 
 def check_manifest(doc: object, max_chunk_size: int) -> CheckedManifest:
@@ -149,7 +151,9 @@ def check_manifest(doc: object, max_chunk_size: int) -> CheckedManifest:
                 )
             expected = _item_size(dtype, shape)
             if expected is not None and expected != length:
-                raise bad_manifest(f"{iw} ({key}): {dtype}{shape} needs {expected} bytes, not {length}")
+                raise bad_manifest(
+                    f"{iw} ({key}): {dtype}{shape} needs {expected} bytes, not {length}"
+                )
             kind = key_kind.setdefault(key, (dtype, gshape))
             if kind != (dtype, gshape):
                 raise bad_manifest(f"key {key!r} is saved with two dtypes or global shapes")

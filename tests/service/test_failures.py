@@ -47,7 +47,7 @@ async def _wait_dead(api: Api, node: str, timeout: float = 15.0) -> None:
 async def test_kill_one_node_during_uploads(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4)
+    cluster = await cluster_factory.start(4)
     apis = [Api(session, url, TOKEN) for url in cluster.urls]
     acked: dict[str, bytes] = {}
     acked_after_kill = 0
@@ -77,7 +77,7 @@ async def test_kill_one_node_during_uploads(
     async def killer() -> None:
         while len(acked) < 30 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        cluster.kill(3)
+        await asyncio.to_thread(cluster.kill, 3)
         killed.set()
 
     await asyncio.gather(*(uploader(w) for w in range(4)), killer())
@@ -91,10 +91,10 @@ async def test_kill_one_node_during_uploads(
 async def test_insufficient_replicas_keeps_nothing(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4)
+    cluster = await cluster_factory.start(4)
     api = Api(session, cluster.urls[0], TOKEN)
-    cluster.kill(2)
-    cluster.kill(3)
+    await asyncio.to_thread(cluster.kill, 2)
+    await asyncio.to_thread(cluster.kill, 3)
     await _wait_dead(api, "n2")
     await _wait_dead(api, "n3")
     data = random_chunk(100_000)
@@ -108,18 +108,22 @@ async def test_insufficient_replicas_keeps_nothing(
 async def test_cold_checkpoint_survives_kill(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4)
+    cluster = await cluster_factory.start(4)
     api = Api(session, cluster.urls[0], TOKEN)
     chunks = [random_chunk(1 << 20) for _ in range(12)]
     await _put_all(api, chunks)
     assert (await api.commit("cold/ckpt", manifest_for(chunks))).status == 201
     await api.wait_state("cold/ckpt", "cold", timeout=120)
     # Push every hot copy out so the reads after the kill must come from fragments.
-    r = await api.request("POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "memory"})
+    r = await api.request(
+        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "memory"}
+    )
     assert r.status == 200
-    r = await api.request("POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "nvme"})
+    r = await api.request(
+        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "nvme"}
+    )
     assert r.status == 200
-    cluster.kill(1, signal.SIGKILL)
+    await asyncio.to_thread(cluster.kill, 1, signal.SIGKILL)
     await _wait_dead(api, "n1")
     tiers = set()
     for c in chunks:
@@ -156,17 +160,17 @@ def _flip_every_file(root: Path) -> int:
 async def test_flipped_bytes_on_one_node_never_served(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4, retain_newest=1)
+    cluster = await cluster_factory.start(4, retain_newest=1)
     api = Api(session, cluster.urls[0], TOKEN)
     chunks = [random_chunk(512 * 1024 + i) for i in range(10)]
     await _put_all(api, chunks)
     assert (await api.commit("flip/ckpt", manifest_for(chunks))).status == 201
     await api.wait_state("flip/ckpt", "cold", timeout=120)
-    cluster.kill(2, signal.SIGTERM)
-    flipped = _flip_every_file(cluster.data / "n2")
+    await asyncio.to_thread(cluster.kill, 2, signal.SIGTERM)
+    flipped = await asyncio.to_thread(_flip_every_file, cluster.data / "n2")
     assert flipped > 0
-    cluster.start_node(2)
-    cluster.wait_healthy([2])
+    await asyncio.to_thread(cluster.start_node, 2)
+    await asyncio.to_thread(cluster.wait_healthy, [2])
     victim = Api(session, cluster.urls[2], TOKEN)
     for c in chunks:
         got = await victim.get_chunk(chunk_id_of(c))
@@ -181,16 +185,16 @@ async def test_flipped_bytes_on_one_node_never_served(
 async def test_restarted_node_rejoins_and_serves(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4)
+    cluster = await cluster_factory.start(4)
     api = Api(session, cluster.urls[0], TOKEN)
     chunks = [random_chunk(300_000 + i) for i in range(8)]
     await _put_all(api, chunks)
     assert (await api.commit("rejoin/a", manifest_for(chunks))).status == 201
     await api.wait_state("rejoin/a", "nvme", timeout=60)
-    cluster.kill(1, signal.SIGKILL)
+    await asyncio.to_thread(cluster.kill, 1, signal.SIGKILL)
     await _wait_dead(api, "n1")
-    cluster.start_node(1)
-    cluster.wait_healthy([1])
+    await asyncio.to_thread(cluster.start_node, 1)
+    await asyncio.to_thread(cluster.wait_healthy, [1])
     n1 = Api(session, cluster.urls[1], TOKEN)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -218,7 +222,7 @@ async def test_memory_full_is_backpressure_not_loss(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
     # nvme too small to drain into: RAM fills with dirty (acked) data and must not drop it.
-    cluster = cluster_factory(
+    cluster = await cluster_factory.start(
         4,
         put_wait=0.5,
         tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
@@ -246,7 +250,7 @@ async def test_repair_restores_three_copies_after_a_node_dies(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
     # No encoder: chunks stay hot-only, so three hot copies are what keeps them.
-    cluster = cluster_factory(5, encode_workers=0)
+    cluster = await cluster_factory.start(5, encode_workers=0)
     api = Api(session, cluster.urls[0], TOKEN)
     chunks = [random_chunk(200_000 + i) for i in range(10)]
     replicas: dict[str, list[str]] = {}
@@ -256,7 +260,7 @@ async def test_repair_restores_three_copies_after_a_node_dies(
         replicas[chunk_id_of(c)] = r.doc["replicas"]
     assert (await api.commit("repair/a", manifest_for(chunks))).status == 201
     victim = next(i for i in range(1, 5) if any(f"n{i}" in r for r in replicas.values()))
-    cluster.kill(victim)
+    await asyncio.to_thread(cluster.kill, victim)
     await _wait_dead(api, f"n{victim}")
     hot: dict[str, set[str]] = {}
     deadline = time.monotonic() + 60
@@ -286,7 +290,7 @@ def _fragments_on_disk(cluster: LocalCluster, nodes: list[int]) -> dict[str, set
 async def test_repair_rebuilds_lost_fragments(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(5)
+    cluster = await cluster_factory.start(5)
     api = Api(session, cluster.urls[0], TOKEN)
     chunks = [random_chunk(300_000 + i) for i in range(6)]
     await _put_all(api, chunks)
@@ -296,7 +300,7 @@ async def test_repair_rebuilds_lost_fragments(
     ids = {chunk_id_of(c) for c in chunks}
     before = _fragments_on_disk(cluster, list(range(5)))
     assert all(len(before[cid]) == n for cid in ids)
-    cluster.kill(3)
+    await asyncio.to_thread(cluster.kill, 3)
     await _wait_dead(api, "n3")
     live = [0, 1, 2, 4]
     assert any(len(_fragments_on_disk(cluster, live).get(cid, ())) < n for cid in ids)
@@ -313,7 +317,7 @@ async def test_repair_rebuilds_lost_fragments(
 async def test_gc_frees_unreferenced_and_deleted(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4, gc_grace=2.0)
+    cluster = await cluster_factory.start(4, gc_grace=2.0)
     api = Api(session, cluster.urls[0], TOKEN)
     kept, orphan, shared = random_chunk(5000), random_chunk(5001), random_chunk(5002)
     await _put_all(api, [kept, orphan, shared])
@@ -365,7 +369,7 @@ def test_missing_secret_refused(tmp_path: Path) -> None:
 async def test_stalled_body_is_abandoned(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4, body_timeout=1.0)
+    cluster = await cluster_factory.start(4, body_timeout=1.0)
     api = Api(session, cluster.urls[0], TOKEN)
     data = random_chunk(1 << 20)
     cid = chunk_id_of(data)
@@ -394,13 +398,14 @@ async def test_tls(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed: cannot make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
+    await asyncio.to_thread(
+        subprocess.run,
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
          "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
-    c = cluster_factory(4, https=True, tls_cert=str(cert), tls_key=str(key))
+    c = await cluster_factory.start(4, https=True, tls_cert=str(cert), tls_key=str(key))
     assert c.urls[0].startswith("https://")
     ctx = ssl.create_default_context(cafile=str(cert))
     data = random_chunk(70_000)
@@ -427,7 +432,7 @@ def _nvme_copies(cluster: LocalCluster, cid: str) -> list[int]:
 async def test_retention_keeps_newest_on_owner_nvme_only(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4, retain_newest=1)
+    cluster = await cluster_factory.start(4, retain_newest=1)
     api = Api(session, cluster.urls[0], TOKEN)
     old = [random_chunk(100_000 + i) for i in range(4)]
     new = [random_chunk(200_000 + i) for i in range(4)]
@@ -456,7 +461,7 @@ async def test_retention_keeps_newest_on_owner_nvme_only(
 async def test_aborted_upload_leaves_nothing(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    cluster = cluster_factory(4)
+    cluster = await cluster_factory.start(4)
     api = Api(session, cluster.urls[0], TOKEN)
     data = random_chunk(4 << 20)
     cid = chunk_id_of(data)
