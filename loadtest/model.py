@@ -1,0 +1,758 @@
+"""Past one machine, on paper: ``python -m loadtest.model``.
+
+Projects the save stall, the ack, the drain to nvme, the erasure encode and the restores
+of one checkpoint on clusters of 1,000 to 24,000 nodes, next to a central filesystem,
+from two inputs kept apart:
+
+- ``Rates``: what one node's storaged does per core, per drive or per thread, measured on
+  this machine by the other load tests (``loadtest/results/*.json``). A rate whose result
+  file is missing falls back to a documented default, and the output says which.
+- ``Assumptions``: what this machine cannot measure (NIC bandwidth, cores given to
+  storaged, drives, RAM, GPUs, the filesystem, the model size, the sharding).
+
+Each phase is a set of demands, one per resource it needs (seconds of NIC, CPU, disk,
+...); the phase takes as long as its largest demand, and that resource is its bound.
+Phases that run concurrently in a real cluster (ack, drain, encode) are summed per
+resource to give the time until a checkpoint is durable on nvme or cold. Every formula
+is written out in docs/SCALE.md.
+
+Outputs: a markdown table on stdout and in ``<out>/model.md``, ``<out>/model.json``,
+and a log-log plot ``<out>/scale.png`` (copied to docs/scale.png when ``--out`` is the
+default). ``--mtbf HOURS`` adds the Young/Daly checkpoint interval for every row
+(``storaged.advise``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "loadtest" / "results"
+DOCS_PNG = REPO / "docs" / "scale.png"
+NODE_COUNTS = (1_000, 2_000, 4_000, 8_000, 16_000, 24_000)
+#: The ack load test runs the default replication: its CPU per acked GB covers 3 copies.
+MEASURED_REPLICATION = 3
+
+#: zfec through storaged's codec wrapper, GB/s on one core, 8 MiB chunks: encode, decode
+#: from the k primary fragments, decode with fragment 0 missing (docs/BENCHMARKS.md, Codec).
+ZFEC_RATES: dict[tuple[int, int], tuple[float, float, float]] = {
+    (4, 6): (1.00, 2.66, 1.20),
+    (8, 12): (0.54, 2.42, 1.15),
+    (10, 14): (0.50, 2.23, 1.03),
+}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What a production node and job look like; nothing here is measured."""
+
+    #: Bytes of one checkpoint: 405e9 parameters x 16 bytes (bf16 weights, fp32 master
+    #: weights, two fp32 Adam moments, fp32 gradients... the usual mixed-precision total).
+    model_bytes: float = 405e9 * 16
+    #: Copies of each byte of state held across the job: 1 when data-parallel ranks shard
+    #: the optimizer state too (ZeRO-3/FSDP), R when R data-parallel replicas each hold a full
+    #: copy (only one replica writes; every replica restores).
+    replicas: int = 1
+    #: NIC bandwidth per direction, GB/s (400 Gb/s = 50 GB/s).
+    nic_gbps: float = 50.0
+    #: Cores the node gives to storaged (the rest feed the GPUs).
+    cores: int = 16
+    gpus: int = 8
+    #: Practical device-to-host (and back) copy rate per GPU, GB/s.
+    pcie_gbps: float = 25.0
+    #: The memory tier's capacity per node, bytes.
+    memory_bytes: float = 256e9
+    #: Local nvme drives per node, each as fast as this machine's disk (measured).
+    nvme_drives: int = 8
+    replication: int = 3
+    k: int = 4
+    n: int = 6
+    #: The client hands its chunks to the local node through shared memory (DESIGN.md), so
+    #: only replication - 1 copies cross the NIC; False is the socket path of today's
+    #: client, where the first placement node is almost always remote: all copies cross.
+    local_copy: bool = True
+    #: Cold restores read all n fragments and keep the first k (n/k times the bytes).
+    hedged_cold_reads: bool = False
+    #: The central filesystem the job would use instead: aggregate GB/s...
+    fs_gbps: float = 100.0
+    #: ...and file creates (or opens) per second across the whole filesystem.
+    fs_metadata_ops: float = 50_000.0
+    #: Files one node writes per checkpoint (one per rank).
+    files_per_node: int = 8
+
+    def check(self) -> None:
+        """``ValueError`` naming the first assumption that cannot be right."""
+        positive = (
+            "model_bytes",
+            "nic_gbps",
+            "pcie_gbps",
+            "memory_bytes",
+            "fs_gbps",
+            "fs_metadata_ops",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        for name in ("replicas", "cores", "gpus", "nvme_drives", "replication", "files_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 1 <= self.k < self.n:
+            raise ValueError(f"erasure k={self.k} n={self.n}: need 1 <= k < n")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-node rates measured on this machine, each with where it came from.
+
+    CPU figures are per core (CPU seconds per GB, or GB/s on one core); disk figures are
+    per drive; ``memcpy_gbps`` is one thread.
+    """
+
+    #: CPU seconds of all storaged nodes per acknowledged GB (3 copies in RAM, ids checked).
+    ack_node_cpu_s_per_gb: float = 12.95
+    #: CPU seconds of the uploading client per acknowledged GB (chunk ids, sends).
+    ack_client_cpu_s_per_gb: float = 0.357
+    #: CPU seconds per GB restored, serving node and receiving client together.
+    restore_cpu_s_per_gb: float = 1.10
+    #: Host staging copy, one thread.
+    memcpy_gbps: float = 3.4
+    #: BLAKE3 on one core (the id check of nvme reads).
+    hash_gbps: float = 4.5
+    #: zfec through the codec wrapper on one core, at the assumed k, n.
+    encode_gbps: float = 1.00
+    decode_gbps: float = 2.66
+    #: storaged's durable nvme write (temp file, fsync, rename), 4 in flight, one drive.
+    nvme_write_gbps: float = 0.77
+    #: Reading files back with a cold page cache, one drive.
+    nvme_read_gbps: float = 0.62
+    #: Rate name -> "measured: <file and field>" or "default: <why and provenance>".
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def check(self) -> None:
+        for f in fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"rate {f.name} must be a positive number, got {value!r}")
+
+    def values(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+
+
+#: Where each default rate comes from, shown when a result file does not supply it.
+DEFAULT_PROVENANCE = {
+    "ack_node_cpu_s_per_gb": "loadtest.ack, storaged 4 nodes x3 c=8 (commit 3f398a9)",
+    "ack_client_cpu_s_per_gb": "loadtest.ack, storaged 4 nodes x3 c=8 (commit 3f398a9)",
+    "restore_cpu_s_per_gb": "stand-in: a one-copy aiohttp transfer, server + client "
+    "(loadtest.ack baseline c=8, 0.773 + 0.330)",
+    "memcpy_gbps": "numpy copyto of 256 MiB, best of 7, this machine",
+    "hash_gbps": "BLAKE3 of 8 MiB, docs/BENCHMARKS.md (Codec)",
+    "encode_gbps": "zfec wrapper encode, docs/BENCHMARKS.md (Codec)",
+    "decode_gbps": "zfec wrapper decode from primaries, docs/BENCHMARKS.md (Codec)",
+    "nvme_write_gbps": "loadtest.nvme --quick, tier x4 best",
+    "nvme_read_gbps": "loadtest.nvme --quick, raw read with a cold page cache, best",
+}
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _rows(doc: Any, kind: str) -> list[dict[str, Any]]:
+    rows = doc.get("results", []) if isinstance(doc, dict) else []
+    return [r for r in rows if isinstance(r, dict) and r.get("kind") == kind]
+
+
+def _best_row(rows: Sequence[dict[str, Any]], *needed: str) -> dict[str, Any]:
+    """The row with the highest throughput among those that carry every ``needed`` field."""
+    usable = [r for r in rows if all(isinstance(r.get(f), int | float) for f in needed)]
+    if not usable:
+        raise KeyError(f"no row with {', '.join(needed)}")
+    return max(usable, key=lambda r: float(r.get("gbps") or 0.0))
+
+
+def load_rates(results: Path = RESULTS, *, k: int = 4, n: int = 6) -> Rates:
+    """The rates from the result files in ``results``, defaults where a file or field is missing.
+
+    Never raises for a missing or malformed file: that rate keeps its default, and its
+    source says so.
+    """
+    values: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    missing: dict[str, str] = {}
+
+    def measured(names: Sequence[str], file: str, read: Any) -> None:
+        path = results / file
+        try:
+            got = read(_read_json(path))
+        except FileNotFoundError:
+            reason = f"{file} missing"
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            reason = f"{file} unreadable ({type(exc).__name__}: {exc})"
+        else:
+            for name, (value, where) in zip(names, got, strict=True):
+                values[name] = float(value)
+                sources[name] = f"measured: {file} {where}"
+            return
+        for name in names:
+            missing.setdefault(name, reason)
+
+    def ack(doc: Any) -> list[tuple[float, str]]:
+        row = _best_row(_rows(doc, "storaged"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
+        where = f"[{row.get('config')}]"
+        return [
+            (row["server_cpu_s_per_gb"], f"{where} server_cpu_s_per_gb"),
+            (row["client_cpu_s_per_gb"], f"{where} client_cpu_s_per_gb"),
+        ]
+
+    def restore(doc: Any) -> list[tuple[float, str]]:
+        row = _best_row(_rows(doc, "storaged"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
+        total = row["server_cpu_s_per_gb"] + row["client_cpu_s_per_gb"]
+        return [(total, f"[{row.get('config')}] server + client cpu_s_per_gb")]
+
+    def transfer_stand_in(doc: Any) -> list[tuple[float, str]]:
+        row = _best_row(_rows(doc, "baseline"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
+        total = row["server_cpu_s_per_gb"] + row["client_cpu_s_per_gb"]
+        return [(total, f"[{row.get('config')}] server + client (stand-in for a restore)")]
+
+    def save(doc: Any) -> list[tuple[float, str]]:
+        staging = doc["staging_gbps"]
+        return [(staging, "staging_gbps")]
+
+    def nvme(doc: Any) -> list[tuple[float, str]]:
+        write = doc["writes"]["tier x4"]["best_gbps"]
+        read = doc["reads"]["cold"]["raw"]["best_gbps"]
+        return [(write, "writes[tier x4].best_gbps"), (read, "reads[cold][raw].best_gbps")]
+
+    measured(["ack_node_cpu_s_per_gb", "ack_client_cpu_s_per_gb"], "ack.json", ack)
+    measured(["restore_cpu_s_per_gb"], "restore.json", restore)
+    if "restore_cpu_s_per_gb" not in values:
+        measured(["restore_cpu_s_per_gb"], "ack.json", transfer_stand_in)
+        if "restore_cpu_s_per_gb" in sources:
+            sources["restore_cpu_s_per_gb"] += f" ({missing.pop('restore_cpu_s_per_gb')})"
+    measured(["memcpy_gbps"], "save.json", save)
+    measured(["nvme_write_gbps", "nvme_read_gbps"], "nvme.json", nvme)
+
+    if (k, n) in ZFEC_RATES:
+        encode, decode, _ = ZFEC_RATES[(k, n)]
+        codec_note = f"zfec {k},{n}"
+    else:
+        # zfec's encode work grows with the parity blocks: 4,6 (2 parity) runs at 1.0 GB/s,
+        # 8,12 and 10,14 (4 parity) at about half; decode from primaries is the BLAKE3 check.
+        encode, decode, _ = ZFEC_RATES[(4, 6)]
+        encode *= 2 / (n - k)
+        codec_note = f"zfec {k},{n} scaled from 4,6 by 2/(n-k) parity blocks"
+    values.setdefault("encode_gbps", encode)
+    values.setdefault("decode_gbps", decode)
+    missing.setdefault("encode_gbps", codec_note)
+    missing.setdefault("decode_gbps", codec_note)
+    missing.setdefault("hash_gbps", "no result file measures it")
+
+    defaults = Rates()
+    for name in defaults.values():
+        if name not in sources:
+            why = missing.get(name, "no result file measures it")
+            sources[name] = f"default ({why}): {DEFAULT_PROVENANCE[name]}"
+    return replace(defaults, **values, sources=sources)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Phase:
+    """How long a phase takes on one node, and which resource bounds it."""
+
+    seconds: float
+    bound: str
+    #: Resource -> seconds that phase needs of it alone.
+    demands: dict[str, float]
+
+
+def phase(demands: Mapping[str, float]) -> Phase:
+    """The phase lasts as long as its largest demand; ties go to the first listed."""
+    bound = max(demands, key=lambda r: demands[r])
+    return Phase(demands[bound], bound, dict(demands))
+
+
+def pipelined(*phases: Phase) -> Phase:
+    """Phases running at once: each resource's demands add up, the busiest one bounds."""
+    total: dict[str, float] = {}
+    for p in phases:
+        for resource, seconds in p.demands.items():
+            total[resource] = total.get(resource, 0.0) + seconds
+    return phase(total)
+
+
+PHASES = (
+    "stall",
+    "ack",
+    "drain",
+    "encode",
+    "durable_nvme",
+    "durable_cold",
+    "restore_ram",
+    "restore_nvme",
+    "restore_cold",
+    "fs_save",
+    "fs_restore",
+)
+
+
+def project(nodes: int, a: Assumptions, r: Rates) -> dict[str, Phase]:
+    """Every phase of one checkpoint on ``nodes`` nodes (the slowest node's view)."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    a.check()
+    r.check()
+    unique = a.model_bytes / nodes / GB  # GB of distinct state each node owns (placement)
+    held = unique * a.replicas  # GB of state each node holds, saves (if a writer), restores
+    nic = a.nic_gbps
+    cpu = float(a.cores)
+    disk_write = r.nvme_write_gbps * a.nvme_drives
+    disk_read = r.nvme_read_gbps * a.nvme_drives
+    remote_copies = a.replication - 1 if a.local_copy else a.replication
+    # RAM copies a node ends up holding: its own chunks (local copy) and its share of the
+    # remote copies that placement spreads over all nodes.
+    in_ram = held + remote_copies * unique if a.local_copy else a.replication * unique
+    h2d = a.gpus * a.pcie_gbps
+
+    stall = phase(
+        {
+            "memcpy": held / (a.gpus * r.memcpy_gbps),  # one staging thread per rank
+            "PCIe": held / h2d,
+        }
+    )
+    ack = phase(
+        {
+            # A writer sends every remote copy of its bytes; full duplex, so the receive
+            # side (remote_copies x unique) never exceeds it.
+            "NIC": remote_copies * held / nic,
+            "CPU": (
+                r.ack_node_cpu_s_per_gb / MEASURED_REPLICATION * in_ram
+                + r.ack_client_cpu_s_per_gb * held
+            )
+            / cpu,
+            # Past the memory tier's capacity the ack waits for the drain to free RAM.
+            "RAM": max(0.0, in_ram - a.memory_bytes / GB) / disk_write,
+        }
+    )
+    drain = phase({"disk": in_ram / disk_write})
+    fragments = unique * a.n / a.k  # GB of fragments a node's owned chunks become
+    encode = phase(
+        {
+            "CPU": unique / (r.encode_gbps * cpu),
+            "NIC": fragments * (a.n - 1) / a.n / nic,  # one fragment may stay local
+            "disk": fragments / disk_write,
+        }
+    )
+    cold_read = held * (a.n / a.k if a.hedged_cold_reads else 1.0)
+    restore_ram = phase(
+        {
+            "NIC": held / nic,
+            "CPU": held * r.restore_cpu_s_per_gb / cpu,
+            "PCIe": held / h2d,
+        }
+    )
+    restore_nvme = phase(
+        {
+            "NIC": held / nic,
+            "CPU": held * (r.restore_cpu_s_per_gb + 1 / r.hash_gbps) / cpu,
+            "disk": held / disk_read,
+            "PCIe": held / h2d,
+        }
+    )
+    restore_cold = phase(
+        {
+            "NIC": cold_read / nic,  # fan-in: k (or n) sources per chunk
+            "CPU": (held * r.restore_cpu_s_per_gb + held / r.decode_gbps) / cpu,
+            "disk": cold_read / disk_read,
+            "PCIe": held / h2d,
+        }
+    )
+    total = a.model_bytes / GB
+    fs_save = phase(
+        {
+            "FS": total / a.fs_gbps,  # one copy written, whatever the replicas
+            "FS metadata": nodes / a.replicas * a.files_per_node / a.fs_metadata_ops,
+            "NIC": held / nic,
+        }
+    )
+    fs_restore = phase(
+        {
+            "FS": total * a.replicas / a.fs_gbps,  # every replica reads its copy
+            "FS metadata": nodes * a.files_per_node / a.fs_metadata_ops,
+            "NIC": held / nic,
+        }
+    )
+    return {
+        "stall": stall,
+        "ack": ack,
+        "drain": drain,
+        "encode": encode,
+        "durable_nvme": pipelined(ack, drain),
+        "durable_cold": pipelined(ack, drain, encode),
+        "restore_ram": restore_ram,
+        "restore_nvme": restore_nvme,
+        "restore_cold": restore_cold,
+        "fs_save": fs_save,
+        "fs_restore": fs_restore,
+    }
+
+
+def run(
+    node_counts: Sequence[int],
+    assumptions: Assumptions,
+    rates: Rates,
+    *,
+    mtbf_hours: float | None = None,
+    node_mtbf_hours: float | None = None,
+) -> dict[str, Any]:
+    """The whole projection as a JSON-ready document (what ``model.json`` holds)."""
+    from storaged.advise import advise
+
+    rows = []
+    for nodes in node_counts:
+        phases = project(nodes, assumptions, rates)
+        row: dict[str, Any] = {
+            "nodes": nodes,
+            "gb_per_node": assumptions.model_bytes * assumptions.replicas / nodes / GB,
+            "phases": {
+                name: {
+                    "seconds": p.seconds,
+                    "bound": p.bound,
+                    "demands": p.demands,
+                }
+                for name, p in phases.items()
+            },
+        }
+        mtbf = None
+        if node_mtbf_hours is not None:
+            mtbf = node_mtbf_hours * 3600 / nodes
+        elif mtbf_hours is not None:
+            mtbf = mtbf_hours * 3600
+        if mtbf is not None:
+            advice = advise(phases["stall"].seconds, phases["restore_ram"].seconds, mtbf)
+            row["advice"] = advice.as_dict()
+            # A save returns after its staging copy, but the next one waits for the staging
+            # buffer until the previous upload is acked: the stall is only the cost while
+            # the interval is longer than the ack.
+            row["advice"]["interval_covers_ack"] = advice.young.interval > phases["ack"].seconds
+        rows.append(row)
+    return {
+        "command": "python -m loadtest.model " + " ".join(sys.argv[1:]),
+        "assumptions": asdict(assumptions),
+        "rates": rates.values(),
+        "rate_sources": dict(rates.sources),
+        "mtbf_hours": mtbf_hours,
+        "node_mtbf_hours": node_mtbf_hours,
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+LABELS = {
+    "stall": "stall",
+    "ack": "ack",
+    "drain": "drain",
+    "encode": "encode",
+    "durable_nvme": "→ nvme",
+    "durable_cold": "→ cold",
+    "restore_ram": "restore RAM",
+    "restore_nvme": "restore nvme",
+    "restore_cold": "restore cold",
+    "fs_save": "FS save",
+    "fs_restore": "FS restore",
+}
+
+
+def _seconds(s: float) -> str:
+    if s >= 100:
+        return f"{s:.0f} s"
+    if s >= 1:
+        return f"{s:.1f} s"
+    if s >= 0.01:
+        return f"{s:.2f} s"
+    return f"{s * 1000:.1f} ms"
+
+
+def markdown(doc: Mapping[str, Any]) -> str:
+    """The table: one row per node count, each cell the time and its bounding resource."""
+    head = ["nodes", "GB/node", *(LABELS[p] for p in PHASES)]
+    advised = any("advice" in row for row in doc["rows"])
+    if advised:
+        head += ["interval (Young)", "overhead"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+    for row in doc["rows"]:
+        cells = [f"{row['nodes']:,}", f"{row['gb_per_node']:.2f}"]
+        for name in PHASES:
+            p = row["phases"][name]
+            cells.append(f"{_seconds(p['seconds'])} {p['bound']}")
+        if advised:
+            adv = row.get("advice")
+            if adv is None:
+                cells += ["", ""]
+            else:
+                young = adv["young"]
+                cells += [_seconds(young["interval"]), f"{100 * young['overhead']:.2f} %"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def describe(doc: Mapping[str, Any]) -> str:
+    """Assumptions and rates with their sources, as a markdown list."""
+    a = doc["assumptions"]
+    out = ["Assumptions:"]
+    for name, value in a.items():
+        out.append(f"- {name} = {value}")
+    out.append("")
+    out.append("Rates (per core / per drive / per thread):")
+    for name, value in doc["rates"].items():
+        out.append(f"- {name} = {value:g} ({doc['rate_sources'].get(name, '?')})")
+    return "\n".join(out)
+
+
+#: Phases drawn: (name, colour, line style). Phases that often coincide (ack and -> nvme
+#: when the CPU bounds both; nvme and cold restores when the disk does) differ in style.
+PLOTTED = (
+    ("stall", "tab:blue", "-"),
+    ("ack", "tab:orange", "-"),
+    ("durable_nvme", "tab:green", "-."),
+    ("durable_cold", "tab:olive", ":"),
+    ("restore_ram", "tab:red", "-"),
+    ("restore_nvme", "tab:purple", "-."),
+    ("restore_cold", "tab:brown", ":"),
+)
+MARKERS = {
+    "CPU": "o",
+    "NIC": "s",
+    "disk": "^",
+    "RAM": "x",
+    "memcpy": "D",
+    "PCIe": "v",
+    "FS": "*",
+    "FS metadata": "P",
+}
+
+
+def plot(doc: Mapping[str, Any], path: Path, *, dpi: int = 110) -> None:
+    """Time vs nodes per phase, log-log, markers by bounding resource, FS as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    rows = doc["rows"]
+    nodes = [row["nodes"] for row in rows]
+    fig, ax = plt.subplots(figsize=(10.5, 5.5))
+    for name, color, style in PLOTTED:
+        ys = [row["phases"][name]["seconds"] for row in rows]
+        ax.plot(nodes, ys, color=color, linestyle=style, label=LABELS[name], linewidth=1.8)
+        for x, y, row in zip(nodes, ys, rows, strict=True):
+            ax.plot(x, y, color=color, marker=MARKERS[row["phases"][name]["bound"]], ms=6)
+    for name, color, style in (("fs_save", "black", "--"), ("fs_restore", "gray", ":")):
+        ys = [row["phases"][name]["seconds"] for row in rows]
+        ax.plot(nodes, ys, color=color, linestyle=style, linewidth=2, label=LABELS[name])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(nodes)
+    ax.set_xticklabels([f"{n // 1000}k" if n % 1000 == 0 else str(n) for n in nodes])
+    ax.minorticks_off()
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("seconds (one checkpoint)")
+    a = doc["assumptions"]
+    ax.set_title(
+        f"{a['model_bytes'] / 1e12:.2f} TB checkpoint: NIC {a['nic_gbps']:g} GB/s, "
+        f"{a['cores']} cores, {a['nvme_drives']} drives per node; FS {a['fs_gbps']:g} GB/s",
+        fontsize=10,
+    )
+    ax.grid(True, which="major", alpha=0.3)
+    used = sorted({row["phases"][n]["bound"] for row in rows for n, _, _ in PLOTTED})
+    bound_handles = [
+        Line2D([], [], color="black", marker=MARKERS[b], linestyle="", label=b) for b in used
+    ]
+    first = ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="phase")
+    ax.add_artist(first)
+    ax.legend(
+        handles=bound_handles,
+        loc="lower left",
+        bbox_to_anchor=(1.01, 0.0),
+        fontsize=8,
+        title="bounded by",
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _node_list(text: str) -> list[int]:
+    try:
+        counts = [int(part.replace("_", "").replace(",", "")) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"node counts must be integers: {text!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"node counts must be >= 1: {text!r}")
+    return sorted(set(counts))
+
+
+def add_assumption_flags(parser: argparse.ArgumentParser) -> None:
+    """``--nic-gbps``, ``--cores``... one flag per ``Assumptions`` field (defaults shown)."""
+    defaults = Assumptions()
+    for f in fields(Assumptions):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(
+                flag,
+                dest=f"assume_{f.name}",
+                action=argparse.BooleanOptionalAction,
+                default=default,
+            )
+        else:
+            parser.add_argument(
+                flag,
+                dest=f"assume_{f.name}",
+                type=type(default),
+                default=default,
+                help=f"(default {default:g})",
+            )
+
+
+def override_rates(rates: Rates, overrides: Sequence[str]) -> Rates:
+    """``rates`` with ``NAME=VALUE`` overrides applied (``ValueError`` for a bad one)."""
+    values: dict[str, float] = {}
+    sources = dict(rates.sources)
+    for text in overrides:
+        name, sep, value = text.partition("=")
+        name = name.strip()
+        if not sep or name not in rates.values():
+            known = ", ".join(rates.values())
+            raise ValueError(f"--rate {text!r}: expected NAME=VALUE with NAME one of {known}")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--rate {text!r}: {value!r} is not a number") from None
+        sources[name] = "given: --rate"
+    changed = replace(rates, **values, sources=sources)
+    changed.check()
+    return changed
+
+
+def assumptions_from(args: argparse.Namespace) -> Assumptions:
+    values = {f.name: getattr(args, f"assume_{f.name}") for f in fields(Assumptions)}
+    assumptions = Assumptions(**values)
+    assumptions.check()
+    return assumptions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--nodes",
+        type=_node_list,
+        default=list(NODE_COUNTS),
+        help="comma-separated node counts (default 1000,2000,4000,8000,16000,24000)",
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="measured result files")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default: --results)")
+    parser.add_argument(
+        "--docs-png",
+        type=Path,
+        default=None,
+        help="also copy the plot here (default: docs/scale.png when writing to loadtest/results)",
+    )
+    parser.add_argument("--quick", action="store_true", help="1k and 24k nodes, a small plot")
+    parser.add_argument("--no-plot", action="store_true")
+    mtbf = parser.add_mutually_exclusive_group()
+    mtbf.add_argument("--mtbf", type=float, help="job MTBF in hours: add Young/Daly advice")
+    mtbf.add_argument(
+        "--node-mtbf", type=float, help="MTBF of one node in hours (job MTBF = this / nodes)"
+    )
+    parser.add_argument(
+        "--rate",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a measured rate, e.g. ack_node_cpu_s_per_gb=1.5 (repeatable)",
+    )
+    add_assumption_flags(parser)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        assumptions = assumptions_from(args)
+        for name in ("mtbf", "node_mtbf"):
+            value = getattr(args, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be positive hours, got {value}")
+    except ValueError as exc:
+        print(f"loadtest.model: {exc}", file=sys.stderr)
+        return 2
+    node_counts = [NODE_COUNTS[0], NODE_COUNTS[-1]] if args.quick else args.nodes
+    rates = load_rates(args.results, k=assumptions.k, n=assumptions.n)
+    try:
+        rates = override_rates(rates, args.rate)
+    except ValueError as exc:
+        print(f"loadtest.model: {exc}", file=sys.stderr)
+        return 2
+    doc = run(
+        node_counts,
+        assumptions,
+        rates,
+        mtbf_hours=args.mtbf,
+        node_mtbf_hours=args.node_mtbf,
+    )
+    out: Path = args.out or args.results
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(doc)
+    doc["markdown"] = table
+    (out / "model.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "model.md").write_text(table + "\n\n" + describe(doc) + "\n")
+    print(describe(doc))
+    defaulted = [n for n, s in rates.sources.items() if s.startswith("default")]
+    if defaulted:
+        print(f"\nnot measured here, documented defaults used: {', '.join(defaulted)}")
+    print()
+    print(table)
+    print(f"\n{out / 'model.json'}, {out / 'model.md'}", end="")
+    if not args.no_plot:
+        png = out / "scale.png"
+        plot(doc, png, dpi=60 if args.quick else 110)
+        print(f", {png}", end="")
+        copy_to = args.docs_png
+        if copy_to is None and out.resolve() == RESULTS.resolve():
+            copy_to = DOCS_PNG
+        if copy_to is not None and copy_to.resolve() != png.resolve():
+            copy_to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, copy_to)
+            print(f", {copy_to}", end="")
+    print(f"\n({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
