@@ -1,0 +1,1053 @@
+"""storaged against PyTorch Distributed Checkpoint on local disk: ``python -m loadtest.vs_dcp``.
+
+One run, one state dict of float32 tensors totalling ``--size`` (a few large, many
+medium, some small: the mix of a model plus its optimizer state), saved and restored
+both ways from this one process:
+
+- **DCP**, what users run today: ``dcp.save`` with ``FileSystemWriter(dir,
+  thread_count=2, sync_files=True)`` into a temp dir on local disk (timed whole);
+  ``dcp.async_save`` with the same writer (timed until it hands back its future: the
+  training loop's stall; the write then finishes untimed); ``dcp.load`` into
+  preallocated tensors with a warm page cache (one untimed load first). No process
+  group: ``no_dist=True``.
+- **storaged**: a ``LocalCluster`` of ``--nodes`` node processes, its RAM tier sized
+  for three copies plus a margin, and the numpy client on the same bytes (numpy views
+  of the same tensors). ``AsyncSaver.save`` is timed until it returns (the stall: the
+  copy into staging buffers), then until ``acked()`` (every chunk in RAM on three
+  nodes and the manifest committed). The first save finds no staging buffer and no
+  pooled node memory (reported as "first save"); each later save follows a training
+  step that changed every byte, after the previous checkpoint went cold, as in steady
+  state. Restore is ``restore_checkpoint`` into preallocated arrays from the RAM tier
+  (one untimed restore first, like DCP's warm page cache), by one process, then by
+  ``--restore-procs`` processes each restoring a share of the keys at once.
+
+Targets (from the issue): stall <= 0.5 x DCP ``async_save``'s blocking time; ack <= 1.0
+x DCP ``save`` of one copy; restore >= 2 x as fast as DCP ``load``. Short operations
+are repeated (``--repeat``) and the median is reported. CPU seconds are measured for
+this process (``time.process_time``: all its threads) and for every node
+(``/proc/<pid>/stat``) over each timed window, so each figure can say whether the two
+cores were the limit. With ``--profile`` (and py-spy beside the interpreter) one more
+save and one more restore run with ``py-spy record --native`` on this process and on
+node n0; their samples are summed by where the CPU goes.
+
+Results go to ``loadtest/results/vs_dcp.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import blake3
+import numpy as np
+
+from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
+from storaged.client.layout import DEFAULT_CHUNK_SIZE
+from storaged.cluster import LocalCluster, free_port_block
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 1e9
+TOKEN = "loadtest-vs-dcp-token"
+RESULTS = Path(__file__).resolve().parent / "results"
+CORES = os.cpu_count() or 1
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: py-spy samples per second (--native stops the process for each sample)
+PROFILE_HZ = 50
+#: RAM tier per node: this much above an even share of three copies, for uneven placement
+MEMORY_MARGIN = 1.2
+#: the smallest RAM tier a node gets (quick runs: placement of a few chunks is lumpy)
+MIN_MEMORY = 256 * MiB
+
+T = TypeVar("T")
+F32 = np.dtype(np.float32)
+Array = np.ndarray[Any, np.dtype[np.float32]]
+
+
+# -- the state dict -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str
+    shape: tuple[int, ...]
+    kind: str  # large | medium | small
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * F32.itemsize
+
+
+#: the sizes small tensors cycle through (norms, biases, scalars of a schedule...)
+_SMALL = (4 << 10, 16 << 10, 64 << 10, 1 << 20)
+
+
+def state_layout(total: int) -> list[TensorSpec]:
+    """Float32 tensors whose sizes add up to ``total`` bytes (a multiple of 4, >= 64 KiB).
+
+    Half the bytes in 4 large tensors (embeddings and their optimizer moments), about
+    45 % in medium tensors of ``total / 128`` (projection weights), the rest in small
+    ones cycling through 4 KiB .. 1 MiB, the last one taking what is left.
+    """
+    if total % F32.itemsize or total < 64 << 10:
+        raise ValueError(f"total must be a multiple of 4 and at least 64 KiB, not {total}")
+    specs: list[TensorSpec] = []
+    width = 1024  # elements per row of the 2-D tensors
+
+    def rows(nbytes: int) -> tuple[int, ...]:
+        elements = nbytes // F32.itemsize
+        return (elements // width, width) if elements % width == 0 else (elements,)
+
+    large = (total // 8) // (width * 4) * (width * 4)
+    for name in ("model.embed_tokens.weight", "model.lm_head.weight",
+                 "optim.embed_tokens.exp_avg", "optim.lm_head.exp_avg"):  # fmt: skip
+        if large:
+            specs.append(TensorSpec(name, rows(large), "large"))
+    medium = (total // 128) // (width * 4) * (width * 4)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+    if medium:
+        for i in range(int(total * 0.45) // medium):
+            layer, proj = divmod(i, len(projections))
+            specs.append(TensorSpec(f"model.layers.{layer}.{projections[proj]}.weight",
+                                    rows(medium), "medium"))  # fmt: skip
+    left = total - sum(s.nbytes for s in specs)
+    i = 0
+    while left > 0:
+        size = min(_SMALL[i % len(_SMALL)], left)
+        specs.append(TensorSpec(f"model.norms.{i}.weight", (size // F32.itemsize,), "small"))
+        left -= size
+        i += 1
+    return specs
+
+
+def make_state(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 tensors of these shapes (every chunk of their bytes distinct)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {s.key: torch.rand(s.shape, generator=gen, dtype=torch.float32) for s in specs}
+
+
+def training_step(state: Mapping[str, torch.Tensor]) -> None:
+    """Change every byte in place, as an optimizer step does (no save may dedup the last)."""
+    for tensor in state.values():
+        tensor.add_(1.0)
+
+
+def prefaulted(specs: Sequence[TensorSpec]) -> dict[str, Array]:
+    # np.zeros would map pages lazily: fill() touches every page now, not while timed.
+    out: dict[str, Array] = {}
+    for s in specs:
+        array: Array = np.empty(s.shape, dtype=F32)
+        array.fill(0)
+        out[s.key] = array
+    return out
+
+
+def split_keys(specs: Sequence[TensorSpec], parts: int) -> list[list[TensorSpec]]:
+    """``parts`` groups of tensors with bytes as even as greedy largest-first makes them."""
+    groups: list[list[TensorSpec]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for s in sorted(specs, key=lambda s: s.nbytes, reverse=True):
+        i = loads.index(min(loads))
+        groups[i].append(s)
+        loads[i] += s.nbytes
+    return groups
+
+
+def digest_arrays(arrays: Sequence[np.ndarray[Any, Any]]) -> str:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for array in arrays:
+        hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return hasher.hexdigest()
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+@dataclass
+class Window:
+    """One timed stretch: wall seconds and the CPU seconds each process spent in it."""
+
+    seconds: float
+    client_cpu: float
+    node_cpu: list[float] = field(default_factory=list)
+
+    @property
+    def cpu(self) -> float:
+        return self.client_cpu + sum(self.node_cpu)
+
+    def busy(self) -> float:
+        """Share of all cores busy with this process and the nodes (1.0: every core)."""
+        return self.cpu / self.seconds / CORES if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 4),
+            "client_cpu_s": round(self.client_cpu, 3),
+            "node_cpu_s": [round(c, 3) for c in self.node_cpu],
+            "busy_share_of_cores": round(self.busy(), 3),
+        }
+
+
+class Stopwatch:
+    """Starts now; ``lap()`` is the Window from the start to now."""
+
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self.pids = list(pids)
+        self.nodes0 = [proc_cpu_seconds(p) for p in self.pids]
+        self.cpu0 = time.process_time()
+        self.t0 = time.perf_counter()
+
+    def lap(self) -> Window:
+        seconds = time.perf_counter() - self.t0
+        cpu = time.process_time() - self.cpu0
+        nodes = [proc_cpu_seconds(p) - c for p, c in zip(self.pids, self.nodes0, strict=True)]
+        return Window(seconds, cpu, nodes)
+
+
+def median_window(windows: Sequence[Window]) -> Window:
+    ordered = sorted(windows, key=lambda w: w.seconds)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def memcpy_reference(nbytes: int) -> dict[str, float]:
+    """One-thread copy speed into warm and into fresh memory: the ceiling of a staging copy."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    warm = np.empty_like(source)
+    warm.fill(0)
+    best_warm = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.copyto(warm, source)
+        best_warm = min(best_warm, time.perf_counter() - t0)
+    del warm
+    t0 = time.perf_counter()
+    fresh = np.empty_like(source)
+    np.copyto(fresh, source)  # page faults on first touch, as a freshly allocated buffer has
+    fresh_s = time.perf_counter() - t0
+    del fresh, source
+    return {"warm_gbps": round(nbytes / GB / best_warm, 3),
+            "fresh_gbps": round(nbytes / GB / fresh_s, 3)}  # fmt: skip
+
+
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 when unknown)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def sync_disks() -> None:
+    # Dirty pages of an earlier step must not be written back inside the next timed one.
+    os.sync()
+
+
+# -- DCP ------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    # DCP warns that it runs without a process group: that is the point here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def dcp_writer(path: Path) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    return FileSystemWriter(path, thread_count=2, sync_files=True)
+
+
+def dcp_save(state: Mapping[str, torch.Tensor], path: Path) -> Window:
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    sync_disks()
+    with _quiet_dcp():
+        watch = Stopwatch()
+        save(dict(state), storage_writer=dcp_writer(path), no_dist=True)
+        return watch.lap()
+
+
+def dcp_async_save(state: Mapping[str, torch.Tensor], path: Path) -> tuple[Window, Window]:
+    """(until the state may change again, until the checkpoint is written).
+
+    With ``FileSystemWriter`` (its own stager) ``async_save`` copies the state before it
+    returns a future; should it return an ``AsyncSaveResponse`` instead, the state is free
+    only once its staging future is done, so that wait counts as blocking too.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
+    sync_disks()
+    with _quiet_dcp():
+        watch = Stopwatch()
+        future = async_save(dict(state), storage_writer=dcp_writer(path), no_dist=True)
+        if isinstance(future, AsyncSaveResponse):
+            future.staging_completion.result()
+            blocking = watch.lap()
+            future.upload_completion.result()
+        else:
+            blocking = watch.lap()
+            future.result()
+        return blocking, watch.lap()
+
+
+def dcp_load(dst: Mapping[str, torch.Tensor], path: Path) -> Window:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    with _quiet_dcp():
+        watch = Stopwatch()
+        load(dict(dst), storage_reader=FileSystemReader(path), no_dist=True)
+        return watch.lap()
+
+
+@dataclass
+class DcpResult:
+    save: list[Window]
+    async_blocking: list[Window]
+    async_total: list[Window]
+    load: list[Window]
+    files_bytes: int
+
+
+def run_dcp(
+    state: Mapping[str, torch.Tensor], specs: Sequence[TensorSpec], root: Path, repeat: int
+) -> DcpResult:
+    import torch
+
+    saves: list[Window] = []
+    blocking: list[Window] = []
+    totals: list[Window] = []
+    for i in range(repeat):
+        # Interleaved so that drift on a shared machine hits both kinds of save.
+        shutil.rmtree(root / "save", ignore_errors=True)
+        saves.append(dcp_save(state, root / "save"))
+        path = root / f"async-{i}"
+        b, t = dcp_async_save(state, path)
+        blocking.append(b)
+        totals.append(t)
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"# DCP round {i + 1}: save {saves[-1].seconds:.2f} s, async_save blocks "
+              f"{b.seconds:.2f} s (done after {t.seconds:.2f} s)", flush=True)  # fmt: skip
+    files = sum(p.stat().st_size for p in (root / "save").iterdir())
+    dst = {s.key: torch.zeros(s.shape, dtype=torch.float32) for s in specs}
+    for tensor in dst.values():
+        tensor.fill_(0.5)  # touch every page before the timed loads
+    dcp_load(dst, root / "save")  # warms the page cache
+    if not all(torch.equal(dst[k], v) for k, v in state.items()):
+        raise RuntimeError("DCP load gave other bytes than were saved")
+    loads = [dcp_load(dst, root / "save") for _ in range(repeat)]
+    print(f"# DCP load (warm page cache): {', '.join(f'{w.seconds:.2f}' for w in loads)} s",
+          flush=True)  # fmt: skip
+    del dst
+    shutil.rmtree(root / "save", ignore_errors=True)
+    return DcpResult(saves, blocking, totals, loads, files)
+
+
+# -- storaged -------------------------------------------------------------------------------------
+
+
+def memory_per_node(total: int, nodes: int, chunk: int = DEFAULT_CHUNK_SIZE) -> int:
+    """RAM tier per node for three copies of ``total`` bytes spread by placement, rounded up."""
+    share = 3 * total / nodes * MEMORY_MARGIN + 4 * chunk
+    return max(MIN_MEMORY, math.ceil(share / MiB) * MiB)
+
+
+def start_cluster(root: Path, nodes: int, memory: int) -> LocalCluster:
+    settings: dict[str, Any] = {
+        "tiers": {"memory_capacity": f"{memory // MiB}MiB", "nvme_capacity": "256GiB",
+                  "cold_capacity": "256GiB"},
+        "log_level": "WARNING",
+    }  # fmt: skip
+    port = free_port_block(nodes * 2 + 1)
+    cluster = LocalCluster(
+        nodes=nodes,
+        data=root,
+        port=port,
+        peer_port=port + nodes,
+        token=TOKEN,
+        settings=settings,
+        env={"PYTHONASYNCIODEBUG": ""},
+    )
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def node_log_tails(data: Path, nodes: int, lines: int = 20) -> str:
+    """The last lines of each node's log (the data dir goes away with the run)."""
+    out = []
+    for i in range(nodes):
+        log = data / f"n{i}" / "node.log"
+        with contextlib.suppress(OSError):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def node_pids(cluster: LocalCluster) -> list[int]:
+    return [cluster.procs[i].pid for i in range(cluster.nodes)]
+
+
+@dataclass
+class SaveRound:
+    name: str
+    first: bool
+    stall: Window
+    ack: Window
+    #: from the start of the save until every chunk is on nvme on all its holders (None:
+    #: not within the wait limit)
+    nvme: Window | None
+    #: ... until every chunk is erasure-coded into the cold tier
+    cold: Window | None
+    uploaded_bytes: int
+    skipped_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "first": self.first,
+            "stall": self.stall.to_json(),
+            "ack": self.ack.to_json(),
+            "nvme": None if self.nvme is None else self.nvme.to_json(),
+            "cold": None if self.cold is None else self.cold.to_json(),
+            "uploaded_bytes": self.uploaded_bytes,
+            "skipped_bytes": self.skipped_bytes,
+        }
+
+
+async def _settle(client: Client, name: str, watch: Stopwatch, limit: float) -> tuple[
+    Window | None, Window | None
+]:  # fmt: skip
+    """Wait for ``name`` to reach nvme, then cold: a Window at each (None past ``limit``)."""
+    deadline = time.monotonic() + limit
+    out: list[Window | None] = []
+    for state in ("nvme", "cold"):
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise WaitTimeout("no time left", None)
+            await client.wait(name, state, timeout=left)
+            out.append(watch.lap())
+        except WaitTimeout:
+            out.append(None)
+    return out[0], out[1]
+
+
+async def save_round(
+    client: Client,
+    saver: AsyncSaver,
+    name: str,
+    state: Mapping[str, Array],
+    pids: Sequence[int],
+    first: bool,
+    settle_limit: float,
+) -> SaveRound:
+    await asyncio.to_thread(sync_disks)
+    up0, skip0 = client.stats.bytes_uploaded, client.stats.bytes_skipped
+    watch = Stopwatch(pids)
+    handle = await saver.save(name, {0: state})
+    stall = watch.lap()
+    await handle.acked()
+    ack = watch.lap()
+    uploaded = client.stats.bytes_uploaded - up0
+    skipped = client.stats.bytes_skipped - skip0
+    # The next save starts once this one is cold, as one a few minutes of training later
+    # would: the background work of one checkpoint is not charged to the next.
+    nvme, cold = await _settle(client, name, watch, settle_limit)
+    return SaveRound(name, first, stall, ack, nvme, cold, uploaded, skipped)
+
+
+async def ram_tier_check(client: Client, name: str) -> dict[str, int]:
+    """How many of the checkpoint's chunks the RAM tier can serve, and from how many nodes."""
+    plan = await client.plan(name)
+    in_memory = [sum(1 for h in holders if h.tier == "memory") for holders in plan.values()]
+    return {
+        "chunks": len(plan),
+        "chunks_in_memory": sum(1 for n in in_memory if n > 0),
+        "min_memory_holders": min(in_memory, default=0),
+    }
+
+
+async def restore_rounds(
+    client: Client,
+    name: str,
+    dst: Mapping[str, Array],
+    repeat: int,
+    pids: Sequence[int],
+) -> list[Window]:
+    await restore_checkpoint(client, name, dst)  # untimed: connections, node-side leases
+    windows = []
+    for _ in range(repeat):
+        watch = Stopwatch(pids)
+        await restore_checkpoint(client, name, dst)
+        windows.append(watch.lap())
+    return windows
+
+
+# -- restore by several processes -----------------------------------------------------------------
+
+
+def _restore_worker(
+    urls: list[str],
+    name: str,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    barrier: Any,
+    conn: Connection,
+) -> None:
+    """Child: preallocate, restore once untimed, wait at the barrier, restore timed, report."""
+    arrays: dict[str, Array] = {}
+    for key, shape in shapes:
+        array: Array = np.empty(shape, dtype=F32)
+        array.fill(0)
+        arrays[key] = array
+
+    async def run() -> tuple[float, float, float]:
+        async with Client(urls, token=TOKEN) as client:
+            await restore_checkpoint(client, name, arrays)
+            conn.send(("ready",))
+            await asyncio.to_thread(barrier.wait, 300)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await restore_checkpoint(client, name, arrays)
+            return t0, time.perf_counter(), time.process_time() - cpu0
+
+    try:
+        t0, t1, cpu = asyncio.run(run())
+        conn.send(("done", t0, t1, cpu, digest_arrays([arrays[k] for k, _ in shapes])))
+    except BaseException as exc:
+        conn.send(("error", repr(exc)))
+        raise
+
+
+@dataclass
+class MultiRestore:
+    procs: int
+    window: Window
+    per_process_seconds: list[float]
+    verified: bool
+
+
+def restore_by_processes(
+    urls: list[str],
+    name: str,
+    groups: Sequence[Sequence[TensorSpec]],
+    state: Mapping[str, Array],
+    pids: Sequence[int],
+    timeout: float = 300.0,
+) -> MultiRestore:
+    """Each group restored by a process of its own, all at once; wall from first start to
+    last end (CLOCK_MONOTONIC is the same clock in every process)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(len(groups) + 1)
+    children = []
+    for group in groups:
+        mine, theirs = ctx.Pipe()
+        shapes = [(s.key, s.shape) for s in group]
+        proc = ctx.Process(target=_restore_worker, args=(urls, name, shapes, barrier, theirs),
+                           daemon=True)  # fmt: skip
+        proc.start()
+        children.append((proc, mine))
+    try:
+        for _, conn in children:
+            _expect(conn, "ready", timeout)
+        nodes0 = [proc_cpu_seconds(p) for p in pids]
+        barrier.wait(timeout)
+        replies = [_expect(conn, "done", timeout) for _, conn in children]
+        nodes = [proc_cpu_seconds(p) - c for p, c in zip(pids, nodes0, strict=True)]
+    finally:
+        barrier.abort()  # frees any child still waiting if this side failed
+        for proc, _ in children:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    start = min(r[1] for r in replies)
+    end = max(r[2] for r in replies)
+    verified = all(
+        r[4] == digest_arrays([state[s.key] for s in group])
+        for r, group in zip(replies, groups, strict=True)
+    )
+    return MultiRestore(
+        len(groups),
+        Window(end - start, sum(r[3] for r in replies), nodes),
+        [round(r[2] - r[1], 4) for r in replies],
+        verified,
+    )
+
+
+def _expect(conn: Connection, what: str, timeout: float) -> tuple[Any, ...]:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"restore process sent no {what!r} within {timeout:.0f} s")
+    msg: tuple[Any, ...] = conn.recv()
+    if msg[0] != what:
+        raise RuntimeError(f"restore process failed: {msg[1:]}")
+    return msg
+
+
+# -- the profile ----------------------------------------------------------------------------------
+
+
+def py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+@contextlib.contextmanager
+def profiled(targets: Mapping[str, int], out_dir: Path, label: str) -> Iterator[dict[str, Path]]:
+    """py-spy --native on each ``{name: pid}`` for the body; yields the raw output paths."""
+    exe = py_spy()
+    if exe is None:
+        raise RuntimeError("py-spy not found (pip install py-spy)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: out_dir / f"vs_dcp-profile-{label}-{name}.txt" for name in targets}
+    spies = []
+    for name, pid in targets.items():
+        cmd = [exe, "record", "-p", str(pid), "-o", str(paths[name]), "--format", "raw",
+               "-r", str(PROFILE_HZ), "--native"]  # fmt: skip
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    try:
+        time.sleep(1.0)  # let them attach
+        for spy in spies:
+            if spy.poll() is not None:
+                err = spy.stderr.read().decode(errors="replace") if spy.stderr else ""
+                raise RuntimeError(f"py-spy could not attach: {err.strip()[:300]}")
+        yield paths
+    finally:
+        for spy in spies:
+            if spy.poll() is None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        for spy in spies:
+            try:
+                spy.wait(60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait(10)
+
+
+def summarize(paths: Mapping[str, Path]) -> dict[str, Any]:
+    from loadtest.ack import summarize_profile
+
+    return {name: {"raw": str(path), **summarize_profile(path)}
+            for name, path in paths.items() if path.exists()}  # fmt: skip
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class StoragedResult:
+    memory_per_node: int
+    saves: list[SaveRound]
+    ram_tier: dict[str, int]
+    restores: list[Window]
+    restore_verified: bool
+    multi: MultiRestore | None
+    profile: dict[str, Any]
+
+
+async def run_storaged(
+    cluster: LocalCluster,
+    torch_state: Mapping[str, torch.Tensor],
+    specs: Sequence[TensorSpec],
+    args: argparse.Namespace,
+    memory: int,
+) -> StoragedResult:
+    pids = node_pids(cluster)
+    state: dict[str, Array] = {k: v.numpy() for k, v in torch_state.items()}
+    tag = f"vsdcp-{os.getpid()}"
+    saves: list[SaveRound] = []
+    async with Client(cluster.urls, token=TOKEN) as client:
+        saver = AsyncSaver(client)
+        for r in range(args.rounds + 1):
+            if r:
+                await asyncio.to_thread(training_step, torch_state)
+            done = await save_round(client, saver, f"{tag}/step-{r}", state, pids, r == 0,
+                                    args.settle_limit)  # fmt: skip
+            saves.append(done)
+            print(f"# storaged save {r} ({'first' if r == 0 else 'steady'}): stall "
+                  f"{done.stall.seconds:.2f} s, ack {done.ack.seconds:.2f} s, nvme "
+                  f"{_fmt(done.nvme)}, cold {_fmt(done.cold)}", flush=True)  # fmt: skip
+        await saver.aclose()
+        del saver  # its staging buffers: memory the restores below need
+        name = saves[-1].name
+        ram = await ram_tier_check(client, name)
+        dst = prefaulted(specs)
+        restores = await restore_rounds(client, name, dst, args.repeat, pids)
+        verified = all(np.array_equal(dst[k], v) for k, v in state.items())
+        print(f"# storaged restore, 1 process: {', '.join(f'{w.seconds:.2f}' for w in restores)}"
+              f" s (bytes {'match' if verified else 'DIFFER'})", flush=True)  # fmt: skip
+        del dst
+        multi = None
+        if args.restore_procs > 1:
+            groups = [g for g in split_keys(specs, args.restore_procs) if g]
+            multi = await asyncio.to_thread(
+                restore_by_processes, cluster.urls, name, groups, state, pids
+            )
+            print(f"# storaged restore, {multi.procs} processes: {multi.window.seconds:.2f} s "
+                  f"(bytes {'match' if multi.verified else 'DIFFER'})", flush=True)  # fmt: skip
+        profile: dict[str, Any] = {"ran": False, "available": py_spy() is not None}
+        if args.profile and profile["available"]:
+            profile.update(await profile_rounds(client, cluster, torch_state, state, specs,
+                                                tag, args))  # fmt: skip
+    return StoragedResult(memory, saves, ram, restores, verified, multi, profile)
+
+
+async def profile_rounds(
+    client: Client,
+    cluster: LocalCluster,
+    torch_state: Mapping[str, torch.Tensor],
+    state: Mapping[str, Array],
+    specs: Sequence[TensorSpec],
+    tag: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One more save (to the ack) and one more restore under py-spy: where the time goes."""
+    pids = node_pids(cluster)
+    targets = {"client": os.getpid(), "n0": pids[0]}
+    out_dir = args.out.parent
+    await asyncio.to_thread(training_step, torch_state)
+    name = f"{tag}/profiled"
+    async with AsyncSaver(client) as saver:
+        await saver.save(f"{tag}/profile-warmup", {0: state})  # staging buffers exist
+        await saver.aclose()
+        await _settle(client, f"{tag}/profile-warmup", Stopwatch(), args.settle_limit)
+        await asyncio.to_thread(training_step, torch_state)
+        with profiled(targets, out_dir, "save") as save_paths:
+            watch = Stopwatch(pids)
+            handle = await saver.save(name, {0: state})
+            await handle.acked()
+            save_window = watch.lap()
+    await _settle(client, name, Stopwatch(), args.settle_limit)
+    dst = prefaulted(specs)
+    await restore_checkpoint(client, name, dst)
+    with profiled(targets, out_dir, "restore") as restore_paths:
+        watch = Stopwatch(pids)
+        await restore_checkpoint(client, name, dst)
+        restore_window = watch.lap()
+    return {
+        "ran": True,
+        "hz": PROFILE_HZ,
+        "save_to_ack": {"window": save_window.to_json(), **summarize(save_paths)},
+        "restore": {"window": restore_window.to_json(), **summarize(restore_paths)},
+    }
+
+
+def _fmt(window: Window | None) -> str:
+    return "not reached" if window is None else f"{window.seconds:.1f} s"
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+@dataclass
+class Metric:
+    metric: str
+    storaged_s: float
+    dcp_s: float
+    #: time ratio (storaged / DCP) or speed ratio (DCP / storaged), as ``better`` says
+    ratio: float
+    target: str
+    passed: bool | None
+    storaged_gbps: float
+    dcp_gbps: float
+    limit: str
+
+
+def _limit_text(window: Window, what: str) -> str:
+    nodes = sum(window.node_cpu)
+    return (f"{what}; CPU {window.client_cpu:.2f} s client + {nodes:.2f} s nodes over "
+            f"{window.seconds:.2f} s = {window.busy() * 100:.0f} % of {CORES} cores")  # fmt: skip
+
+
+def build_metrics(
+    nbytes: int, dcp: DcpResult, store: StoragedResult, copy: Mapping[str, float]
+) -> list[Metric]:
+    gb = nbytes / GB
+    steady = [s for s in store.saves if not s.first] or store.saves
+    first = store.saves[0]
+    stall = median_window([s.stall for s in steady])
+    ack = median_window([s.ack for s in steady])
+    d_save = median_window(dcp.save)
+    d_block = median_window(dcp.async_blocking)
+    d_load = median_window(dcp.load)
+    restore = median_window(store.restores)
+
+    def time_metric(name: str, mine: Window, theirs: Window, target: float | None,
+                    limit: str) -> Metric:  # fmt: skip
+        ratio = mine.seconds / theirs.seconds
+        return Metric(name, mine.seconds, theirs.seconds, ratio,
+                      "-" if target is None else f"time <= {target:g} x",
+                      None if target is None else ratio <= target,
+                      gb / mine.seconds, gb / theirs.seconds, limit)  # fmt: skip
+
+    def speed_metric(name: str, mine: Window, theirs: Window, target: float | None,
+                     limit: str) -> Metric:  # fmt: skip
+        ratio = theirs.seconds / mine.seconds
+        return Metric(name, mine.seconds, theirs.seconds, ratio,
+                      "-" if target is None else f"speed >= {target:g} x",
+                      None if target is None else ratio >= target,
+                      gb / mine.seconds, gb / theirs.seconds, limit)  # fmt: skip
+
+    copy_note = (f"one thread copying into staging at {gb / stall.seconds:.2f} GB/s "
+                 f"(memcpy here: {copy['warm_gbps']:.2f} GB/s warm, "
+                 f"{copy['fresh_gbps']:.2f} GB/s into fresh pages)")  # fmt: skip
+    metrics = [
+        time_metric("stall (save returns, steady)", stall, d_block, 0.5,
+                    _limit_text(stall, copy_note)),
+        time_metric("ack (RAM x3 + commit, steady)", ack, d_save, 1.0,
+                    _limit_text(ack, "hash + 3 copies over loopback + drain starting")),
+        speed_metric("restore from RAM, 1 process", restore, d_load, 2.0,
+                     _limit_text(restore, "HTTP GETs into the arrays")),
+        time_metric("stall, first save (no buffers yet)", first.stall, d_block, None,
+                    _limit_text(first.stall, "staging buffer allocated and faulted in")),
+        time_metric("ack, first save", first.ack, d_save, None,
+                    _limit_text(first.ack, "node buffers mapped fresh")),
+    ]  # fmt: skip
+    if store.multi is not None:
+        multi = store.multi.window
+        label = f"restore from RAM, {store.multi.procs} processes"
+        note = _limit_text(multi, "HTTP GETs, one client per process")
+        metrics.append(speed_metric(label, multi, d_load, None, note))
+    durable = [s.nvme for s in steady if s.nvme is not None]
+    if durable:
+        drained = median_window(durable)
+        metrics.append(time_metric("durable: nvme x3 fsynced (steady)", drained, d_save, None,
+                                   _limit_text(drained, "drain: disk writes + fsync")))  # fmt: skip
+    limits_dcp = {
+        "save": _limit_text(d_save, "DCP save: disk write + fsync"),
+        "async_save": _limit_text(d_block, "DCP async_save: fresh CPU copy + plan"),
+        "load": _limit_text(d_load, "DCP load: page cache read + deserialize + copy"),
+    }
+    for m in metrics:
+        kind = ("async_save" if m.metric.startswith("stall") else
+                "load" if m.metric.startswith("restore") else "save")  # fmt: skip
+        m.limit += f" | {limits_dcp[kind]}"
+    return metrics
+
+
+def table(metrics: Sequence[Metric]) -> str:
+    head = ("metric", "storaged s", "DCP s", "ratio", "target", "pass", "storaged GB/s",
+            "DCP GB/s")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * 3 + " --- | --- |"
+             + " ---: |" * 2]  # fmt: skip
+    for m in metrics:
+        verdict = "-" if m.passed is None else ("pass" if m.passed else "FAIL")
+        lines.append(
+            f"| {m.metric} | {m.storaged_s:.3f} | {m.dcp_s:.3f} | {m.ratio:.2f} | {m.target} "
+            f"| {verdict} | {m.storaged_gbps:.2f} | {m.dcp_gbps:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": MiB, "g": GiB}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t) * GiB
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a size like 2GiB or 64MiB, not {text!r}") from None
+    nbytes = int(value) // 4 * 4
+    if nbytes < 1 * MiB:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 MiB")
+    return nbytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.vs_dcp", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--size", type=_size, help="state dict size, e.g. 2GiB (default; a bare "
+                        "number is GiB), 64MiB with --quick")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 64 MiB, 1 repeat, 1 steady save, no profile")  # fmt: skip
+    parser.add_argument("--repeat", type=int, help="timed repeats of DCP runs and of restores "
+                        "(median reported; default 3, 1 with --quick)")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="steady storaged saves after the first (default 2, 1 with --quick)",
+    )
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--restore-procs", type=int, default=4,
+                        help="processes restoring a share of the keys each (0: skip)")  # fmt: skip
+    parser.add_argument(
+        "--settle-limit",
+        type=float,
+        default=600.0,
+        help="seconds to wait for a checkpoint to go cold before the next step",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more save and restore under py-spy (client and node n0)",
+    )
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where DCP files and the cluster's data go (local disk; default "
+                        "the system temp dir)")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="run even if RAM looks too short")
+    parser.add_argument("--out", type=Path, default=RESULTS / "vs_dcp.json")
+    args = parser.parse_args(argv)
+    if args.size is None:
+        args.size = 64 * MiB if args.quick else 2 * GiB
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.quick:
+        args.profile = False
+    if args.repeat < 1 or args.rounds < 1 or args.nodes < 3 or args.restore_procs < 0:
+        parser.error("--repeat and --rounds must be >= 1, --nodes >= 3, --restore-procs >= 0")
+    try:
+        import torch
+    except ImportError:
+        print("loadtest.vs_dcp needs torch (pip install -e '.[torch]')", file=sys.stderr)
+        return 2
+
+    specs = state_layout(args.size)
+    nbytes = sum(s.nbytes for s in specs)
+    memory = memory_per_node(nbytes, args.nodes)
+    # source + staging (or DCP's copy, or restore arrays) + the nodes' RAM tiers, at most
+    need = 2 * nbytes + args.nodes * memory + 512 * MiB
+    available = mem_available()
+    if available and available < need and not args.force:
+        print(
+            f"# not enough free RAM: about {need / GiB:.1f} GiB needed, "
+            f"{available / GiB:.1f} GiB available (--force to run anyway)",
+            file=sys.stderr,
+        )
+        return 3
+    command = "python -m loadtest.vs_dcp " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"# {command}".rstrip(), flush=True)
+    load_before = os.getloadavg()
+    torch.set_num_threads(CORES)
+
+    t_gen = time.perf_counter()
+    torch_state = make_state(specs)
+    counts = {
+        kind: sum(1 for s in specs if s.kind == kind) for kind in ("large", "medium", "small")
+    }
+    print(f"# state dict: {len(specs)} float32 tensors, {nbytes / GiB:.3f} GiB ({counts}), made "
+          f"in {time.perf_counter() - t_gen:.1f} s; {CORES} CPUs, load {load_before[0]:.1f}",
+          flush=True)  # fmt: skip
+    copy = memcpy_reference(min(nbytes, 512 * MiB))
+
+    root = Path(tempfile.mkdtemp(prefix="storaged-vs-dcp-", dir=args.dir))
+    cluster: LocalCluster | None = None
+    try:
+        dcp = run_dcp(torch_state, specs, root / "dcp", args.repeat)
+        load_between = os.getloadavg()
+        cluster = start_cluster(root / "cluster", args.nodes, memory)
+        store = _run_async(run_storaged(cluster, torch_state, specs, args, memory))
+    except BaseException:
+        print(node_log_tails(root / "cluster", args.nodes), file=sys.stderr)
+        raise
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    metrics = build_metrics(nbytes, dcp, store, copy)
+    print(table(metrics))
+    for m in metrics:
+        print(f"# {m.metric}: {m.limit}")
+    if store.profile.get("ran"):
+        for step in ("save_to_ack", "restore"):
+            for proc in ("client", "n0"):
+                summary = store.profile[step].get(proc)
+                if not summary:
+                    continue
+                print(f"# py-spy {step}, {proc} ({summary['samples']} busy samples):")
+                for name, share in list(summary["categories"].items())[:6]:
+                    print(f"#   {share * 100:5.1f} %  {name}")
+    elif args.profile:
+        print("# no profile: py-spy not found (pip install py-spy)")
+
+    result = {
+        "command": command,
+        "machine": {"cpus": CORES, "python": platform.python_version(),
+                    "torch": torch.__version__, "numpy": np.__version__,
+                    "loadavg_before": load_before, "loadavg_between": load_between,
+                    "loadavg_after": os.getloadavg(),
+                    "mem_available_gib": round(available / GiB, 1)},
+        "settings": {"bytes": nbytes, "tensors": len(specs), "mix": counts,
+                     "nodes": args.nodes, "memory_per_node": store.memory_per_node,
+                     "chunk_size": DEFAULT_CHUNK_SIZE, "repeat": args.repeat,
+                     "rounds": args.rounds, "restore_procs": args.restore_procs,
+                     "dcp_writer": {"thread_count": 2, "sync_files": True}},
+        "reference": {"memcpy": copy},
+        "dcp": {"save": [w.to_json() for w in dcp.save],
+                "async_save_blocking": [w.to_json() for w in dcp.async_blocking],
+                "async_save_total": [w.to_json() for w in dcp.async_total],
+                "load_warm": [w.to_json() for w in dcp.load],
+                "files_bytes": dcp.files_bytes},
+        "storaged": {"saves": [s.to_json() for s in store.saves],
+                     "ram_tier": store.ram_tier,
+                     "restore": [w.to_json() for w in store.restores],
+                     "restore_verified": store.restore_verified,
+                     "restore_procs": None if store.multi is None else {
+                         "procs": store.multi.procs, "window": store.multi.window.to_json(),
+                         "per_process_seconds": store.multi.per_process_seconds,
+                         "verified": store.multi.verified}},
+        "metrics": [asdict(m) for m in metrics],
+        "profile": store.profile,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"# results: {args.out}")
+    ok = store.restore_verified and (store.multi is None or store.multi.verified)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

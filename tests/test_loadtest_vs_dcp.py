@@ -1,0 +1,164 @@
+"""Smoke test of ``python -m loadtest.vs_dcp``: it runs end to end and reports what it promises.
+
+No timing is asserted: only the structure of the table and of the JSON, that the ratios are
+computed from the figures next to them, and that the restored bytes were checked. The pure
+helpers (state layout, key split, size parsing) are checked directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from loadtest.vs_dcp import (
+    Window,
+    _size,
+    memory_per_node,
+    split_keys,
+    state_layout,
+)
+
+pytestmark = pytest.mark.torch
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+
+
+def _run(*args: str, timeout: float = 85) -> subprocess.CompletedProcess[str]:
+    # The node processes and the benchmark run without asyncio debug mode (conftest sets it).
+    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "loadtest.vs_dcp", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "vs_dcp.json"
+    proc = _run("--quick", "--restore-procs", "2", "--dir", str(tmp_path), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = [line for line in lines if line.startswith("| metric |")]
+    assert header == [
+        "| metric | storaged s | DCP s | ratio | target | pass | storaged GB/s | DCP GB/s |"
+    ]
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line]
+    names = [r[0].removeprefix("| ") for r in rows[1:]]
+    assert names[:3] == [
+        "stall (save returns, steady)",
+        "ack (RAM x3 + commit, steady)",
+        "restore from RAM, 1 process",
+    ]
+    assert "restore from RAM, 2 processes" in names
+    for row in rows[1:4]:
+        assert row[5] in ("pass", "FAIL")  # the three targets get a verdict
+
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python -m loadtest.vs_dcp --quick")
+    settings = doc["settings"]
+    assert settings["bytes"] == 64 * MiB
+    assert settings["nodes"] == 4
+    assert settings["mix"]["large"] == 4 and settings["mix"]["small"] > 0
+    assert settings["tensors"] == sum(settings["mix"].values())
+    assert settings["dcp_writer"] == {"thread_count": 2, "sync_files": True}
+
+    # DCP: one of each with --quick, and its files hold at least the tensor bytes.
+    dcp = doc["dcp"]
+    for key in ("save", "async_save_blocking", "async_save_total", "load_warm"):
+        assert len(dcp[key]) == 1 and dcp[key][0]["seconds"] > 0
+    assert dcp["async_save_total"][0]["seconds"] >= dcp["async_save_blocking"][0]["seconds"]
+    assert dcp["files_bytes"] >= settings["bytes"]
+
+    store = doc["storaged"]
+    first, steady = store["saves"]
+    assert first["first"] and not steady["first"]
+    for save in (first, steady):
+        assert 0 < save["stall"]["seconds"] <= save["ack"]["seconds"]
+        assert len(save["ack"]["node_cpu_s"]) == 4
+        # every byte changed between saves: nothing was deduplicated away
+        assert save["uploaded_bytes"] >= settings["bytes"] and save["skipped_bytes"] == 0
+        assert save["nvme"] is not None and save["cold"] is not None  # 64 MiB settles quickly
+        assert save["ack"]["seconds"] <= save["nvme"]["seconds"] <= save["cold"]["seconds"]
+    ram = store["ram_tier"]
+    assert ram["chunks"] > 0 and ram["chunks_in_memory"] == ram["chunks"]
+    assert ram["min_memory_holders"] == 3
+    assert store["restore_verified"] is True
+    assert store["restore_procs"]["procs"] == 2 and store["restore_procs"]["verified"] is True
+
+    metrics = {m["metric"]: m for m in doc["metrics"]}
+    stall = metrics["stall (save returns, steady)"]
+    # (the per-run figures are rounded to 0.1 ms in the JSON)
+    assert stall["storaged_s"] == pytest.approx(steady["stall"]["seconds"], abs=1e-4)
+    assert stall["dcp_s"] == pytest.approx(dcp["async_save_blocking"][0]["seconds"], abs=1e-4)
+    assert math.isclose(stall["ratio"], stall["storaged_s"] / stall["dcp_s"])
+    assert stall["passed"] == (stall["ratio"] <= 0.5)
+    ack = metrics["ack (RAM x3 + commit, steady)"]
+    assert ack["dcp_s"] == pytest.approx(dcp["save"][0]["seconds"], abs=1e-4)
+    assert ack["passed"] == (ack["ratio"] <= 1.0)
+    restore = metrics["restore from RAM, 1 process"]
+    assert math.isclose(restore["ratio"], restore["dcp_s"] / restore["storaged_s"])
+    assert restore["passed"] == (restore["ratio"] >= 2.0)
+    assert math.isclose(restore["storaged_gbps"], settings["bytes"] / 1e9 / restore["storaged_s"])
+    assert all("% of" in m["limit"] for m in doc["metrics"])  # each says what bounds it
+    assert doc["profile"]["ran"] is False  # --quick never profiles
+    # The figures are printed, with what limits each.
+    assert sum(1 for line in lines if line.startswith("# stall (save returns")) == 1
+
+
+def test_bad_arguments_are_refused() -> None:
+    for args in (["--size", "12KiB"], ["--size", "lots"], ["--nodes", "2"], ["--repeat", "0"]):
+        proc = _run(*args, timeout=60)
+        assert proc.returncode == 2, (args, proc.stderr[-500:])
+        assert "error" in proc.stderr
+
+
+@pytest.mark.parametrize("total", [64 * MiB, 2 << 30, 64 * MiB + 4, 1 * MiB, 100 << 10])
+def test_state_layout_adds_up_to_the_size(total: int) -> None:
+    specs = state_layout(total)
+    assert sum(s.nbytes for s in specs) == total
+    assert len({s.key for s in specs}) == len(specs)
+    assert all(s.nbytes > 0 for s in specs)
+    kinds = [s.kind for s in specs]
+    if total >= 64 * MiB:
+        assert kinds.count("large") == 4 and kinds.count("medium") > 20
+        assert sum(s.nbytes for s in specs if s.kind == "large") >= total * 0.49
+
+
+def test_state_layout_refuses_odd_sizes() -> None:
+    with pytest.raises(ValueError):
+        state_layout(64 * MiB + 2)
+    with pytest.raises(ValueError):
+        state_layout(1024)
+
+
+def test_split_keys_balances_bytes() -> None:
+    specs = state_layout(2 << 30)
+    groups = split_keys(specs, 4)
+    loads = [sum(s.nbytes for s in g) for g in groups]
+    assert sorted(s.key for g in groups for s in g) == sorted(s.key for s in specs)
+    assert max(loads) - min(loads) <= max(s.nbytes for s in specs)
+
+
+def test_sizes_and_memory() -> None:
+    assert _size("2GiB") == 2 << 30
+    assert _size("64MiB") == 64 * MiB
+    assert _size("0.5") == 1 << 29
+    with pytest.raises(argparse.ArgumentTypeError):
+        _size("-3")
+    # three copies spread over 4 nodes, with room for uneven placement
+    assert memory_per_node(2 << 30, 4) >= 3 * (2 << 30) // 4
+    assert Window(2.0, 1.0, [1.0, 2.0]).busy() == pytest.approx(4.0 / 2.0 / (os.cpu_count() or 1))
