@@ -30,7 +30,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -173,9 +173,15 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-def _rows(doc: Any, kind: str) -> list[dict[str, Any]]:
-    rows = doc.get("results", []) if isinstance(doc, dict) else []
+def _rows(doc: Any, kind: str, section: str = "results") -> list[dict[str, Any]]:
+    rows = doc.get(section, []) if isinstance(doc, dict) else []
     return [r for r in rows if isinstance(r, dict) and r.get("kind") == kind]
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"not a finite number: {value!r}")
+    return float(value)
 
 
 def _best_row(rows: Sequence[dict[str, Any]], *needed: str) -> dict[str, Any]:
@@ -186,67 +192,124 @@ def _best_row(rows: Sequence[dict[str, Any]], *needed: str) -> dict[str, Any]:
     return max(usable, key=lambda r: float(r.get("gbps") or 0.0))
 
 
+#: A reader takes a result document and returns (value, field it came from) per rate.
+Reader = Callable[[Any], list[tuple[float, str]]]
+
+
+def _ack_cpu(doc: Any) -> list[tuple[float, str]]:
+    row = _best_row(_rows(doc, "storaged"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
+    where = f"[{row.get('config')}]"
+    return [
+        (_number(row["server_cpu_s_per_gb"]), f"{where} server_cpu_s_per_gb"),
+        (_number(row["client_cpu_s_per_gb"]), f"{where} client_cpu_s_per_gb"),
+    ]
+
+
+def _save_ack_cpu(doc: Any) -> list[tuple[float, str]]:
+    row = _best_row(_rows(doc, "storaged", "runs"), "node_cpu_s_per_gb", "client_cpu_s_per_gb")
+    where = f"runs[c={row.get('concurrency')}]"
+    return [
+        (_number(row["node_cpu_s_per_gb"]), f"{where} node_cpu_s_per_gb"),
+        (_number(row["client_cpu_s_per_gb"]), f"{where} client_cpu_s_per_gb"),
+    ]
+
+
+def _restore_cpu(doc: Any) -> list[tuple[float, str]]:
+    rows = _rows(doc, "storaged", "runs") or _rows(doc, "storaged")
+    # The RAM tier's figure when the file has one per tier: the restore advised by default.
+    in_ram = [r for r in rows if r.get("tier") in (None, "memory", "ram")]
+    for server in ("node_cpu_s_per_gb", "server_cpu_s_per_gb"):
+        usable = [r for r in in_ram if isinstance(r.get(server), int | float)]
+        if usable:
+            row = _best_row(usable, server, "client_cpu_s_per_gb")
+            total = _number(row[server]) + _number(row["client_cpu_s_per_gb"])
+            where = f"[c={row.get('concurrency')}, tier={row.get('tier', '-')}]"
+            return [(total, f"{where} {server} + client_cpu_s_per_gb")]
+    raise KeyError("no storaged row with node and client CPU per GB")
+
+
+def _transfer_stand_in(doc: Any) -> list[tuple[float, str]]:
+    row = _best_row(_rows(doc, "baseline"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
+    total = _number(row["server_cpu_s_per_gb"]) + _number(row["client_cpu_s_per_gb"])
+    return [(total, f"[{row.get('config')}] server + client, standing in for a restore")]
+
+
+def _staging(doc: Any) -> list[tuple[float, str]]:
+    """One rank's staging copy: its bytes over its stall, warm buffers preferred."""
+    rows = [r for r in _rows(doc, "storaged", "runs") if isinstance(r.get("bytes"), int | float)]
+    if not rows:
+        raise KeyError("no storaged run with bytes")
+    row = min(rows, key=lambda r: int(r.get("concurrency") or 1))
+    per_rank = _number(row["bytes"]) / int(row.get("concurrency") or 1)
+    for key in ("stall_warm_s", "stall_s"):
+        value = row.get(key)
+        if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+            where = f"runs[c={row.get('concurrency')}] bytes per rank / {key}"
+            return [(per_rank / value / GB, where)]
+    raise KeyError("no stall_warm_s or stall_s")
+
+
+def _nvme(doc: Any) -> list[tuple[float, str]]:
+    write = _number(doc["writes"]["tier x4"]["best_gbps"])
+    read = _number(doc["reads"]["cold"]["raw"]["best_gbps"])
+    return [(write, "writes[tier x4].best_gbps"), (read, "reads[cold][raw].best_gbps")]
+
+
+def _save_disk_write(doc: Any) -> list[tuple[float, str]]:
+    rows = [r for r in doc["baselines"]["disk_write"] if isinstance(r, dict)]
+    row = _best_row(rows, "gbps")
+    return [(_number(row["gbps"]), f"baselines.disk_write[c={row.get('concurrency')}].gbps")]
+
+
+def _save_encode(k: int, n: int) -> Reader:
+    def read(doc: Any) -> list[tuple[float, str]]:
+        codec = doc["baselines"]["codec"]
+        if (codec.get("k"), codec.get("n")) != (k, n):
+            raise ValueError(f"measured at k={codec.get('k')} n={codec.get('n')}, not {k},{n}")
+        return [(_number(codec["encode_wrapper_gbps"]), "baselines.codec.encode_wrapper_gbps")]
+
+    return read
+
+
 def load_rates(results: Path = RESULTS, *, k: int = 4, n: int = 6) -> Rates:
     """The rates from the result files in ``results``, defaults where a file or field is missing.
 
     Never raises for a missing or malformed file: that rate keeps its default, and its
-    source says so.
+    source says why. Each group of rates is taken from the first file that has it.
     """
     values: dict[str, float] = {}
     sources: dict[str, str] = {}
-    missing: dict[str, str] = {}
+    reasons: dict[str, list[str]] = {}
 
-    def measured(names: Sequence[str], file: str, read: Any) -> None:
-        path = results / file
-        try:
-            got = read(_read_json(path))
-        except FileNotFoundError:
-            reason = f"{file} missing"
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            reason = f"{file} unreadable ({type(exc).__name__}: {exc})"
-        else:
-            for name, (value, where) in zip(names, got, strict=True):
-                values[name] = float(value)
-                sources[name] = f"measured: {file} {where}"
-            return
-        for name in names:
-            missing.setdefault(name, reason)
+    def first_of(names: Sequence[str], *tries: tuple[str, Reader]) -> None:
+        for file, read in tries:
+            try:
+                got = read(_read_json(results / file))
+            except FileNotFoundError:
+                reason = f"{file} missing"
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                reason = f"{file} unreadable ({type(exc).__name__}: {exc})"
+            else:
+                before = "; ".join(reasons.get(names[0], []))
+                for name, (value, where) in zip(names, got, strict=True):
+                    values[name] = value
+                    sources[name] = f"measured: {file} {where}" + (f" ({before})" if before else "")
+                return
+            for name in names:
+                reasons.setdefault(name, []).append(reason)
 
-    def ack(doc: Any) -> list[tuple[float, str]]:
-        row = _best_row(_rows(doc, "storaged"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
-        where = f"[{row.get('config')}]"
-        return [
-            (row["server_cpu_s_per_gb"], f"{where} server_cpu_s_per_gb"),
-            (row["client_cpu_s_per_gb"], f"{where} client_cpu_s_per_gb"),
-        ]
-
-    def restore(doc: Any) -> list[tuple[float, str]]:
-        row = _best_row(_rows(doc, "storaged"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
-        total = row["server_cpu_s_per_gb"] + row["client_cpu_s_per_gb"]
-        return [(total, f"[{row.get('config')}] server + client cpu_s_per_gb")]
-
-    def transfer_stand_in(doc: Any) -> list[tuple[float, str]]:
-        row = _best_row(_rows(doc, "baseline"), "server_cpu_s_per_gb", "client_cpu_s_per_gb")
-        total = row["server_cpu_s_per_gb"] + row["client_cpu_s_per_gb"]
-        return [(total, f"[{row.get('config')}] server + client (stand-in for a restore)")]
-
-    def save(doc: Any) -> list[tuple[float, str]]:
-        staging = doc["staging_gbps"]
-        return [(staging, "staging_gbps")]
-
-    def nvme(doc: Any) -> list[tuple[float, str]]:
-        write = doc["writes"]["tier x4"]["best_gbps"]
-        read = doc["reads"]["cold"]["raw"]["best_gbps"]
-        return [(write, "writes[tier x4].best_gbps"), (read, "reads[cold][raw].best_gbps")]
-
-    measured(["ack_node_cpu_s_per_gb", "ack_client_cpu_s_per_gb"], "ack.json", ack)
-    measured(["restore_cpu_s_per_gb"], "restore.json", restore)
-    if "restore_cpu_s_per_gb" not in values:
-        measured(["restore_cpu_s_per_gb"], "ack.json", transfer_stand_in)
-        if "restore_cpu_s_per_gb" in sources:
-            sources["restore_cpu_s_per_gb"] += f" ({missing.pop('restore_cpu_s_per_gb')})"
-    measured(["memcpy_gbps"], "save.json", save)
-    measured(["nvme_write_gbps", "nvme_read_gbps"], "nvme.json", nvme)
+    cpu = ["ack_node_cpu_s_per_gb", "ack_client_cpu_s_per_gb"]
+    first_of(cpu, ("ack.json", _ack_cpu), ("save.json", _save_ack_cpu))
+    first_of(
+        ["restore_cpu_s_per_gb"],
+        ("restore.json", _restore_cpu),
+        ("ack.json", _transfer_stand_in),
+    )
+    first_of(["memcpy_gbps"], ("save.json", _staging))
+    first_of(["nvme_write_gbps", "nvme_read_gbps"], ("nvme.json", _nvme))
+    if "nvme_write_gbps" not in values:
+        first_of(["nvme_write_gbps"], ("save.json", _save_disk_write))
+    first_of(["encode_gbps"], ("save.json", _save_encode(k, n)))
 
     if (k, n) in ZFEC_RATES:
         encode, decode, _ = ZFEC_RATES[(k, n)]
@@ -259,14 +322,13 @@ def load_rates(results: Path = RESULTS, *, k: int = 4, n: int = 6) -> Rates:
         codec_note = f"zfec {k},{n} scaled from 4,6 by 2/(n-k) parity blocks"
     values.setdefault("encode_gbps", encode)
     values.setdefault("decode_gbps", decode)
-    missing.setdefault("encode_gbps", codec_note)
-    missing.setdefault("decode_gbps", codec_note)
-    missing.setdefault("hash_gbps", "no result file measures it")
+    reasons.setdefault("encode_gbps", []).append(codec_note)
+    reasons.setdefault("decode_gbps", []).append(codec_note)
 
     defaults = Rates()
     for name in defaults.values():
         if name not in sources:
-            why = missing.get(name, "no result file measures it")
+            why = "; ".join(reasons.get(name, ["no result file measures it"]))
             sources[name] = f"default ({why}): {DEFAULT_PROVENANCE[name]}"
     return replace(defaults, **values, sources=sources)
 

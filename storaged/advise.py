@@ -138,33 +138,98 @@ class Inputs:
     ack: float | None = None
 
 
-def from_results(results: Path) -> tuple[float | None, str, float | None, str]:
-    """(stall, its source, restore, its source) measured by the load tests, None if absent."""
+@dataclass(frozen=True)
+class Measured:
+    """What the load tests' result files say, None where they do not say it."""
 
-    def first_number(doc: Any, keys: tuple[str, ...]) -> tuple[float, str] | None:
-        if isinstance(doc, Mapping):
-            for key in keys:
-                value = doc.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    return float(value), key
+    stall: float | None
+    stall_source: str
+    restore: float | None
+    restore_source: str
+    ack: float | None = None
+
+
+def _positive(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
-    def read(file: str, keys: tuple[str, ...]) -> tuple[float | None, str]:
+
+def _pick(doc: Any, keys: tuple[str, ...], tier: str | None = None) -> Mapping[str, Any]:
+    """The storaged row at the highest concurrency that has one of ``keys`` (and ``tier``).
+
+    Rows are ``doc["runs"]`` or ``doc["results"]``; a document with one of ``keys`` at
+    the top is its own row.
+    """
+    if not isinstance(doc, Mapping):
+        raise ValueError("not a JSON object")
+    rows: list[Mapping[str, Any]] = [
+        r
+        for section in ("runs", "results")
+        for r in doc.get(section) or []
+        if isinstance(r, Mapping) and r.get("kind", "storaged") == "storaged"
+    ]
+    tiers = {"ram": ("memory", "ram"), "nvme": ("nvme",), "cold": ("cold",)}
+    if tier is not None:
+        rows = [r for r in rows if r.get("tier") is None or r.get("tier") in tiers[tier]]
+    rows = [r for r in rows if any(_positive(r.get(k)) for k in keys)] + (
+        [doc] if any(_positive(doc.get(k)) for k in keys) else []
+    )
+    if not rows:
+        raise KeyError(f"no storaged row with {' or '.join(keys)}")
+    return max(rows, key=lambda r: int(r.get("concurrency") or 0))
+
+
+def from_results(results: Path, tier: str = "ram") -> Measured:
+    """The stall, ack and restore time measured by ``python -m loadtest save`` / ``restore``.
+
+    The stall is the warm one (staging buffers reused, as in a training loop) when
+    measured, at the highest concurrency measured. A restore measured on another number
+    of bytes than the save is scaled to the save's bytes (linearly, and the source says so).
+    """
+
+    def load(file: str) -> tuple[Any, str]:
         path = results / file
         try:
-            doc = json.loads(path.read_text())
+            return json.loads(path.read_text()), ""
         except FileNotFoundError:
             return None, f"{path} missing"
         except (OSError, ValueError) as exc:
             return None, f"{path} unreadable: {exc}"
-        found = first_number(doc, keys) or first_number(doc.get("summary"), keys)
-        if found is None:
-            return None, f"{path} has none of {', '.join(keys)}"
-        return found[0], f"measured: {path} {found[1]}"
 
-    stall, stall_source = read("save.json", ("stall_seconds", "stall_s"))
-    restore, restore_source = read("restore.json", ("restore_seconds", "seconds"))
-    return stall, stall_source, restore, restore_source
+    stall = restore = ack = None
+    save_bytes = None
+    doc, stall_source = load("save.json")
+    if doc is not None:
+        keys = ("stall_warm_s", "stall_s", "stall_seconds")
+        try:
+            row = _pick(doc, keys)
+        except (KeyError, ValueError) as exc:
+            stall_source = f"{results / 'save.json'}: {exc}"
+        else:
+            key = next(k for k in keys if _positive(row.get(k)))
+            stall = _positive(row[key])
+            ack = _positive(row.get("ack_seconds"))
+            save_bytes = _positive(row.get("bytes"))
+            at = f"c={row['concurrency']} " if "concurrency" in row else ""
+            stall_source = f"measured: {results / 'save.json'} {at}{key}"
+    doc, restore_source = load("restore.json")
+    if doc is not None:
+        keys = ("restore_s", "restore_seconds", "seconds")
+        try:
+            row = _pick(doc, keys, tier)
+        except (KeyError, ValueError) as exc:
+            restore_source = f"{results / 'restore.json'}: {exc}"
+        else:
+            key = next(k for k in keys if _positive(row.get(k)))
+            restore = _positive(row[key])
+            at = f"c={row['concurrency']} " if "concurrency" in row else ""
+            restore_source = f"measured: {results / 'restore.json'} {at}{key}"
+            restore_bytes = _positive(row.get("bytes"))
+            if restore is not None and save_bytes and restore_bytes and save_bytes != restore_bytes:
+                restore *= save_bytes / restore_bytes
+                restore_source += f", scaled from {restore_bytes:.0f} to {save_bytes:.0f} bytes"
+    return Measured(stall, stall_source, restore, restore_source, ack)
 
 
 def from_model(
@@ -254,11 +319,12 @@ def gather_inputs(args: argparse.Namespace) -> Inputs:
         if restore is None:
             restore, restore_source = restored, r_source
     else:
-        stall_m, s_source, restored_m, r_source = from_results(args.results)
+        measured = from_results(args.results, args.restore_tier)
         if cost is None:
-            cost, cost_source = stall_m, s_source
+            cost, cost_source = measured.stall, measured.stall_source
         if restore is None:
-            restore, restore_source = restored_m, r_source
+            restore, restore_source = measured.restore, measured.restore_source
+        ack = measured.ack
     if cost is None or restore is None:
         lacking = ", ".join(
             f"{what} ({why})"
@@ -366,7 +432,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--restore-tier",
         choices=RESTORE_TIERS,
         default="ram",
-        help="which restore the scale model's figure is (default ram)",
+        help="which tier's restore figure to use, modelled or measured (default ram)",
     )
     p.add_argument("--results", type=Path, default=RESULTS, help="the load tests' result files")
     p.add_argument("--json", action="store_true", help="print the advice as JSON")

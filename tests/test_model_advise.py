@@ -299,6 +299,61 @@ def test_measured_results_are_used(tmp_path: Path) -> None:
     assert r.sources["restore_cpu_s_per_gb"].startswith("measured: restore.json")
 
 
+SAVE_DOC: dict[str, Any] = {
+    "kind": "save",
+    "runs": [
+        {
+            "kind": "storaged",
+            "concurrency": 1,
+            "bytes": 1e9,
+            "stall_s": 0.5,
+            "stall_warm_s": 0.25,
+            "ack_seconds": 3.0,
+            "gbps": 0.3,
+            "node_cpu_s_per_gb": 9.0,
+            "client_cpu_s_per_gb": 0.4,
+        },
+        {
+            "kind": "storaged",
+            "concurrency": 2,
+            "bytes": 1e9,
+            "stall_s": 0.6,
+            "stall_warm_s": math.nan,  # not measured at this level
+            "ack_seconds": 2.5,
+            "gbps": 0.4,
+            "node_cpu_s_per_gb": 8.0,
+            "client_cpu_s_per_gb": 0.5,
+        },
+    ],
+    "baselines": {
+        "codec": {"codec": "zfec", "k": 4, "n": 6, "encode_wrapper_gbps": 0.9},
+        "disk_write": [{"kind": "disk_write", "concurrency": 1, "gbps": 0.8}],
+    },
+}
+RESTORE_DOC: dict[str, Any] = {
+    "runs": [
+        {"kind": "storaged", "tier": "memory", "concurrency": 2, "bytes": 5e8, "seconds": 1.0},
+        {"kind": "storaged", "tier": "cold", "concurrency": 2, "bytes": 5e8, "seconds": 9.0},
+        {"kind": "storaged", "tier": "memory", "concurrency": 1, "bytes": 5e8, "seconds": 1.5},
+    ]
+}
+
+
+def test_rates_from_the_save_benchmark(tmp_path: Path) -> None:
+    (tmp_path / "save.json").write_text(json.dumps(SAVE_DOC))
+    r = load_rates(tmp_path)
+    # One rank's 1 GB staged in 0.25 s with warm buffers.
+    assert r.memcpy_gbps == pytest.approx(4.0)
+    assert "stall_warm_s" in r.sources["memcpy_gbps"]
+    # No ack.json: the save benchmark's CPU per GB, from its fastest level.
+    assert (r.ack_node_cpu_s_per_gb, r.ack_client_cpu_s_per_gb) == (8.0, 0.5)
+    assert "ack.json missing" in r.sources["ack_node_cpu_s_per_gb"]
+    assert (r.encode_gbps, r.nvme_write_gbps) == (0.9, 0.8)
+    assert r.sources["nvme_read_gbps"].startswith("default")
+    # Measured at 4,6 only: another k, n keeps the documented rate.
+    assert load_rates(tmp_path, k=8, n=12).encode_gbps == 0.54
+
+
 def test_unreadable_results_keep_the_defaults(tmp_path: Path) -> None:
     (tmp_path / "ack.json").write_text("{not json")
     (tmp_path / "nvme.json").write_text(json.dumps({"writes": {}}))
@@ -401,6 +456,27 @@ def test_advise_reads_measured_results(capsys: pytest.CaptureFixture[str], tmp_p
     doc = json.loads(capsys.readouterr().out)
     assert (doc["cost"], doc["restore"]) == (2.0, 4.0)
     assert doc["sources"]["cost"].startswith("measured:")
+
+
+def test_advise_reads_the_save_and_restore_benchmarks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "save.json").write_text(json.dumps(SAVE_DOC))
+    (tmp_path / "restore.json").write_text(json.dumps(RESTORE_DOC))
+    assert advise_cli("--mtbf", "1", "--results", str(tmp_path), "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    # Highest concurrency; its warm stall is missing, so the first save's.
+    assert (doc["cost"], doc["ack"]) == (0.6, 2.5)
+    assert doc["sources"]["cost"].endswith("c=2 stall_s")
+    # The RAM restore of 0.5 GB, scaled to the 1 GB saved.
+    assert doc["restore"] == pytest.approx(2.0)
+    assert "scaled from 500000000 to 1000000000 bytes" in doc["sources"]["restore"]
+    argv = ("--mtbf", "1", "--results", str(tmp_path), "--json", "--restore-tier", "cold")
+    assert advise_cli(*argv) == 0
+    assert json.loads(capsys.readouterr().out)["restore"] == pytest.approx(18.0)
+    (tmp_path / "restore.json").write_text(json.dumps({"runs": []}))
+    assert advise_cli("--mtbf", "1", "--results", str(tmp_path)) == 2
+    assert "no storaged row with" in capsys.readouterr().err
 
 
 def test_advise_unparsable_mtbf_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
