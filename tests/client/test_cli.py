@@ -1,0 +1,487 @@
+"""The client CLI against a real 4-node cluster, and ``storaged demo`` end to end.
+
+Round trips of .npz, .safetensors and torch files through ``storaged save`` and
+``storaged restore``; ls/status/rm in text and JSON; the failures a user meets
+(wrong token, unreachable cluster, unknown or existing checkpoint, unreadable or
+unwritable files, bad names) give one readable line and a non-zero status; the
+demo's byte check catches a flipped byte, and the demo cleans up after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+from storaged.cli import main
+from storaged.client.cli import ByteProgress, run_async
+from storaged.cluster import LocalCluster, free_port_block
+from storaged.demo import build_model, shares
+from tests.conftest import TOKEN
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Run(NamedTuple):
+    status: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def cli(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """``cli(*args) -> Run(status, stdout, stderr)`` against the module's cluster."""
+
+    def run(*args: str, token: str | None = TOKEN, url: str | None = None) -> Run:
+        capsys.readouterr()
+        argv = [*args, "--url", url or ",".join(cluster.urls), "--no-progress"]
+        if args[0] in ("ls", "status", "rm"):
+            argv.remove("--no-progress")
+        if token is not None:
+            argv += ["--token", token]
+        status = main(argv)
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return Run(status, out, err)
+
+    yield run
+
+
+def _name(tag: str) -> str:
+    return f"cli/{tag}-{time.monotonic_ns() % 10**9}"
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_npz_round_trip(cli: Any, tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "weight": rng.standard_normal((700, 1000), dtype=np.float32),  # several 1 MiB chunks
+        "ids": rng.integers(-(2**40), 2**40, size=333, dtype=np.int64),
+        "mask": rng.random(17) > 0.5,
+        "scalar": np.array(3.25),
+        "file": np.arange(5, dtype=np.uint8),  # np.savez(file=...) would clash with this key
+        "empty": np.zeros((0, 3), dtype=np.float16),
+    }
+    src = tmp_path / "in.npz"
+    np.savez(src, **{k: v for k, v in arrays.items() if k != "file"})  # type: ignore[arg-type]
+    with np.load(src) as z:
+        assert "file" not in z.files
+    # np.savez cannot name a member "file": add it the way the CLI writes members.
+    import zipfile
+
+    with zipfile.ZipFile(src, "a") as archive, archive.open("file.npy", "w") as member:
+        np.lib.format.write_array(member, arrays["file"])
+    name = _name("npz")
+
+    r = cli("save", str(src), name, "--chunk-size", "1MiB")
+    assert r.status == 0, r.err
+    assert f"saved {name}: 6 items" in r.out
+
+    dst = tmp_path / "out.npz"
+    r = cli("restore", name, str(dst))
+    assert r.status == 0, r.err
+    assert f"restored {name} into {dst}: 6 items" in r.out
+    with np.load(dst, allow_pickle=False) as z:
+        assert sorted(z.files) == sorted(arrays)
+        for key, want in arrays.items():
+            got = z[key]
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert np.array_equal(got, want), key
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp file left"
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch")
+
+
+def test_safetensors_round_trip(cli: Any, tmp_path: Path) -> None:
+    torch = _torch()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    gen = torch.Generator().manual_seed(2)
+    tensors = {
+        "embed.weight": torch.randn(513, 768, generator=gen).to(torch.bfloat16),
+        "layers.0.weight": torch.randn(300, 1000, generator=gen),
+        "layers.0.bias": torch.randn(1000, generator=gen).to(torch.float16),
+        "steps": torch.arange(10, dtype=torch.int32),
+        "fp8": torch.randn(64, generator=gen).to(torch.float8_e4m3fn),
+    }
+    src = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(tensors, str(src), metadata={"format": "pt", "step": "7"})
+    name = _name("st")
+
+    r = cli("save", str(src), name, "--chunk-size", "1MiB")
+    assert r.status == 0, r.err
+
+    for target in ("back.safetensors", "back.pt"):
+        dst = tmp_path / target
+        r = cli("restore", name, str(dst))
+        assert r.status == 0, r.err
+        if target.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(str(dst), framework="pt") as f:
+                assert f.metadata() == {"format": "pt", "step": "7"}
+                got = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
+        else:
+            got = torch.load(dst, weights_only=True)
+        assert sorted(got) == sorted(tensors)
+        for key, want in tensors.items():
+            assert got[key].dtype == want.dtype, key
+            assert got[key].shape == want.shape, key
+            assert torch.equal(got[key].view(torch.uint8), want.view(torch.uint8)), key
+
+    # Into .npz: bfloat16 and float8 come back as their same-width integers, said on stderr.
+    dst = tmp_path / "back.npz"
+    r = cli("restore", name, str(dst))
+    assert r.status == 0 and "bfloat16" in r.err
+    with np.load(dst) as z:
+        assert z["embed.weight"].dtype == np.uint16
+        assert np.array_equal(
+            z["embed.weight"], tensors["embed.weight"].view(torch.int16).numpy().view(np.uint16)
+        )
+        assert np.array_equal(z["layers.0.weight"], tensors["layers.0.weight"].numpy())
+
+
+def test_torch_nested_round_trip(cli: Any, tmp_path: Path) -> None:
+    torch = _torch()
+    obj: dict[str, Any] = {
+        "model": {"w": torch.randn(40, 30), "b": torch.zeros(30, dtype=torch.bfloat16)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.ones(40, 30)}},
+            "param_groups": [{"lr": 0.001, "params": [0, 1]}],
+        },
+        "epoch": 3,
+        "name": "run-a",
+    }
+    src = tmp_path / "ckpt.pt"
+    torch.save(obj, src)
+    name = _name("pt")
+    r = cli("save", str(src), name)
+    assert r.status == 0, r.err
+
+    dst = tmp_path / "back.pt"
+    r = cli("restore", name, str(dst))
+    assert r.status == 0, r.err
+    got = torch.load(dst, weights_only=True)
+    assert got["epoch"] == 3 and got["name"] == "run-a"
+    assert got["optimizer"]["param_groups"] == [{"lr": 0.001, "params": [0, 1]}]
+    assert set(got["optimizer"]["state"]) == {0}  # the int key survives
+    want_avg = obj["optimizer"]["state"][0]["exp_avg"]
+    assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], want_avg)
+    assert torch.equal(got["optimizer"]["state"][0]["step"], torch.tensor(5.0))
+    assert torch.equal(got["model"]["w"], obj["model"]["w"])
+    assert got["model"]["b"].dtype == torch.bfloat16
+
+    # Non-tensor values have no place in .safetensors: refused before anything is written.
+    dst = tmp_path / "back.safetensors"
+    r = cli("restore", name, str(dst))
+    assert r.status == 1
+    assert "non-tensor values" in r.err and "epoch" in r.err
+    assert not dst.exists()
+
+
+def test_save_wait_cold(cli: Any, tmp_path: Path) -> None:
+    src = tmp_path / "a.npz"
+    np.savez(src, x=np.random.default_rng(3).random(50_000))
+    name = _name("wait")
+    r = cli("save", str(src), name, "--wait", "cold", "--timeout", "120")
+    assert r.status == 0, r.err
+    assert f"{name} is cold" in r.out
+    assert "cold 1/1" in r.err  # the counts as they changed
+    r = cli("status", name, "--json")
+    assert json.loads(r.out)["state"] == "cold"
+
+
+# --------------------------------------------------------------------------- ls / status / rm
+
+
+def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
+    src = tmp_path / "a.npz"
+    np.savez(src, x=np.arange(1000, dtype=np.float64))
+    prefix = _name("ls")
+    names = [f"{prefix}/step-{i}" for i in (2, 1)]
+    for name in names:
+        assert cli("save", str(src), name)[0] == 0
+
+    r = cli("ls", prefix)
+    assert r.status == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].split() == ["NAME", "STATE", "SIZE", "CREATED"]
+    assert [line.split()[0] for line in lines[1:]] == sorted(names)
+    assert all(line.split()[1] in ("memory", "nvme", "cold") for line in lines[1:])
+
+    r = cli("ls", prefix, "--json")
+    assert r.status == 0, r.err
+    doc = json.loads(r.out)
+    assert [c["name"] for c in doc["checkpoints"]] == sorted(names)
+    assert all(c["bytes"] == 8000 for c in doc["checkpoints"])
+    assert all(isinstance(c["created"], float) for c in doc["checkpoints"])
+
+    r = cli("status", names[0], "--json")
+    assert r.status == 0, r.err
+    st = json.loads(r.out)
+    assert st["name"] == names[0] and st["chunks"] == 1
+    assert st["memory"] >= st["nvme"] >= st["cold"]
+    r = cli("status", names[0])
+    assert r.status == 0 and r.out.splitlines()[0].split() == ["name", names[0]]
+    assert "chunks  1" in r.out
+
+    r = cli("rm", names[0])
+    assert r.status == 0 and r.out.strip() == f"deleted {names[0]}"
+    r = cli("ls", prefix, "--json")
+    assert [c["name"] for c in json.loads(r.out)["checkpoints"]] == [names[1]]
+    r = cli("ls", prefix + "-nothing-here")
+    assert r.status == 0 and r.out == ""
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_wrong_token(cli: Any, tmp_path: Path) -> None:
+    src = tmp_path / "a.npz"
+    np.savez(src, x=np.arange(10))
+    for args in (("ls",), ("status", "cli/x"), ("save", str(src), "cli/x")):
+        r = cli(*args, token="not-the-token")
+        assert r.status == 1, args
+        assert "refused the token (HTTP 401)" in r.err, r.err
+        assert len(r.err.strip().splitlines()) == 1
+    r = cli("ls", token=None)  # no token at all
+    assert r.status == 1 and "401" in r.err
+
+
+def test_unreachable_cluster(cli: Any) -> None:
+    port = free_port_block(1)
+    began = time.monotonic()
+    r = cli("ls", url=f"http://127.0.0.1:{port}")
+    assert r.status == 1
+    assert "cannot reach the cluster" in r.err and str(port) in r.err
+    assert time.monotonic() - began < 60
+
+
+def test_unknown_checkpoint(cli: Any, tmp_path: Path) -> None:
+    name = _name("missing")
+    for args in (("status", name), ("rm", name), ("restore", name, str(tmp_path / "x.npz"))):
+        r = cli(*args)
+        assert r.status == 1, args
+        assert f"no checkpoint named {name}" in r.err
+    assert list(tmp_path.iterdir()) == []  # the restore left no file behind
+
+
+def test_existing_name(cli: Any, tmp_path: Path) -> None:
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    np.savez(a, x=np.arange(10))
+    np.savez(b, x=np.arange(11))
+    name = _name("exists")
+    assert cli("save", str(a), name)[0] == 0
+    for src in (a, b):  # the same or other content: names are immutable either way
+        r = cli("save", str(src), name)
+        assert r.status == 1
+        assert f"a checkpoint named {name} already exists" in r.err
+
+    # restore refuses to overwrite a file, unless told to
+    dst = tmp_path / "out.npz"
+    dst.write_bytes(b"keep me")
+    r = cli("restore", name, str(dst))
+    assert r.status == 1 and "--force" in r.err
+    assert dst.read_bytes() == b"keep me"
+    assert cli("restore", name, str(dst), "--force")[0] == 0
+    with np.load(dst) as z:
+        assert np.array_equal(z["x"], np.arange(10))
+
+
+def test_bad_input_files(cli: Any, tmp_path: Path) -> None:
+    garbage = np.random.default_rng(4).bytes(4096)
+    cases = {
+        "missing.npz": None,
+        "garbage.npz": garbage,
+        "garbage.safetensors": garbage,
+        "garbage.pt": garbage,
+        "short.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{}",
+    }
+    (tmp_path / "plain.npz").write_bytes(b"")
+    np.save(tmp_path / "array.npy", np.arange(3))
+    os.replace(tmp_path / "array.npy", tmp_path / "array.npz")  # a .npy under an .npz name
+    for filename, content in cases.items():
+        if content is not None:
+            (tmp_path / filename).write_bytes(content)
+    expected = {
+        "missing.npz": "cannot read",
+        "garbage.npz": "not a readable .npz",
+        "plain.npz": "not a readable .npz",
+        "array.npz": "not an .npz archive",
+        "garbage.safetensors": "not a readable .safetensors",
+        "short.safetensors": "not a readable .safetensors",
+        "garbage.pt": "not a readable torch file",
+    }
+    for filename, message in expected.items():
+        r = cli("save", str(tmp_path / filename), _name("bad"))
+        assert r.status == 1, filename
+        assert message in r.err, (filename, r.err)
+        assert len(r.err.strip().splitlines()) == 1, r.err
+
+    unreadable = tmp_path / "noperm.npz"
+    np.savez(unreadable, x=np.arange(3))
+    unreadable.chmod(0)
+    if os.access(unreadable, os.R_OK):  # root reads anything: test a directory instead
+        unreadable = tmp_path / "dir.npz"
+        unreadable.mkdir()
+    r = cli("save", str(unreadable), _name("bad"))
+    assert r.status == 1 and "cannot read" in r.err
+
+    # an .npz whose arrays cannot be saved (strings)
+    np.savez(tmp_path / "strings.npz", s=np.array(["a", "bc"]))
+    r = cli("save", str(tmp_path / "strings.npz"), _name("bad"))
+    assert r.status == 1 and "cannot save arrays of dtype" in r.err
+
+    # usage errors: exit status 2, before any request
+    r = cli("save", str(tmp_path / "x.txt"), _name("bad"))
+    assert r.status == 2 and "unknown file type .txt" in r.err
+    r = cli("save", str(tmp_path / "garbage.npz"), "../bad name")
+    assert r.status == 2 and "invalid checkpoint name" in r.err
+    r = cli("status", "/leading-slash")
+    assert r.status == 2
+    r = cli("restore", "cli/x", str(tmp_path / "missing-dir" / "out.npz"))
+    assert r.status == 1 and "cannot write" in r.err
+
+
+# --------------------------------------------------------------------------- pieces of the demo
+
+
+def test_shares_are_uneven_and_cover() -> None:
+    for rows in (4, 5, 97, 10_000):
+        parts = shares(rows, [1.3, 0.7, 1.1, 0.9])
+        assert [o for o, _ in parts] == [0, *np.cumsum([c for _, c in parts])[:-1].tolist()]
+        assert sum(c for _, c in parts) == rows
+        assert all(c >= 1 for _, c in parts)
+    counts = [c for _, c in shares(10_000, [1.3, 0.7, 1.1, 0.9])]
+    assert len(set(counts)) == 4
+    with pytest.raises(ValueError):
+        shares(3, [1.0] * 4)
+
+
+def test_demo_check_finds_a_flipped_byte() -> None:
+    model = build_model(16 << 20, ranks=4)
+    # the synthetic blocks are distinct: no chunk would dedup
+    blocks = {
+        model.tensors[2].array.reshape(-1).view(np.uint8)[i : i + 4096].tobytes()
+        for i in range(0, model.tensors[2].array.nbytes, 8 << 20)
+    }
+    assert len(blocks) == -(-model.tensors[2].array.nbytes // (8 << 20))
+    targets = model.restore_targets(2)
+    for target in targets:
+        for tensor in model.tensors:
+            shard = target[tensor.key]
+            offset = shard.offsets[0]
+            shard.array[...] = tensor.array[offset : offset + len(shard.array)]
+    returned = {k: v for values in (model.common, *model.per_rank) for k, v in values.items()}
+    checked, wrong = model.verify(targets, returned)
+    assert checked == model.nbytes and wrong == {}
+
+    targets[1]["lm_head.weight"].array.reshape(-1).view(np.uint8)[12345] ^= 1
+    returned["step"] = 999
+    checked, wrong = model.verify(targets, returned)
+    assert wrong == {"lm_head.weight": 1, "step": 1}
+
+
+def test_byte_progress_follows_the_counter() -> None:
+    counter = [0]
+    out = io.StringIO()
+
+    async def transfer() -> None:
+        async with ByteProgress(
+            lambda: counter[0], 1000, "x", enabled=True, interval=0.01, file=out
+        ):
+            for _ in range(10):
+                counter[0] += 90
+                await asyncio.sleep(0.02)
+
+    run_async(transfer)
+    text = out.getvalue()
+    assert "x:" in text and "100%" in text
+    assert "90.0B/" in text or " 90" in text or "180" in text  # an intermediate state was drawn
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def _demo_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
+
+
+def test_demo_end_to_end(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "storaged", "demo", "--size", "64MiB", "--data", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_demo_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "save() returned after" in out
+    assert "killed node n1 (SIGKILL)" in out
+    assert "restoring onto 2 ranks (saved by 4)" in out
+    assert "verified: all" in out and "bytes equal the source" in out
+    for figure in ("stall", "ack", "nvme", "cold", "restore"):
+        assert f"  {figure} " in out
+    assert list(tmp_path.iterdir()) == []  # the cluster's data is gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "storaged", "demo", "--size", "512MiB", "--data", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_demo_env(),
+        cwd=REPO,
+        start_new_session=True,  # our SIGINT goes to the demo only, as a lone Ctrl-C would not
+    )
+    assert proc.stdout is not None
+    seen = []
+    pids: list[int] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("cluster:"):
+                pids = [int(p.read_text()) for p in tmp_path.glob("*/n*/node.pid")]
+            if "saving demo/" in line:
+                break
+        assert len(pids) == 4, "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "interrupted" in rest and "Traceback" not in rest
+    assert list(tmp_path.iterdir()) == []
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
