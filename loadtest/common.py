@@ -1,0 +1,810 @@
+"""Harness shared by ``python -m loadtest restore`` and ``python -m loadtest save``.
+
+What a caller may rely on:
+
+- ``Layout``: a checkpoint of ``keys`` float32 tensors of ``rows`` x 64 KiB rows, sharded by
+  rows over ranks. Its bytes are a function of (seed, key, global offset) alone, so any
+  process can make or check any box of it without the others (``fill``, ``check``); every
+  64 KiB block starts with a distinct stamp, so no two chunks of it are equal (no dedup).
+- ``WorkerPool``: real separate processes (spawn), each running one ``Job`` at a time. All
+  jobs of a run are prepared first (allocation, imports, connections), then released at
+  once; each reports its own start and end on ``time.monotonic`` (CLOCK_MONOTONIC, the
+  same clock in every process of the machine) and its CPU seconds (all its threads).
+- ``start_cluster``: a ``LocalCluster`` of node processes, stopped again if start-up fails.
+- ``MetricsSampler`` / ``read_bytes_by_tier``: the nodes' ``/metrics``, sampled in a thread.
+- ``drop_page_cache``: what it could do about the page cache, said in its return value.
+- ``TracedClient``: a ``Client`` that times every chunk request (first byte, whole body,
+  ack) and counts bytes by the ``X-Storaged-Tier`` header.
+- ``markdown_table``, ``write_json``, ``progress``, ``interrupt_on_sigterm``.
+
+Every process started here is stopped by its owner's ``close``/``stop`` in a ``finally``,
+on errors and on Ctrl-C alike (workers ignore SIGINT: the parent decides when they stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import math
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import FrameType, SimpleNamespace
+from typing import Any, Protocol
+
+import aiohttp
+import blake3
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+# One implementation of these two for every load test: loadtest.ack has them already.
+from loadtest.ack import percentile, proc_cpu_seconds
+from storaged.client import Client
+from storaged.client.client import Holder, WritableBuffer
+from storaged.cluster import LocalCluster, free_port_block
+from tiers.base import ByteRange
+
+MiB = 1 << 20
+GiB = 1 << 30
+GB = 1e9
+HOST = "127.0.0.1"
+TOKEN = "loadtest-token"
+RESULTS = Path(__file__).resolve().parent / "results"
+TIERS = ("memory", "nvme", "cold")
+
+
+def new_loop(name: str = "uvloop") -> asyncio.AbstractEventLoop:
+    """A fresh event loop: uvloop (what a node runs) when asked and installed."""
+    if name == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
+# -- the checkpoint's bytes -----------------------------------------------------------------------
+
+ROW_BYTES = 64 << 10
+#: float32 elements per row
+COLS = ROW_BYTES // 4
+#: rows of the repeated random pattern (1 MiB): stamps make every block distinct
+_PATTERN_ROWS = 16
+_patterns: dict[int, np.ndarray[Any, np.dtype[np.uint8]]] = {}
+
+
+def _pattern(seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    if seed not in _patterns:
+        raw = blake3.blake3(b"loadtest.pattern" + seed.to_bytes(8, "big")).digest(
+            length=_PATTERN_ROWS * ROW_BYTES
+        )
+        _patterns[seed] = np.frombuffer(raw, dtype=np.uint8).reshape(_PATTERN_ROWS, ROW_BYTES)
+    return _patterns[seed]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``keys`` tensors ``layers.<i>.weight`` of shape (rows, COLS) float32, made from ``seed``."""
+
+    keys: int
+    rows: int
+    seed: int = 1
+
+    @classmethod
+    def of_size(cls, nbytes: int, keys: int, seed: int = 1, multiple: int = 1) -> Layout:
+        """About ``nbytes`` in ``keys`` tensors whose row count is a multiple of ``multiple``."""
+        rows = nbytes // (keys * ROW_BYTES)
+        rows -= rows % multiple
+        if keys < 1 or rows < 1:
+            raise ValueError(f"{nbytes} bytes do not make {keys} tensors of {multiple}+ rows")
+        return cls(keys, rows, seed)
+
+    def with_seed(self, seed: int) -> Layout:
+        return Layout(self.keys, self.rows, seed)
+
+    @property
+    def key_bytes(self) -> int:
+        return self.rows * ROW_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys * self.key_bytes
+
+    @property
+    def global_shape(self) -> tuple[int, int]:
+        return (self.rows, COLS)
+
+    def key(self, index: int) -> str:
+        return f"layers.{index}.weight"
+
+    def box(self, rank: int, ranks: int) -> tuple[int, int]:
+        """Rows [start, end) that ``rank`` of ``ranks`` holds of every tensor."""
+        return self.rows * rank // ranks, self.rows * (rank + 1) // ranks
+
+    def empty(self, rank: int, ranks: int) -> dict[str, np.ndarray[Any, Any]]:
+        """Pre-faulted (written once) destination arrays of ``rank``'s boxes."""
+        start, end = self.box(rank, ranks)
+        out = {}
+        for i in range(self.keys):
+            array = np.empty((end - start, COLS), dtype=np.float32)
+            array.view(np.uint8).fill(0)  # touch every page now, not inside a timed window
+            out[self.key(i)] = array
+        return out
+
+    def fill(self, key: int, start_row: int, out: np.ndarray[Any, Any]) -> None:
+        """Write the rows of tensor ``key`` from ``start_row`` on into ``out`` (len(out) rows)."""
+        rows = out.view(np.uint8).reshape(-1, ROW_BYTES)
+        pattern = _pattern(self.seed)
+        for phase in range(min(_PATTERN_ROWS, len(rows))):
+            rows[phase::_PATTERN_ROWS] = pattern[(start_row + phase) % _PATTERN_ROWS]
+        stamps = np.empty((len(rows), 2), dtype=">u8")
+        stamps[:, 0] = (self.seed << 32) | key
+        stamps[:, 1] = (start_row + np.arange(len(rows), dtype=np.uint64)) * ROW_BYTES
+        rows[:, :16] = stamps.view(np.uint8).reshape(-1, 16)
+
+    def make(self, rank: int, ranks: int) -> dict[str, np.ndarray[Any, Any]]:
+        """``rank``'s boxes of every tensor, filled."""
+        start, _ = self.box(rank, ranks)
+        arrays = self.empty(rank, ranks)
+        for i in range(self.keys):
+            self.fill(i, start, arrays[self.key(i)])
+        return arrays
+
+    def check(self, key: int, start_row: int, got: np.ndarray[Any, Any], step: int = 256) -> bool:
+        """Whether ``got`` holds exactly the rows of tensor ``key`` from ``start_row`` on."""
+        rows = got.view(np.uint8).reshape(-1, ROW_BYTES)
+        want = np.empty((min(step, len(rows)), COLS), dtype=np.float32)
+        for lo in range(0, len(rows), step):
+            part = rows[lo : lo + step]
+            expected = want[: len(part)]
+            self.fill(key, start_row + lo, expected)
+            if not np.array_equal(part, expected.view(np.uint8).reshape(-1, ROW_BYTES)):
+                return False
+        return True
+
+
+# -- worker processes -----------------------------------------------------------------------------
+
+
+class Prepared(Protocol):
+    """A job ready to go: ``run`` is timed, ``check`` and ``close`` are not."""
+
+    def run(self) -> dict[str, Any]: ...
+
+    def check(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class Job(Protocol):
+    """Picklable description of one process' share of a run (its class importable by path)."""
+
+    def prepare(self) -> Prepared: ...
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or went away; the message holds its traceback when it sent one."""
+
+
+def _worker_main(conn: Connection) -> None:
+    # The parent stops us (Ctrl-C reaches the whole process group; one decision is enough).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if message == "stop":
+            return
+        prepared: Prepared | None = None
+        try:
+            job: Job = message
+            prepared = job.prepare()
+            conn.send(("ready", None))
+            if conn.recv() != "go":
+                return
+            cpu0, t0 = time.process_time(), time.monotonic()
+            result = prepared.run()
+            t1, cpu1 = time.monotonic(), time.process_time()
+            result.update(t0=t0, t1=t1, cpu=cpu1 - cpu0)
+            result.update(prepared.check())
+            conn.send(("done", result))
+        except (EOFError, OSError):
+            return
+        except BaseException:
+            with contextlib.suppress(OSError):
+                conn.send(("error", traceback.format_exc()))
+        finally:
+            if prepared is not None:
+                with contextlib.suppress(Exception):
+                    prepared.close()
+
+
+class WorkerPool:
+    """``size`` worker processes kept for a whole benchmark (imports and pools paid once)."""
+
+    def __init__(self, size: int, ready_timeout: float = 600.0, run_timeout: float = 900.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.ready_timeout = ready_timeout
+        self.run_timeout = run_timeout
+        self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+        try:
+            for i in range(size):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_worker_main, args=(theirs,), daemon=True, name=f"loadtest-w{i}"
+                )
+                proc.start()
+                theirs.close()
+                self._workers.append((proc, mine))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid or 0 for proc, _ in self._workers]
+
+    def _receive(self, index: int, conn: Connection, deadline: float) -> tuple[str, Any]:
+        proc = self._workers[index][0]
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise WorkerError(f"worker {index} exited with {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"worker {index} did not answer in time")
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as exc:
+            raise WorkerError(f"worker {index} went away: {exc!r}") from exc
+        if kind == "error":
+            raise WorkerError(f"worker {index} failed:\n{payload}")
+        return str(kind), payload
+
+    def run(self, jobs: Sequence[Job], before_go: Callable[[], None] | None = None) -> list[Any]:
+        """Prepare every job (one per worker), start them together, return their results.
+
+        ``before_go`` runs once all are ready, right before the start (e.g. to read the
+        nodes' CPU counters). A failure anywhere stops every worker of this pool.
+        """
+        if len(jobs) > len(self._workers):
+            raise ValueError(f"{len(jobs)} jobs for {len(self._workers)} workers")
+        used = self._workers[: len(jobs)]
+        try:
+            for (_, conn), job in zip(used, jobs, strict=True):
+                conn.send(job)
+            deadline = time.monotonic() + self.ready_timeout
+            for i, (_, conn) in enumerate(used):
+                self._receive(i, conn, deadline)
+            if before_go is not None:
+                before_go()
+            for _, conn in used:
+                conn.send("go")
+            deadline = time.monotonic() + self.run_timeout
+            return [self._receive(i, conn, deadline)[1] for i, (_, conn) in enumerate(used)]
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for _, conn in self._workers:
+            with contextlib.suppress(OSError):
+                conn.send("stop")
+        deadline = time.monotonic() + 5
+        for proc, conn in self._workers:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            conn.close()
+        self._workers = []
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wall_seconds(results: Sequence[Mapping[str, Any]]) -> float:
+    """From the first worker's start to the last one's end."""
+    return max(float(r["t1"]) for r in results) - min(float(r["t0"]) for r in results)
+
+
+# -- the cluster ----------------------------------------------------------------------------------
+
+
+def start_cluster(
+    root: Path,
+    nodes: int = 4,
+    *,
+    memory: str = "2GiB",
+    max_chunk: int = 16 * MiB,
+    settings: Mapping[str, Any] | None = None,
+) -> LocalCluster:
+    """A ``LocalCluster`` with token ``TOKEN`` under ``root``, healthy; stopped if start fails."""
+    merged: dict[str, Any] = {
+        "max_chunk_size": max_chunk,
+        "tiers": {"memory_capacity": memory, "nvme_capacity": "256GiB",
+                  "cold_capacity": "256GiB"},
+        "log_level": "WARNING",
+    }  # fmt: skip
+    merged.update(settings or {})
+    port = free_port_block(nodes * 2 + 1)
+    cluster = LocalCluster(
+        nodes=nodes,
+        data=root,
+        port=port,
+        peer_port=port + nodes,
+        token=TOKEN,
+        settings=merged,
+        env={"PYTHONASYNCIODEBUG": ""},
+    )
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def scrape(url: str, timeout: float = 2.0) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """A node's ``/metrics``: sample name -> {sorted label pairs: value}."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted(sample.labels.items()))
+            out.setdefault(sample.name, {})[labels] = float(sample.value)
+    return out
+
+
+def read_bytes_by_tier(urls: Iterable[str]) -> dict[str, float]:
+    """``storaged_read_bytes_total`` summed over the nodes that answer, by tier."""
+    totals = dict.fromkeys(TIERS, 0.0)
+    for url in urls:
+        try:
+            samples = scrape(url).get("storaged_read_bytes_total", {})
+        except (urllib.error.URLError, OSError, ValueError):
+            continue  # a dead node: its counters died with it
+        for labels, value in samples.items():
+            tier = dict(labels).get("tier", "?")
+            totals[tier] = totals.get(tier, 0.0) + value
+    return totals
+
+
+class MetricsSampler:
+    """Samples the nodes' backlog gauges every ``period`` seconds in a thread.
+
+    ``samples``: (seconds since start, {node url: {gauge: value}}) per round.
+    """
+
+    GAUGES = ("storaged_drain_backlog", "storaged_encode_backlog")
+
+    def __init__(self, urls: Sequence[str], period: float = 0.1) -> None:
+        self.urls = list(urls)
+        self.period = period
+        self.samples: list[tuple[float, dict[str, dict[str, float]]]] = []
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="metrics-sampler", daemon=True)
+
+    def start(self) -> MetricsSampler:
+        self.started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            nodes: dict[str, dict[str, float]] = {}
+            for url in self.urls:
+                try:
+                    samples = scrape(url, timeout=1.0)
+                except (urllib.error.URLError, OSError, ValueError):
+                    continue
+                nodes[url] = {g: sum(samples.get(g, {}).values()) for g in self.GAUGES}
+            self.samples.append((t - self.started, nodes))
+            self._stop.wait(max(0.0, self.period - (time.monotonic() - t)))
+
+    def totals(self) -> list[tuple[float, float, float]]:
+        """(t, drain backlog, encode backlog) summed over nodes, per sample."""
+        return [
+            (
+                round(t, 3),
+                sum(n.get(self.GAUGES[0], 0.0) for n in nodes.values()),
+                sum(n.get(self.GAUGES[1], 0.0) for n in nodes.values()),
+            )
+            for t, nodes in self.samples
+        ]
+
+    def __enter__(self) -> MetricsSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def node_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds so far of the processes that still exist (a killed node counts no more)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += proc_cpu_seconds(pid)
+    return total
+
+
+class CpuMeter:
+    """CPU seconds of the processes ``pids`` (all threads) since ``start``."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self._at = 0.0
+
+    def start(self) -> None:
+        self._at = node_cpu(self.pids)
+
+    def seconds(self) -> float:
+        return node_cpu(self.pids) - self._at
+
+
+# -- baselines shared by both directions ----------------------------------------------------------
+
+
+def raw_loopback(nbytes: int, chunk: int, streams: int, loop: str = "uvloop") -> dict[str, Any]:
+    """``loadtest.peer``'s raw mode: ``streams`` asyncio connections into a sink process.
+
+    The floor of any transfer over loopback here: no framing, no copies but the kernel's.
+    The bytes flow from this process to the sink (the two directions cost the same on
+    loopback). Returns gbps, seconds, bytes and CPU seconds per GB of both ends.
+    """
+    from loadtest.peer import Plan, _Clients, _round, _serve
+
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(
+        target=_serve, args=("raw", loop, chunk, streams + 2, False, theirs), daemon=True
+    )
+    proc.start()
+    theirs.close()
+    try:
+        if not mine.poll(60):
+            raise RuntimeError("raw loopback sink did not start")
+        port = int(mine.recv())
+        plan = Plan(chunk, 256 << 10, max(1, nbytes // chunk // streams), streams, 1 << 20)
+
+        async def measure() -> Any:
+            clients = _Clients(plan, {"raw": port}, os.urandom(chunk))
+            try:
+                await _round(clients, "raw", mine, 1)  # warm-up: connections, first touch
+                return await _round(clients, "raw", mine, plan.chunks_per_stream)
+            finally:
+                await clients.close()
+
+        with asyncio.Runner(loop_factory=lambda: new_loop(loop)) as runner:
+            rnd = runner.run(measure())
+    finally:
+        with contextlib.suppress(OSError):
+            mine.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        mine.close()
+    gb = plan.nbytes / GB
+    return {
+        "concurrency": streams,
+        "bytes": plan.nbytes,
+        "seconds": round(rnd.seconds, 4),
+        "gbps": round(gb / rnd.seconds, 4),
+        "client_cpu_s_per_gb": round(rnd.client_cpu / gb, 4),
+        "server_cpu_s_per_gb": round(rnd.server_cpu / gb, 4),
+    }
+
+
+def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
+    """``loadtest.codec``'s raw zfec and the ``erasure`` wrapper on one chunk, best of rounds.
+
+    GB/s of chunk bytes, one thread: encode, and decode with fragment 0 missing (a real
+    reconstruction, what a degraded cold read does).
+    """
+    from erasure import make_codec
+    from loadtest.codec import _raw_zfec, _wrapped
+
+    raw = _raw_zfec(data, k, n)
+    wrapped = _wrapped(make_codec("zfec", k, n), data)
+    out: dict[str, Any] = {"codec": "zfec", "k": k, "n": n, "chunk_bytes": len(data)}
+    for label, op in (("encode", "encode"), ("decode", "decode missing #0")):
+        for side, fns in (("raw", raw), ("wrapper", wrapped)):
+            fn = fns[op]
+            fn()  # warm-up: first-touch page faults, lazy tables
+            best = math.inf
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            out[f"{label}_{side}_gbps"] = round(len(data) / best / GB, 4)
+    return out
+
+
+# -- the page cache -------------------------------------------------------------------------------
+
+
+def drop_page_cache(paths: Iterable[Path] = ()) -> str:
+    """Evict file pages so that reads hit the disk; returns what was done.
+
+    ``"drop_caches"``: the whole page cache (``sync``, then ``echo 1 >
+    /proc/sys/vm/drop_caches``, which needs root). ``"fadvise"``: the pages of every file
+    under ``paths`` (``POSIX_FADV_DONTNEED``; dirty pages would stay, the tiers fsync).
+    ``"warm"``: neither was possible; reads may come from RAM.
+    """
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    done = False
+    for root in paths:
+        for path in [root] if root.is_file() else root.rglob("*"):
+            if not path.is_file():
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                done = True
+            finally:
+                os.close(fd)
+    return "fadvise" if done else "warm"
+
+
+# -- a client that times its chunk requests -------------------------------------------------------
+
+
+@dataclass
+class _Fetch:
+    start: float = 0.0
+    headers: float = 0.0
+
+
+_current_fetch: contextvars.ContextVar[_Fetch | None] = contextvars.ContextVar(
+    "loadtest_fetch", default=None
+)
+
+
+@dataclass
+class RequestLog:
+    """What a ``TracedClient`` saw, on ``time.monotonic``."""
+
+    #: first response headers of any chunk GET (the restore's first byte)
+    first_byte: float | None = None
+    #: seconds from sending a chunk GET (its last attempt) to the body in place
+    get_latencies: list[float] = field(default_factory=list)
+    #: seconds from sending a chunk PUT to its 200/201 (the ack)
+    put_latencies: list[float] = field(default_factory=list)
+    #: body bytes of chunk GETs by X-Storaged-Tier
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _chunk_request(method: str, url: Any) -> bool:
+    return "/v1/chunks/" in str(url.path) and method in ("GET", "PUT")
+
+
+class TracedClient(Client):
+    """A ``Client`` whose session records every chunk request in ``self.log``.
+
+    Open it with ``open_traced`` (it makes the session with the trace hooks and the
+    headers ``Client.open`` would use).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = RequestLog()
+        self._own_session: aiohttp.ClientSession | None = None
+
+    async def open_traced(self) -> None:
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(self._on_start)
+        trace.on_request_end.append(self._on_end)
+        headers = {"Accept": "application/msgpack", "Accept-Encoding": "identity"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        self._own_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
+            headers=headers,
+            timeout=self._timeout,
+            auto_decompress=False,
+            trace_configs=[trace],
+        )
+        await self.open(self._own_session)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._own_session is not None:
+            await self._own_session.close()
+            self._own_session = None
+
+    async def _on_start(
+        self, session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any
+    ) -> None:
+        ctx.start = time.monotonic()
+        fetch = _current_fetch.get()
+        if fetch is not None:
+            fetch.start = ctx.start  # a retry or failover restarts the clock
+
+    async def _on_end(
+        self, session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any
+    ) -> None:
+        now = time.monotonic()
+        resp = params.response
+        if not _chunk_request(params.method, params.url) or resp.status >= 300:
+            return
+        if params.method == "PUT":
+            self.log.put_latencies.append(now - ctx.start)
+            return
+        if self.log.first_byte is None or now < self.log.first_byte:
+            self.log.first_byte = now
+        tier = resp.headers.get("X-Storaged-Tier", "?")
+        size = resp.content_length or 0
+        self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + size
+
+    async def get_chunk(
+        self,
+        chunk_id: str,
+        out: WritableBuffer | None = None,
+        byte_range: ByteRange | None = None,
+        *,
+        holders: Sequence[Holder | str] | None = None,
+    ) -> memoryview:
+        fetch = _Fetch()
+        token = _current_fetch.set(fetch)
+        try:
+            view = await super().get_chunk(chunk_id, out, byte_range, holders=holders)
+        finally:
+            _current_fetch.reset(token)
+        self.log.get_latencies.append(time.monotonic() - fetch.start)
+        return view
+
+
+def summarize_latencies(latencies: Sequence[float]) -> dict[str, float | None]:
+    """p50 and p99 in ms (nearest rank), None when there is none."""
+    if not latencies:
+        return {"p50_ms": None, "p99_ms": None}
+    return {
+        "p50_ms": round(percentile(latencies, 50) * 1e3, 3),
+        "p99_ms": round(percentile(latencies, 99) * 1e3, 3),
+    }
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, spec: str = ".2f", ratio: float | None = None) -> str:
+    """``1.23`` or ``1.23 (0.45x)``; ``-`` for a missing value."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    text = format(value, spec)
+    return text if ratio is None else f"{text} ({ratio:.2f}x)"
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return round(value / base, 3)
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def progress(total: int, desc: str) -> Any:
+    """A tqdm bar on stderr counting the steps of a run."""
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        bar_format="{desc}: {n}/{total} |{bar}| {elapsed}<{remaining} {postfix}",
+    )
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "numpy": np.__version__,
+        "loadavg": list(os.getloadavg()),
+        "mem_available_gib": _mem_available_gib(),
+    }
+
+
+def _mem_available_gib() -> float | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return round(int(line.split()[1]) * 1024 / GiB, 1)
+    return None
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread, so ``finally`` blocks clean up."""
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def remove_tree(path: Path | None) -> None:
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def git_commit() -> str | None:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return None

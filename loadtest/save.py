@@ -1,0 +1,835 @@
+"""Checkpoint saves to storaged next to same-run baselines: ``python -m loadtest save``.
+
+For each concurrency ``c`` (default 1, 2, 4), ``c`` saving ranks, each a real process with
+its own ``Client``, save their shards of one ``--size`` GiB checkpoint (``Layout``: float32
+tensors sharded by rows) with ``AsyncSaver`` (``commit=False``); this process then commits
+the gathered shard entries, the way a job's coordinator does. Each level runs on a fresh
+local cluster (or, with ``--url``, on the given one), so that one level's background work
+does not spill into the next. Measured per level:
+
+- **stall**: what ``AsyncSaver.save`` held the rank for (the copy into staging buffers),
+  the first save (staging memory touched for the first time) and a second save of the same
+  state (warm buffers; every chunk already held, so nothing more is uploaded);
+- **ack throughput**: checkpoint bytes / (first rank's start to last rank's ack); p50 and
+  p99 **ack latency** of the chunk PUTs (request sent to 201, from the client's trace);
+- **drain and encode**: the nodes' ``storaged_drain_backlog`` and ``storaged_encode_backlog``
+  gauges sampled every 100 ms from the start until the checkpoint is cold (or
+  ``--cold-timeout``), and the times at which its status reached ``nvme`` and ``cold``;
+- CPU seconds per GB of the ranks (ack window) and of the nodes (ack window, and until cold).
+
+Baselines, in the same run and with the same ``c`` processes and bytes: one-copy upload to
+one aiohttp process (``loadtest.ack``'s receiver: the least a store must do), raw write +
+fsync of the chunks as files (``loadtest.nvme``'s durable-write loop), DCP ``save`` of each
+rank's shard (``torch.distributed.checkpoint``, FileSystemWriter, one directory per rank),
+raw loopback transfer (``loadtest.peer``'s raw mode) and raw zfec encode (``loadtest.codec``).
+Every storaged figure is printed with its ratio to its baseline.
+
+Output in ``--out`` (default ``loadtest/results/``): ``save.json``, ``save.md``, ``save.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from loadtest.common import (
+    GB,
+    HOST,
+    RESULTS,
+    ROW_BYTES,
+    TOKEN,
+    CpuMeter,
+    GiB,
+    Layout,
+    MetricsSampler,
+    MiB,
+    Prepared,
+    TracedClient,
+    WorkerPool,
+    codec_rates,
+    fmt,
+    git_commit,
+    interrupt_on_sigterm,
+    machine_info,
+    markdown_table,
+    new_loop,
+    node_cpu,
+    progress,
+    pyplot,
+    ratio,
+    raw_loopback,
+    remove_tree,
+    start_cluster,
+    summarize_latencies,
+    wall_seconds,
+    write_json,
+)
+from storaged.client import AsyncSaver, Client, Shard, commit_checkpoint
+from storaged.client.layout import DEFAULT_CHUNK_SIZE
+from storaged.cluster import LocalCluster, default_erasure
+
+# -- jobs (one per saving process) ----------------------------------------------------------------
+
+
+def _pieces(layout: Layout, arrays: dict[str, np.ndarray[Any, Any]], chunk: int) -> list[
+    tuple[int, int, memoryview]
+]:  # fmt: skip
+    """(key index, first row, bytes) of every chunk-sized piece of a rank's boxes, in order."""
+    rows_per_piece = max(1, chunk // ROW_BYTES)
+    out = []
+    for i in range(layout.keys):
+        flat = arrays[layout.key(i)].view(np.uint8).reshape(-1)
+        for lo in range(0, len(flat), rows_per_piece * ROW_BYTES):
+            out.append((i, lo // ROW_BYTES, flat.data[lo : lo + rows_per_piece * ROW_BYTES]))
+    return out
+
+
+@dataclass(frozen=True)
+class StoragedSave:
+    """Save rank ``rank`` of ``ranks`` with ``AsyncSaver`` (no commit: the parent commits)."""
+
+    urls: tuple[str, ...]
+    token: str | None
+    name: str
+    layout: Layout
+    rank: int
+    ranks: int
+    client_concurrency: int = 8
+    chunk: int = DEFAULT_CHUNK_SIZE
+    loop: str = "uvloop"
+    warm_stall: bool = True
+
+    def prepare(self) -> Prepared:
+        return _StoragedSaver(self)
+
+
+class _StoragedSaver:
+    def __init__(self, job: StoragedSave) -> None:
+        self.job = job
+        start, _ = job.layout.box(job.rank, job.ranks)
+        arrays = job.layout.make(job.rank, job.ranks)
+        shape = job.layout.global_shape
+        self.state = {key: Shard(a, shape, (start, 0)) for key, a in arrays.items()}
+        self.runner = asyncio.Runner(loop_factory=lambda: new_loop(job.loop))
+        self.client = TracedClient(
+            list(job.urls), token=job.token, max_concurrency=job.client_concurrency
+        )
+        self.saver = AsyncSaver(self.client, chunk_size=job.chunk)
+        try:
+            self.runner.run(self.client.open_traced())
+        except BaseException:
+            self.runner.close()
+            raise
+
+    def run(self) -> dict[str, Any]:
+        return self.runner.run(self._run())
+
+    async def _run(self) -> dict[str, Any]:
+        handle = await self.saver.save(self.job.name, {self.job.rank: self.state}, commit=False)
+        stalled = time.monotonic()
+        result = await handle.acked()
+        stats = self.client.stats
+        return {
+            "stall": handle.stall_seconds,
+            "stalled_at": stalled,
+            "acked_at": time.monotonic(),
+            "bytes": handle.staged_bytes,
+            "entry": result.shards[self.job.rank],
+            "uploaded": stats.bytes_uploaded,
+            "skipped": stats.bytes_skipped,
+            "retries": stats.retries,
+            "put_latencies": list(self.client.log.put_latencies),
+        }
+
+    def check(self) -> dict[str, Any]:
+        if not self.job.warm_stall:
+            return {}
+
+        async def again() -> float:
+            # The same state again: staging buffers are warm, every chunk is held already.
+            handle = await self.saver.save(
+                self.job.name + "-again", {self.job.rank: self.state}, commit=False
+            )
+            await handle.acked()
+            return handle.stall_seconds
+
+        return {"stall_warm": self.runner.run(again())}
+
+    def close(self) -> None:
+        try:
+            self.runner.run(self.saver.aclose())
+            self.runner.run(self.client.close())
+        finally:
+            self.runner.close()
+
+
+@dataclass(frozen=True)
+class AiohttpSave:
+    """One-copy baseline: PUT the same chunks to ``loadtest.ack``'s aiohttp receiver."""
+
+    port: int
+    layout: Layout
+    rank: int
+    ranks: int
+    inflight: int = 8
+    chunk: int = DEFAULT_CHUNK_SIZE
+    loop: str = "uvloop"
+
+    def prepare(self) -> Prepared:
+        return _AiohttpSaver(self)
+
+
+class _AiohttpSaver:
+    def __init__(self, job: AiohttpSave) -> None:
+        from loadtest.ack import STAMP, Upload
+
+        self.job = job
+        arrays = job.layout.make(job.rank, job.ranks)
+        self.uploads = []
+        for n, (i, row, view) in enumerate(_pieces(job.layout, arrays, job.chunk)):
+            # The receiver does not check ids; ack's Upload sends ``stamp`` then the rest.
+            fake_id = f"{job.rank:016x}{i:016x}{row:016x}{n:016x}"
+            self.uploads.append(Upload(fake_id, bytes(view[: STAMP.size]), view))
+        self.arrays = arrays
+        self.runner = asyncio.Runner(loop_factory=lambda: new_loop(job.loop))
+
+    def run(self) -> dict[str, Any]:
+        import aiohttp
+
+        from loadtest.ack import upload_all
+
+        base = f"http://{HOST}:{self.job.port}/v1/chunks/"
+
+        async def go() -> tuple[float, list[float]]:
+            connector = aiohttp.TCPConnector(limit=self.job.inflight + 4)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                return await upload_all(
+                    session, self.uploads, lambda up: base + up.chunk_id, self.job.inflight
+                )
+
+        _, latencies = self.runner.run(go())
+        return {"bytes": sum(u.size for u in self.uploads), "put_latencies": latencies}
+
+    def check(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+@dataclass(frozen=True)
+class DiskWrite:
+    """Raw durable writes: each chunk-sized piece as a file (temp, write, fsync, rename, fsync
+    of the directory: ``loadtest.nvme.raw_write_one``), one after the other."""
+
+    directory: str
+    layout: Layout
+    rank: int
+    ranks: int
+    chunk: int = DEFAULT_CHUNK_SIZE
+
+    def prepare(self) -> Prepared:
+        return _DiskWriter(self)
+
+
+class _DiskWriter:
+    def __init__(self, job: DiskWrite) -> None:
+        self.job = job
+        start, _ = job.layout.box(job.rank, job.ranks)
+        self.arrays = job.layout.make(job.rank, job.ranks)
+        self.pieces = []
+        for i, row, view in _pieces(job.layout, self.arrays, job.chunk):
+            directory = Path(job.directory) / f"k{i}"
+            directory.mkdir(parents=True, exist_ok=True)
+            self.pieces.append((str(directory), f"{start + row:09d}", view))
+
+    def run(self) -> dict[str, Any]:
+        from loadtest.nvme import raw_write_one
+
+        latencies = []
+        for directory, name, view in self.pieces:
+            t0 = time.monotonic()
+            # raw_write_one only wraps its argument in a memoryview: a view of ours will do.
+            raw_write_one(directory, name, cast(bytearray, view))
+            latencies.append(time.monotonic() - t0)
+        return {"bytes": sum(len(v) for _, _, v in self.pieces), "put_latencies": latencies}
+
+    def check(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class DcpSave:
+    """``torch.distributed.checkpoint.save`` of one rank's shard into its own directory."""
+
+    directory: str
+    layout: Layout
+    rank: int
+    ranks: int
+
+    def prepare(self) -> Prepared:
+        return _DcpSaver(self)
+
+
+class _DcpSaver:
+    def __init__(self, job: DcpSave) -> None:
+        import torch
+
+        self.job = job
+        self.arrays = job.layout.make(job.rank, job.ranks)
+        self.tensors = {key: torch.from_numpy(a) for key, a in self.arrays.items()}
+        dcp_warm_up()
+
+    def run(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        # no_dist: each rank writes its own checkpoint, as the ranks of a job write their own
+        # files; the gather of the plans is all a process group would add.
+        save(self.tensors, storage_writer=FileSystemWriter(self.job.directory), no_dist=True)
+        return {"bytes": sum(a.nbytes for a in self.arrays.values())}
+
+    def check(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def dcp_warm_up() -> None:
+    """One tiny untimed save and load: DCP's first call in a process pays lazy imports."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    # DCP warns that it runs in one process: that is what we ask of it (no_dist).
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with tempfile.TemporaryDirectory(prefix="loadtest-dcp-warm-") as tmp:
+        state = {"w": torch.ones(4, 4)}
+        save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        load(state, storage_reader=FileSystemReader(tmp), no_dist=True)
+
+
+# -- the parent's part ----------------------------------------------------------------------------
+
+
+async def _commit(
+    urls: Sequence[str], token: str | None, name: str, entries: Sequence[dict[str, Any]]
+) -> float:
+    async with Client(list(urls), token=token) as client:
+        t0 = time.monotonic()
+        await commit_checkpoint(client, name, entries, meta={"loadtest": "save"})
+        return time.monotonic() - t0
+
+
+async def _follow(
+    urls: Sequence[str], token: str | None, name: str, timeout: float, period: float = 0.1
+) -> dict[str, Any]:
+    """Poll the checkpoint's status until cold; the times (monotonic) it reached each state."""
+    reached: dict[str, float] = {}
+    last: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout
+    async with Client(list(urls), token=token) as client:
+        while time.monotonic() < deadline:
+            status = await client.status(name)
+            now = time.monotonic()
+            last = {"state": status.state, "chunks": status.chunks, "memory": status.memory,
+                    "nvme": status.nvme, "cold": status.cold}  # fmt: skip
+            for level in ("memory", "nvme", "cold"):
+                if status.reached(level):
+                    reached.setdefault(level, now)
+            if "cold" in reached:
+                break
+            await asyncio.sleep(period)
+    return {"reached": reached, "last_status": last}
+
+
+def commit_entries(
+    urls: Sequence[str], token: str | None, name: str, results: Sequence[dict[str, Any]]
+) -> float:
+    """Commit the ranks' shard entries as ``name``; the seconds the commit took."""
+    entries = [r["entry"] for r in results]
+    with asyncio.Runner() as runner:
+        return runner.run(_commit(urls, token, name, entries))
+
+
+def save_checkpoint_with(
+    pool: WorkerPool,
+    urls: Sequence[str],
+    token: str | None,
+    name: str,
+    layout: Layout,
+    ranks: int,
+    chunk: int = DEFAULT_CHUNK_SIZE,
+    client_concurrency: int = 8,
+) -> dict[str, Any]:
+    """Save ``layout`` from ``ranks`` processes of ``pool`` and commit it as ``name``."""
+    jobs = [
+        StoragedSave(tuple(urls), token, name, layout, r, ranks, client_concurrency, chunk,
+                     warm_stall=False)
+        for r in range(ranks)
+    ]  # fmt: skip
+    results = pool.run(jobs)
+    commit_s = commit_entries(urls, token, name, results)
+    seconds = wall_seconds(results)
+    return {
+        "bytes": sum(r["bytes"] for r in results),
+        "ack_seconds": round(seconds, 3),
+        "ack_gbps": round(sum(r["bytes"] for r in results) / GB / seconds, 4),
+        "commit_seconds": round(commit_s, 3),
+    }
+
+
+def _rate_row(kind: str, c: int, results: Sequence[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    nbytes = sum(int(r["bytes"]) for r in results)
+    seconds = wall_seconds(results)
+    lats = [x for r in results for x in r.get("put_latencies", [])]
+    row: dict[str, Any] = {
+        "kind": kind,
+        "concurrency": c,
+        "bytes": nbytes,
+        "seconds": round(seconds, 4),
+        "gbps": round(nbytes / GB / seconds, 4),
+        **summarize_latencies(lats),
+        "client_cpu_s_per_gb": round(sum(r["cpu"] for r in results) / (nbytes / GB), 4),
+    }
+    row.update(extra)
+    return row
+
+
+@dataclass
+class Options:
+    size: int
+    keys: int
+    concurrency: list[int]
+    nodes: int
+    memory: str
+    chunk: int
+    client_concurrency: int
+    cold_timeout: float
+    url: str | None
+    token: str | None
+    loop: str
+    out: Path
+    tmp: Path | None
+    quick: bool
+    command: str
+
+
+def run(opts: Options) -> dict[str, Any]:
+    conc = opts.concurrency
+    multiple = math.lcm(*conc)
+    layout = Layout.of_size(opts.size, opts.keys, seed=100, multiple=multiple)
+    k, n = default_erasure(opts.nodes)
+    work = Path(tempfile.mkdtemp(prefix="loadtest-save-", dir=opts.tmp))
+    load_before = os.getloadavg()
+    steps = 2 + 4 * len(conc)
+    bar = progress(steps, "save")
+    baselines: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    pool: WorkerPool | None = None
+    try:
+        pool = WorkerPool(max(conc))
+
+        bar.set_postfix_str("raw loopback, raw encode")
+        baselines["raw_loopback"] = [
+            raw_loopback(layout.nbytes, opts.chunk, c, opts.loop) for c in conc
+        ]
+        sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
+        layout.fill(0, 0, sample)
+        baselines["codec"] = codec_rates(sample.tobytes(), k, n)
+        bar.update(1)
+
+        baselines["aiohttp_upload"] = []
+        baselines["disk_write"] = []
+        baselines["dcp_save"] = []
+        from loadtest.ack import _child, _serve_baseline, _stop_child
+
+        for c in conc:
+            bar.set_postfix_str(f"aiohttp 1-copy upload c={c}")
+            proc, port = _child(_serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
+                                opts.loop)  # fmt: skip
+            try:
+                jobs = [AiohttpSave(port, layout, r, c, opts.client_concurrency, opts.chunk,
+                                    opts.loop) for r in range(c)]  # fmt: skip
+                meter = CpuMeter([proc.pid or 0])
+                results = pool.run(jobs, meter.start)
+                server = meter.seconds()
+            finally:
+                _stop_child(proc)
+            row = _rate_row("aiohttp_upload", c, results)
+            row["server_cpu_s_per_gb"] = round(server / (row["bytes"] / GB), 4)
+            baselines["aiohttp_upload"].append(row)
+            bar.update(1)
+
+            bar.set_postfix_str(f"raw write+fsync c={c}")
+            target = work / f"disk-c{c}"
+            try:
+                results = pool.run([DiskWrite(str(target), layout, r, c, opts.chunk)
+                                    for r in range(c)])  # fmt: skip
+            finally:
+                remove_tree(target)
+            baselines["disk_write"].append(_rate_row("disk_write", c, results))
+            bar.update(1)
+
+            bar.set_postfix_str(f"DCP save c={c}")
+            target = work / f"dcp-c{c}"
+            try:
+                results = pool.run([DcpSave(str(target / f"rank{r}"), layout, r, c)
+                                    for r in range(c)])  # fmt: skip
+            finally:
+                remove_tree(target)
+            baselines["dcp_save"].append(_rate_row("dcp_save", c, results))
+            bar.update(1)
+
+        for level, c in enumerate(conc):
+            bar.set_postfix_str(f"storaged c={c}")
+            runs.append(_storaged_level(opts, pool, layout.with_seed(200 + level), c, work))
+            bar.update(1)
+        bar.update(1)
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+        remove_tree(work)
+
+    _add_ratios(runs, baselines)
+    return {
+        "kind": "save",
+        "command": opts.command,
+        "git": git_commit(),
+        "machine": {**machine_info(), "loadavg_before": list(load_before)},
+        "settings": {
+            "bytes": layout.nbytes,
+            "keys": layout.keys,
+            "rows_per_key": layout.rows,
+            "row_bytes": ROW_BYTES,
+            "chunk_bytes": opts.chunk,
+            "concurrency": conc,
+            "nodes": opts.nodes if opts.url is None else None,
+            "memory_per_node": opts.memory if opts.url is None else None,
+            "erasure": {"codec": "zfec", "k": k, "n": n},
+            "client_concurrency": opts.client_concurrency,
+            "cold_timeout": opts.cold_timeout,
+            "url": opts.url,
+            "loop": opts.loop,
+            "quick": opts.quick,
+        },
+        "baselines": baselines,
+        "runs": runs,
+    }
+
+
+def _storaged_level(
+    opts: Options, pool: WorkerPool, layout: Layout, c: int, work: Path
+) -> dict[str, Any]:
+    """Save ``layout`` from ``c`` ranks on a fresh cluster; follow it until cold."""
+    cluster: LocalCluster | None = None
+    root = work / f"cluster-c{c}"
+    try:
+        if opts.url is None:
+            cluster = start_cluster(root, opts.nodes, memory=opts.memory,
+                                    max_chunk=max(opts.chunk, 16 * MiB),
+                                    settings={"repair_interval": 3600.0})  # fmt: skip
+            urls = cluster.urls
+            token: str | None = TOKEN
+            pids = [cluster.procs[i].pid for i in range(cluster.nodes)]
+        else:
+            urls = [opts.url]
+            token = opts.token
+            pids = []
+        with asyncio.Runner() as runner:
+            urls = runner.run(_node_urls(urls, token))
+        name = f"loadtest/save-{os.getpid()}-{int(time.time())}-c{c}"
+        jobs = [
+            StoragedSave(tuple(urls), token, name, layout, r, c, opts.client_concurrency,
+                         opts.chunk, opts.loop)
+            for r in range(c)
+        ]  # fmt: skip
+        cpu: dict[str, float] = {}
+        sampler = MetricsSampler(urls, period=0.1)
+
+        def before_go() -> None:
+            sampler.start()
+            cpu["start"] = node_cpu(pids)
+
+        try:
+            results = pool.run(jobs, before_go)
+            cpu["acked"] = node_cpu(pids)
+            commit_s = commit_entries(urls, token, name, results)
+            with asyncio.Runner() as runner:
+                follow = runner.run(_follow(urls, token, name, opts.cold_timeout))
+            cpu["end"] = node_cpu(pids)
+        finally:
+            sampler.stop()
+        start = min(r["t0"] for r in results)
+        nbytes = sum(int(r["bytes"]) for r in results)
+        gb = nbytes / GB
+        ack_s = max(r["acked_at"] for r in results) - start
+        reached = {k: round(v - start, 3) for k, v in follow["reached"].items()}
+        lats = [x for r in results for x in r["put_latencies"]]
+        row: dict[str, Any] = {
+            "kind": "storaged",
+            "concurrency": c,
+            "bytes": nbytes,
+            "uploaded_bytes": sum(int(r["uploaded"]) for r in results),
+            "retries": sum(int(r["retries"]) for r in results),
+            "stall_s": round(max(r["stall"] for r in results), 4),
+            "stall_warm_s": round(max(r.get("stall_warm", math.nan) for r in results), 4),
+            "ack_seconds": round(ack_s, 4),
+            "gbps": round(gb / ack_s, 4),
+            **summarize_latencies(lats),
+            "commit_s": round(commit_s, 4),
+            "nvme_s": reached.get("nvme"),
+            "cold_s": reached.get("cold"),
+            "nvme_gbps": round(gb / reached["nvme"], 4) if reached.get("nvme") else None,
+            "cold_gbps": round(gb / reached["cold"], 4) if reached.get("cold") else None,
+            "last_status": follow["last_status"],
+            "client_cpu_s_per_gb": round(sum(r["cpu"] for r in results) / gb, 4),
+            "node_cpu_s_per_gb": round((cpu["acked"] - cpu["start"]) / gb, 4) if pids else None,
+            "node_cpu_to_cold_s_per_gb": round((cpu["end"] - cpu["start"]) / gb, 4)
+            if pids
+            else None,
+            "backlog": [[t, d, e] for t, d, e in sampler.totals()],
+        }
+        return row
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        remove_tree(root)
+
+
+async def _node_urls(urls: Sequence[str], token: str | None) -> list[str]:
+    async with Client(list(urls), token=token) as client:
+        return [node.url for node in client.cluster.nodes]
+
+
+def _by_c(rows: Sequence[dict[str, Any]], c: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r["concurrency"] == c), None)
+
+
+def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
+    encode = baselines["codec"]["encode_raw_gbps"]
+    for row in runs:
+        c = row["concurrency"]
+        up = _by_c(baselines["aiohttp_upload"], c) or {}
+        disk = _by_c(baselines["disk_write"], c) or {}
+        dcp = _by_c(baselines["dcp_save"], c) or {}
+        raw = _by_c(baselines["raw_loopback"], c) or {}
+        row["ratios"] = {
+            "gbps_x_aiohttp_upload": ratio(row["gbps"], up.get("gbps")),
+            "gbps_x_raw_loopback": ratio(row["gbps"], raw.get("gbps")),
+            "gbps_x_dcp_save": ratio(row["gbps"], dcp.get("gbps")),
+            "p50_x_aiohttp_upload": ratio(row["p50_ms"], up.get("p50_ms")),
+            "p99_x_aiohttp_upload": ratio(row["p99_ms"], up.get("p99_ms")),
+            "stall_x_dcp_save": ratio(row["stall_s"], dcp.get("seconds")),
+            "nvme_gbps_x_disk_write": ratio(row["nvme_gbps"], disk.get("gbps")),
+            "cold_gbps_x_raw_encode": ratio(row["cold_gbps"], encode),
+            "client_cpu_x_aiohttp_upload": ratio(
+                row["client_cpu_s_per_gb"], up.get("client_cpu_s_per_gb")
+            ),
+            "node_cpu_x_aiohttp_server": ratio(
+                row["node_cpu_s_per_gb"], up.get("server_cpu_s_per_gb")
+            ),
+        }
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    base = doc["baselines"]
+    rows = []
+    for r in doc["runs"]:
+        x = r["ratios"]
+        rows.append([
+            str(r["concurrency"]),
+            fmt(r["gbps"], ".2f", x["gbps_x_aiohttp_upload"]),
+            fmt(x["gbps_x_raw_loopback"]),
+            fmt(x["gbps_x_dcp_save"]),
+            fmt(r["p50_ms"], ".1f", x["p50_x_aiohttp_upload"]),
+            fmt(r["p99_ms"], ".1f", x["p99_x_aiohttp_upload"]),
+            fmt(r["stall_s"], ".3f", x["stall_x_dcp_save"]),
+            fmt(r["stall_warm_s"], ".3f"),
+            fmt(r["nvme_gbps"], ".2f", x["nvme_gbps_x_disk_write"]),
+            fmt(r["cold_gbps"], ".2f", x["cold_gbps_x_raw_encode"]),
+            fmt(r["client_cpu_s_per_gb"], ".2f", x["client_cpu_x_aiohttp_upload"]),
+            fmt(r["node_cpu_s_per_gb"], ".2f", x["node_cpu_x_aiohttp_server"]),
+        ])  # fmt: skip
+    head = ["c", "ack GB/s (x aiohttp 1-copy)", "x raw loopback", "x DCP save",
+            "ack p50 ms (x base)", "ack p99 ms (x base)", "stall s (x DCP save time)",
+            "stall s, warm", "to nvme GB/s (x raw write+fsync)", "to cold GB/s (x raw encode)",
+            "CPU s/GB ranks (x base)", "CPU s/GB nodes (x base server)"]  # fmt: skip
+    brow = []
+    for kind, label in (("raw_loopback", "raw loopback (asyncio, loadtest.peer)"),
+                        ("aiohttp_upload", "aiohttp 1-copy upload"),
+                        ("disk_write", "raw write+fsync, 1 copy"),
+                        ("dcp_save", "DCP save (FileSystemWriter)")):  # fmt: skip
+        for b in base[kind]:
+            brow.append([
+                label, str(b["concurrency"]), fmt(b["gbps"]),
+                fmt(b.get("seconds"), ".2f"), fmt(b.get("p50_ms"), ".1f"),
+                fmt(b.get("p99_ms"), ".1f"), fmt(b.get("client_cpu_s_per_gb")),
+                fmt(b.get("server_cpu_s_per_gb")),
+            ])  # fmt: skip
+    codec = base["codec"]
+    s = doc["settings"]
+    lines = [
+        f"# save: {s['bytes'] / GiB:.2f} GiB as {s['keys']} tensors, "
+        f"{s['chunk_bytes'] / MiB:g} MiB chunks, erasure zfec {s['erasure']['k']}/"
+        f"{s['erasure']['n']}",
+        "",
+        markdown_table(head, rows),
+        "",
+        markdown_table(
+            [
+                "baseline",
+                "c",
+                "GB/s",
+                "s",
+                "p50 ms",
+                "p99 ms",
+                "CPU s/GB client",
+                "CPU s/GB server",
+            ],
+            brow,
+        ),
+        "",
+        f"raw zfec encode {codec['encode_raw_gbps']:.2f} GB/s (wrapper "
+        f"{codec['encode_wrapper_gbps']:.2f}), one thread, {codec['chunk_bytes'] / MiB:g} MiB.",
+    ]
+    for r in doc["runs"]:
+        if r["cold_s"] is None:
+            lines.append(
+                f"c={r['concurrency']}: not cold within {s['cold_timeout']:g} s "
+                f"(last status {r['last_status']})"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def render_plot(doc: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    runs = doc["runs"]
+    base = doc["baselines"]
+    cs = [r["concurrency"] for r in runs]
+    left.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, label="storaged ack (3 RAM copies)")
+    left.plot(cs, [r["nvme_gbps"] or 0 for r in runs], "s-", label="storaged to nvme")
+    left.plot(cs, [r["cold_gbps"] or 0 for r in runs], "^-", label="storaged to cold")
+    for kind, label, style in (("aiohttp_upload", "aiohttp 1-copy upload", "--"),
+                               ("disk_write", "raw write+fsync", ":"),
+                               ("dcp_save", "DCP save", "-."),
+                               ("raw_loopback", "raw loopback", (0, (1, 3)))):  # fmt: skip
+        rows = base[kind]
+        xs = [b["concurrency"] for b in rows]
+        left.plot(xs, [b["gbps"] for b in rows], linestyle=style, color="grey", label=label)
+    left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
+                 label="raw zfec encode, 1 thread")  # fmt: skip
+    left.set_xlabel("saving ranks (processes)")
+    left.set_ylabel("GB/s")
+    left.set_xticks(cs)
+    left.set_yscale("log")
+    left.set_title("save throughput")
+    left.legend(fontsize=7)
+    for r in runs:
+        series = r["backlog"]
+        ts = [p[0] for p in series]
+        line = right.plot(ts, [p[1] for p in series], label=f"drain backlog, c={r['concurrency']}")
+        right.plot(ts, [p[2] for p in series], ls="--", color=line[0].get_color(),
+                   label=f"encode backlog, c={r['concurrency']}")  # fmt: skip
+    right.set_xlabel("seconds since the save started")
+    right.set_ylabel("chunks (sum over nodes)")
+    right.set_title("background backlogs")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"want positive integers like 1,2,4, not {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest save",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
+    parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
+    parser.add_argument("--concurrency", type=_levels, help="saving ranks per level (1,2,4)")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--memory", default="2GiB", help="memory tier capacity per node")
+    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
+    parser.add_argument("--client-concurrency", type=int, default=8,
+                        help="requests in flight per rank (Client max_concurrency)")  # fmt: skip
+    parser.add_argument("--cold-timeout", type=float, help="seconds to wait for cold (120)")
+    parser.add_argument("--url", help="use this cluster instead of starting local ones")
+    parser.add_argument("--token", default=os.environ.get("STORAGED_TOKEN"),
+                        help="client token for --url (default $STORAGED_TOKEN)")  # fmt: skip
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
+    parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
+    )
+    args = parser.parse_args(argv)
+    size = args.size if args.size is not None else (1 / 16 if args.quick else 2.0)
+    keys = args.keys if args.keys is not None else (4 if args.quick else 16)
+    conc = args.concurrency or ([1, 2] if args.quick else [1, 2, 4])
+    chunk = int(args.chunk_mib * MiB)
+    if chunk < ROW_BYTES or chunk % ROW_BYTES:
+        parser.error(f"--chunk-mib must be a multiple of {ROW_BYTES >> 10} KiB")
+    if args.nodes < 3:
+        parser.error("--nodes must be >= 3 (three RAM copies)")
+    try:
+        Layout.of_size(int(size * GiB), keys, multiple=math.lcm(*conc))
+    except ValueError as exc:
+        parser.error(f"--size {size} GiB is too small: {exc}")
+    command = "python -m loadtest save " + " ".join(sys.argv[1:] if argv is None else argv)
+    opts = Options(
+        size=int(size * GiB), keys=keys, concurrency=conc, nodes=args.nodes,
+        memory=args.memory, chunk=chunk, client_concurrency=args.client_concurrency,
+        cold_timeout=args.cold_timeout or (60.0 if args.quick else 120.0), url=args.url,
+        token=args.token, loop=args.loop, out=args.out, tmp=args.tmp, quick=args.quick,
+        command=command.rstrip(),
+    )  # fmt: skip
+    print(f"# {opts.command}", flush=True)
+    with interrupt_on_sigterm():
+        doc = run(opts)
+    md = render_markdown(doc)
+    paths = {"json": opts.out / "save.json", "markdown": opts.out / "save.md",
+             "png": opts.out / "save.png"}  # fmt: skip
+    doc["files"] = {k: str(v) for k, v in paths.items()}
+    write_json(paths["json"], doc)
+    paths["markdown"].write_text(md)
+    render_plot(doc, paths["png"])
+    print(md)
+    print(f"# results: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
