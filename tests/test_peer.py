@@ -810,3 +810,15 @@ async def test_round_trip_over_tls(tls_contexts: tuple[ssl.SSLContext, ssl.SSLCo
     finally:
         await client.close()
         await server.close()
+
+
+# -- the benchmark still runs ----------------------------------------------------------------
+
+
+def test_loadtest_peer_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest.peer import main
+
+    assert main(["--gib", "0.03", "--chunk-mib", "1", "--repeat", "2", "--verify"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[2:]] == ["raw", "peer", "aiohttp"]
+    assert rows[2].split("|")[3].strip() == "1.00"  # raw against itself
