@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
+import mmap
 import os
 import shutil
 import socket
@@ -42,6 +44,17 @@ MiB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
 
 
+# Random bytes made once: os.urandom of megabytes inside a test would hold its event loop.
+_RANDOM = os.urandom(24 * MiB)
+_next_offset = itertools.count(0, 4099)
+
+
+def blob(size: int) -> bytes:
+    """``size`` random bytes, different from every other blob (up to 16 MiB)."""
+    start = next(_next_offset) % (len(_RANDOM) - size)
+    return _RANDOM[start : start + size]
+
+
 def chunk_id(data: BytesLike) -> str:
     return blake3.blake3(data).hexdigest()
 
@@ -68,9 +81,12 @@ class StoreHandler(PeerHandler):
             raise self.refuse
         if self.bad_buffer:
             return memoryview(bytes(size + 1))  # read-only and one byte too long
-        slot = self.free.pop() if self.free and size <= POOL_SLOT else bytearray(max(size, 1))
         self.lent += 1
         self.receiving += 1
+        if size > POOL_SLOT:
+            # Anonymous memory is faulted in as it is written, not zeroed up front here.
+            return memoryview(mmap.mmap(-1, size))
+        slot = self.free.pop() if self.free else bytearray(POOL_SLOT)
         return memoryview(slot)[:size]
 
     def _give_back(self, buf: memoryview) -> None:
@@ -266,7 +282,7 @@ async def check_round_trip(node: Node) -> None:
     for size, piece in zip(
         SIZES, [1, 1, 3, 4096, 1000, 65536, 99_991, MiB, 256 << 10], strict=True
     ):
-        data = os.urandom(size)
+        data = blob(size)
         result = await put(node.client, node.addr, data, piece=max(piece, 1))
         assert result == {"chunk": chunk_id(data), "size": size}
         assert node.handler.stored[chunk_id(data)] == data
@@ -294,14 +310,14 @@ def test_round_trip_under_uvloop() -> None:
 
 
 async def test_many_concurrent_streams_and_calls(node: Node) -> None:
-    blobs = [os.urandom(MiB + 4099 * i) for i in range(24)]
+    blobs = [blob(MiB + 4099 * i) for i in range(24)]
     results = await asyncio.gather(
         *(put(node.client, node.addr, b, piece=100_000 + i) for i, b in enumerate(blobs)),
-        *(node.client.call(node.addr, "echo", {"i": i}, os.urandom(i * 1000)) for i in range(16)),
+        *(node.client.call(node.addr, "echo", {"i": i}, blob(i * 1000)) for i in range(16)),
     )
-    for blob, result in zip(blobs, results, strict=False):
-        assert result == {"chunk": chunk_id(blob), "size": len(blob)}
-        assert node.handler.stored[chunk_id(blob)] == blob
+    for data, result in zip(blobs, results, strict=False):
+        assert result == {"chunk": chunk_id(data), "size": len(data)}
+        assert node.handler.stored[chunk_id(data)] == data
     for i, (result, _) in enumerate(results[len(blobs) :]):
         assert result == {"i": i}
     assert node.handler.lent == 0
@@ -312,7 +328,7 @@ async def check_refusal_mid_body(node: Node) -> None:
     """memory_full arrives while the body streams: the client learns it, the next put works."""
     node.handler.refuse = PeerError("memory_full", "no room in RAM")
     node.handler.refuse_after = 0.05
-    data = os.urandom(8 * MiB)
+    data = blob(8 * MiB)
     stream = await node.client.open_put(node.addr, chunk_id(data), len(data))
     with pytest.raises(PeerError) as info:
         await send_body(stream, data, 64 << 10)
@@ -322,7 +338,7 @@ async def check_refusal_mid_body(node: Node) -> None:
     with pytest.raises(PeerError, match="memory_full"):
         await stream.finish()  # the verdict stays
     node.handler.refuse = None
-    again = os.urandom(3 * MiB)
+    again = blob(3 * MiB)
     assert (await put(node.client, node.addr, again))["size"] == len(again)
     assert chunk_id(data) not in node.handler.stored
     assert node.handler.lent == 0
@@ -335,7 +351,7 @@ async def test_refusal_while_the_body_streams(node: Node) -> None:
 async def test_refusal_of_a_fully_sent_body_keeps_the_connection(node: Node) -> None:
     node.handler.refuse = PeerError("memory_full", "no room in RAM")
     node.handler.refuse_after = 0.05
-    data = os.urandom(1000)
+    data = blob(1000)
     with pytest.raises(PeerError) as info:
         await put(node.client, node.addr, data)
     assert info.value.code == "memory_full"
@@ -345,7 +361,7 @@ async def test_refusal_of_a_fully_sent_body_keeps_the_connection(node: Node) -> 
 
 
 async def test_checksum_mismatch_is_refused_and_nothing_stored(node: Node) -> None:
-    data = bytearray(os.urandom(2 * MiB))
+    data = bytearray(blob(2 * MiB))
     cid = chunk_id(data)
     data[12345] ^= 1
     stream = await node.client.open_put(node.addr, cid, len(data))
@@ -360,7 +376,7 @@ async def test_checksum_mismatch_is_refused_and_nothing_stored(node: Node) -> No
 
 
 async def test_client_abort_mid_body_returns_the_buffer(node: Node) -> None:
-    data = os.urandom(8 * MiB)
+    data = blob(8 * MiB)
     stream = await node.client.open_put(node.addr, chunk_id(data), len(data))
     await stream.write(memoryview(data)[:MiB])
     await wait_until(lambda: node.handler.lent == 1)
@@ -376,7 +392,7 @@ async def test_client_abort_mid_body_returns_the_buffer(node: Node) -> None:
 
 
 async def test_finish_before_the_whole_body_is_truncated(node: Node) -> None:
-    data = os.urandom(5000)
+    data = blob(5000)
     stream = await node.client.open_put(node.addr, chunk_id(data), len(data))
     await stream.write(data[:4000])
     with pytest.raises(ValueError):
@@ -389,7 +405,7 @@ async def test_finish_before_the_whole_body_is_truncated(node: Node) -> None:
 
 
 async def test_context_manager_aborts_on_error(node: Node) -> None:
-    data = os.urandom(MiB)
+    data = blob(MiB)
     with pytest.raises(RuntimeError):
         async with await node.client.open_put(node.addr, chunk_id(data), len(data)) as stream:
             await stream.write(data[:1000])
@@ -413,7 +429,7 @@ async def test_writes_wait_for_a_peer_that_does_not_read() -> None:
     n = await start_node(io_timeout=30)
     n.handler.hold = asyncio.Event()  # receive_chunk waits: the server does not read
     client = PeerClient("client", SECRET, io_timeout=0.5, write_buffer=256 << 10)
-    piece = os.urandom(MiB)
+    piece = blob(MiB)
     size = 256 * MiB  # far more than the socket buffers hold
     try:
         stream = await client.open_put(n.addr, "x" * 64, size)
@@ -432,7 +448,7 @@ async def test_writes_wait_for_a_peer_that_does_not_read() -> None:
 
 
 async def test_server_close_aborts_bodies_in_flight(node: Node) -> None:
-    data = os.urandom(8 * MiB)
+    data = blob(8 * MiB)
     stream = await node.client.open_put(node.addr, chunk_id(data), len(data))
     await stream.write(data[: 2 * MiB])
     await wait_until(lambda: node.handler.lent == 1)
@@ -446,7 +462,7 @@ async def test_server_close_aborts_bodies_in_flight(node: Node) -> None:
 
 async def test_peer_dying_mid_stream_is_unavailable() -> None:
     n = await start_node()
-    data = os.urandom(8 * MiB)
+    data = blob(8 * MiB)
     stream = await n.client.open_put(n.addr, chunk_id(data), len(data))
     await stream.write(data[:MiB])
     await wait_until(lambda: n.handler.lent == 1)
@@ -476,7 +492,7 @@ async def test_half_a_body_then_silence_is_dropped_and_aborted(impatient: Node) 
     node = impatient
     raw = await RawPeer.connect(node.server.port)
     assert (await raw.authenticate())["ok"] is True
-    data = os.urandom(MiB)
+    data = blob(MiB)
     await raw.send(frame({"op": "put", "id": chunk_id(data), "size": len(data)}) + data[:1000])
     assert await raw.closed_by_server()
     raw.close()
@@ -698,11 +714,11 @@ async def test_rpc_with_and_without_bodies(node: Node) -> None:
     assert await c.call(addr, "echo", None, b"") == ({}, None)
     big_args = {"pad": "x" * (60 << 10)}  # near the 64 KiB header cap
     assert await c.call(addr, "echo", big_args) == (big_args, None)
-    body = os.urandom(3 * MiB + 1)
+    body = blob(3 * MiB + 1)
     result, reply_body = await c.call(addr, "echo", {"n": 1}, memoryview(body))
     assert result == {"n": 1}
     assert reply_body is not None and bytes(reply_body) == body
-    data = os.urandom(70_000)
+    data = blob(70_000)
     await put(c, addr, data)
     assert (await c.call(addr, "has", {"id": chunk_id(data)}))[0] == {"has": True}
     result, fetched = await c.call(addr, "get", {"id": chunk_id(data)})
@@ -734,9 +750,9 @@ async def test_rpc_body_over_the_cap_is_refused_and_skipped() -> None:
     n = await start_node(max_call_body=64 << 10)
     try:
         with pytest.raises(PeerError) as info:
-            await n.client.call(n.addr, "echo", {}, os.urandom(MiB))
+            await n.client.call(n.addr, "echo", {}, blob(MiB))
         assert info.value.code == "too_large"
-        body = os.urandom(60 << 10)
+        body = blob(60 << 10)
         echoed = (await n.client.call(n.addr, "echo", {}, body))[1]
         assert echoed is not None and bytes(echoed) == body
         assert n.server.connections == 1
@@ -797,10 +813,10 @@ async def test_round_trip_over_tls(tls_contexts: tuple[ssl.SSLContext, ssl.SSLCo
     addr = ("127.0.0.1", server.port)
     try:
         for size in (0, 5, 3 * MiB + 7):
-            data = os.urandom(size)
+            data = blob(size)
             await put(client, addr, data, piece=100_000)
             assert handler.stored[chunk_id(data)] == data
-        body = os.urandom(MiB)
+        body = blob(MiB)
         echoed = (await client.call(addr, "echo", {}, body))[1]
         assert echoed is not None and bytes(echoed) == body
         plain = PeerClient("client", SECRET, connect_timeout=1)
