@@ -486,7 +486,7 @@ def run(
     node_mtbf_hours: float | None = None,
 ) -> dict[str, Any]:
     """The whole projection as a JSON-ready document (what ``model.json`` holds)."""
-    from storaged.advise import advise
+    from storaged.advise import advise, at_interval
 
     rows = []
     for nodes in node_counts:
@@ -515,6 +515,16 @@ def run(
             # buffer until the previous upload is acked: the stall is only the cost while
             # the interval is longer than the ack.
             row["advice"]["interval_covers_ack"] = advice.young.interval > phases["ack"].seconds
+            row["advice"]["mtbf_hours"] = mtbf / 3600
+            # The same job checkpointing to the central filesystem, blocking while it writes.
+            fs = advise(phases["fs_save"].seconds, phases["fs_restore"].seconds, mtbf)
+            row["fs_advice"] = fs.as_dict()
+            # Or staging asynchronously to it (as storaged's saver does): the job stalls for
+            # the copy only, but cannot checkpoint more often than the FS absorbs a save.
+            interval = max(advice.young.interval, phases["fs_save"].seconds)
+            row["fs_async_advice"] = asdict(
+                at_interval(interval, phases["stall"].seconds, phases["fs_restore"].seconds, mtbf)
+            )
         rows.append(row)
     return {
         "command": "python -m loadtest.model " + " ".join(sys.argv[1:]),
@@ -559,7 +569,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
     head = ["nodes", "GB/node", *(LABELS[p] for p in PHASES)]
     advised = any("advice" in row for row in doc["rows"])
     if advised:
-        head += ["interval (Young)", "overhead"]
+        head += ["job MTBF", "interval (Young)", "overhead", "FS overhead: sync, async"]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for row in doc["rows"]:
         cells = [f"{row['nodes']:,}", f"{row['gb_per_node']:.2f}"]
@@ -567,12 +577,16 @@ def markdown(doc: Mapping[str, Any]) -> str:
             p = row["phases"][name]
             cells.append(f"{_seconds(p['seconds'])} {p['bound']}")
         if advised:
-            adv = row.get("advice")
-            if adv is None:
-                cells += ["", ""]
+            adv, fs, fs_async = (row.get(k) for k in ("advice", "fs_advice", "fs_async_advice"))
+            if adv is None or fs is None or fs_async is None:
+                cells += [""] * 4
             else:
-                young = adv["young"]
-                cells += [_seconds(young["interval"]), f"{100 * young['overhead']:.2f} %"]
+                cells += [
+                    f"{adv['mtbf_hours']:.2f} h",
+                    _seconds(adv["young"]["interval"]),
+                    f"{100 * adv['young']['overhead']:.2f} %",
+                    f"{100 * fs['young']['overhead']:.1f} %, {100 * fs_async['overhead']:.1f} %",
+                ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

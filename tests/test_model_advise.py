@@ -543,6 +543,12 @@ def test_model_command_writes_json_table_and_plot(tmp_path: Path) -> None:
     assert set(first["phases"]) >= {"stall", "ack", "restore_ram", "fs_save", "fs_restore"}
     assert first["phases"]["ack"]["bound"] in {"CPU", "NIC", "RAM"}
     assert first["advice"]["young"]["interval"] > 0
+    assert first["advice"]["mtbf_hours"] == 3
+    # The central filesystem's save blocks the job: a far costlier checkpoint.
+    assert first["fs_advice"]["cost"] == first["phases"]["fs_save"]["seconds"]
+    assert first["fs_advice"]["young"]["overhead"] > first["advice"]["young"]["overhead"]
+    # Async to the FS: no checkpoint more often than the FS takes to absorb one.
+    assert first["fs_async_advice"]["interval"] >= first["phases"]["fs_save"]["seconds"]
     assert doc["assumptions"]["nic_gbps"] == 50.0
     assert all(s.startswith("default") for s in doc["rate_sources"].values())
     table = (out / "model.md").read_text()
@@ -559,6 +565,16 @@ def test_model_command_refuses_bad_assumptions(tmp_path: Path) -> None:
         assert "loadtest.model:" in proc.stderr
     proc = run_model("--nodes", "0,5", "--out", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "node counts must be >= 1" in proc.stderr
+
+
+def test_node_mtbf_shrinks_with_the_cluster() -> None:
+    doc = run([1000, 4000], Assumptions(), rates(), node_mtbf_hours=6000)
+    hours = [row["advice"]["mtbf_hours"] for row in doc["rows"]]
+    assert hours == pytest.approx([6.0, 1.5])
+    # Stall and MTBF both shrink as 1/N: the interval does too, the overhead stays.
+    small, large = (row["advice"]["young"] for row in doc["rows"])
+    assert large["interval"] == pytest.approx(small["interval"] / 4)
+    assert large["overhead"] == pytest.approx(small["overhead"], rel=0.01)
 
 
 def test_markdown_marks_every_cell_with_its_bound() -> None:
