@@ -429,7 +429,8 @@ async def _run(
             figures.stall = handle.stall_seconds
             _say(
                 f"  save() returned after {figures.stall:.2f} s: {human_bytes(handle.staged_bytes)}"
-                " copied to staging buffers; training would go on from here"
+                " copied to staging buffers (fresh memory on a first save, reused by later"
+                " ones); training would go on from here while the upload runs"
             )
             async with ByteProgress(
                 lambda: stats.bytes_uploaded + stats.bytes_skipped,

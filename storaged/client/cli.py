@@ -258,6 +258,9 @@ def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
     except CommandError as exc:
         print(f"storaged {command}: error: {exc}", file=sys.stderr)
         return exc.status
+    except LayoutError as exc:  # a checkpoint this client cannot lay out
+        print(f"storaged {command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except (StoragedError, WaitTimeout) as exc:
         url = getattr(args, "url", None) or ""
         print(f"storaged {command}: error: {explain(exc, url)}", file=sys.stderr)
@@ -769,21 +772,26 @@ def cmd_save(args: argparse.Namespace) -> int:
             raise UsageError(f"--chunk-size: {exc}") from None
         if chunk_size <= 0:
             raise UsageError("--chunk-size must be positive")
-        loaded = load_file(path)
-        run_async(lambda: _save(args, loaded, chunk_size))
+        try:
+            path.open("rb").close()  # the usual mistake, reported before contacting anyone
+        except OSError as exc:
+            raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+        run_async(lambda: _save(args, path, chunk_size))
 
     return run_command(args, body)
 
 
-async def _save(args: argparse.Namespace, loaded: LoadedFile, chunk_size: int) -> None:
+async def _save(args: argparse.Namespace, path: Path, chunk_size: int) -> None:
     name: str = args.name
     async with _client(args) as client:
+        # Token, reachability and name first: a large file is read only when it can be saved.
         try:
             await client.status(name)
         except CheckpointNotFound:
             pass
         else:
             raise CommandError(_exists(name))
+        loaded = await asyncio.to_thread(load_file, path)
         began = time.perf_counter()
         try:
             # No staging buffer: large arrays are uploaded from the loaded file's memory.
