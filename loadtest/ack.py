@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -60,7 +60,7 @@ from typing import Any
 import aiohttp
 import blake3
 
-from storaged.cluster import LocalCluster, free_port_block
+from storaged.cluster import ClusterError, LocalCluster, free_port_block
 from storaged.placement import rendezvous_order
 
 MiB = 1 << 20
@@ -74,6 +74,8 @@ SEND_SLICE = 1 << 20
 STAMP = struct.Struct("!QQ")
 RESULTS = Path(__file__).resolve().parent / "results"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: py-spy samples per second: each sample stops the node briefly (--native needs that)
+PROFILE_HZ = 100
 
 
 def _new_loop(name: str) -> asyncio.AbstractEventLoop:
@@ -85,13 +87,18 @@ def _new_loop(name: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
+def proc_cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, all its threads."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
     # The command name may hold spaces and parentheses: fields start after the last ')'.
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    return sum(proc_cpu_times(pid))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -246,6 +253,8 @@ class Measure:
     seconds: float
     server_cpu: float
     client_cpu: float
+    #: the part of server_cpu spent in the kernel (sockets, page faults, file writes)
+    server_sys: float = 0.0
     latencies: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -267,6 +276,7 @@ class Measure:
             "ratio": None,
             "p50_ratio": None,
             "server_cpu_s_per_gb": round(self.server_cpu / gb, 4),
+            "server_sys_s_per_gb": round(self.server_sys / gb, 4),
             "client_cpu_s_per_gb": round(self.client_cpu / gb, 4),
         }
         if self.latencies:
@@ -356,21 +366,30 @@ async def timed_uploads(
     concurrency: int,
     server_pids: Sequence[int],
     max_seconds: float,
+    prepare: Callable[[aiohttp.ClientSession], Awaitable[None]] | None = None,
+    started: Callable[[], None] | None = None,
 ) -> Measure:
+    """Warm up, ``prepare``, then time ``uploads``; ``started`` is called just before."""
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     async with aiohttp.ClientSession(connector=connector, headers=auth) as session:
         # Untimed: opens the client's connections and the nodes' peer connections.
         await upload_all(session, warmup, url_of, concurrency)
-        srv0 = sum(proc_cpu_seconds(p) for p in server_pids)
+        if prepare is not None:
+            await prepare(session)
+        if started is not None:
+            started()
+        srv0 = [proc_cpu_times(p) for p in server_pids]
         cpu0 = time.process_time()
         seconds, latencies = await upload_all(session, uploads, url_of, concurrency, max_seconds)
         client = time.process_time() - cpu0
-        server = sum(proc_cpu_seconds(p) for p in server_pids) - srv0
+        srv1 = [proc_cpu_times(p) for p in server_pids]
+    user = sum(b[0] - a[0] for a, b in zip(srv0, srv1, strict=True))
+    system = sum(b[1] - a[1] for a, b in zip(srv0, srv1, strict=True))
     # Every upload has the same size: the acked bytes are the count of acks times it.
     nbytes = len(latencies) * uploads[0].size
-    return Measure(config, kind, concurrency, len(latencies), nbytes, seconds, server, client,
-                   latencies)  # fmt: skip
+    return Measure(config, kind, concurrency, len(latencies), nbytes, seconds, user + system,
+                   client, system, latencies)  # fmt: skip
 
 
 # -- storaged -------------------------------------------------------------------------------------
@@ -385,7 +404,11 @@ class ClusterSpec:
     loop: str
 
 
-def start_cluster(spec: ClusterSpec, root: Path) -> LocalCluster:
+#: with a warm pool, GC frees the (never committed) chunks this long after their ack
+WARM_GC_GRACE = 2.0
+
+
+def start_cluster(spec: ClusterSpec, root: Path, *, warm_pool: bool = False) -> LocalCluster:
     settings: dict[str, Any] = {
         "max_chunk_size": max(spec.chunk, 16 * MiB),
         "tiers": {"memory_capacity": spec.memory, "nvme_capacity": "256GiB",
@@ -395,22 +418,34 @@ def start_cluster(spec: ClusterSpec, root: Path) -> LocalCluster:
     if not spec.background:
         settings["drain_workers"] = 0
         settings["encode_workers"] = 0
-    port = free_port_block(spec.nodes * 2 + 1)
-    cluster = LocalCluster(
-        nodes=spec.nodes,
-        data=root,
-        port=port,
-        peer_port=port + spec.nodes,
-        token=TOKEN,
-        settings=settings,
-        env={"PYTHONASYNCIODEBUG": ""},
-    )
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    if warm_pool:
+        settings["gc_grace"] = WARM_GC_GRACE
+        settings["gc_interval"] = 0.5
+    for attempt in range(3):
+        port = free_port_block(spec.nodes * 2 + 1)
+        cluster = LocalCluster(
+            nodes=spec.nodes,
+            data=root / f"try{attempt}",
+            port=port,
+            peer_port=port + spec.nodes,
+            token=TOKEN,
+            settings=settings,
+            env={"PYTHONASYNCIODEBUG": ""},
+        )
+        try:
+            cluster.start()
+            return cluster
+        except ClusterError as exc:
+            # Other clusters on this machine may take a port between the pick and the bind.
+            cluster.stop()
+            logs = [cluster.data / cluster.node_id(i) / "node.log" for i in range(spec.nodes)]
+            tails = [log.read_text(errors="replace")[-400:] for log in logs if log.exists()]
+            if attempt == 2 or not any("address already in use" in t for t in tails):
+                raise ClusterError(f"{exc}\n" + "\n".join(tails)) from exc
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def _first_placement(cluster: LocalCluster) -> Callable[[Upload], str]:
@@ -423,39 +458,73 @@ def _first_placement(cluster: LocalCluster) -> Callable[[Upload], str]:
     return url_of
 
 
+async def wait_memory_free(
+    session: aiohttp.ClientSession, cluster: LocalCluster, timeout: float = 30.0
+) -> None:
+    """Wait until no node's memory tier holds anything (its buffers are back in its pool)."""
+    deadline = time.monotonic() + timeout
+    used: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        for i in range(cluster.nodes):
+            url = cluster.url(i) + "/v1/cluster"
+            async with session.get(url, headers={"Accept": "application/json"}) as resp:
+                doc = await resp.json()
+            mine = [n for n in doc["nodes"] if n["id"] == cluster.node_id(i)]
+            used[cluster.node_id(i)] = int(mine[0]["memory"]["used"])
+        if not any(used.values()):
+            return
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"memory tiers still hold data after {timeout:.0f} s: {used}")
+
+
 def run_storaged(
     spec: ClusterSpec,
     uploads: Sequence[Upload],
     warmup: Sequence[Upload],
     concurrency: int,
     max_seconds: float,
-    profile_to: Path | None = None,
-) -> tuple[Measure, Path | None]:
-    """One round on a fresh cluster; with ``profile_to``, py-spy records node n0 meanwhile."""
+    *,
+    fill: Sequence[Upload] = (),
+    profilers: Sequence[Profiler] = (),
+) -> Measure:
+    """One timed round on a fresh cluster.
+
+    With ``fill`` (a warm pool), the cluster's GC frees unreferenced chunks ``WARM_GC_GRACE``
+    seconds after their ack; ``fill`` is uploaded untimed and the round starts once every
+    memory tier is empty again, so its buffers come from the pool instead of fresh pages:
+    the state of a long-running node after its first checkpoints. ``profilers`` run during
+    the timed uploads.
+    """
     root = Path(tempfile.mkdtemp(prefix="storaged-ack-"))
     cluster: LocalCluster | None = None
-    spy: subprocess.Popen[bytes] | None = None
     try:
-        cluster = start_cluster(spec, root)
+        cluster = start_cluster(spec, root, warm_pool=bool(fill))
         pids = [cluster.procs[i].pid for i in range(cluster.nodes)]
         url_of = _first_placement(cluster)
-        config = f"storaged {spec.nodes} nodes x3, c={concurrency}"
-        if profile_to is not None:
-            spy = _start_py_spy(pids[0], profile_to)
-        measure = _run(
-            timed_uploads(
-                "storaged", config, uploads, warmup, url_of, concurrency, pids, max_seconds
-            ),
-            spec.loop,
-        )
-        if spy is not None:
-            _stop_py_spy(spy)
-            spy = None
-        return measure, profile_to
+        pool = ", warm pool" if fill else ""
+        config = f"storaged {spec.nodes} nodes x3, c={concurrency}{pool}"
+        prepare = None
+        if fill:
+            ready = cluster
+
+            async def prepare(session: aiohttp.ClientSession) -> None:
+                await upload_all(session, fill, url_of, concurrency)
+                await wait_memory_free(session, ready)
+
+        def started() -> None:
+            for profiler in profilers:
+                profiler.start(pids)
+
+        try:
+            return _run(
+                timed_uploads("storaged", config, uploads, warmup, url_of, concurrency, pids,
+                              max_seconds, prepare, started),
+                spec.loop,
+            )  # fmt: skip
+        finally:
+            for profiler in profilers:
+                profiler.stop()
     finally:
-        if spy is not None:
-            spy.kill()
-            spy.wait(10)
         if cluster is not None:
             cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -475,28 +544,139 @@ def py_spy_path() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-def _start_py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    exe = py_spy_path()
-    assert exe is not None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # --native shows time inside C extensions (BLAKE3, memcpy, uvloop, the HTTP parser).
-    cmd = [exe, "record", "-p", str(pid), "-o", str(out), "--format", "raw", "-r", "200",
-           "--native"]  # fmt: skip
-    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # let it attach before the uploads start
-    if spy.poll() is not None:
-        err = spy.stderr.read().decode(errors="replace") if spy.stderr else ""
-        raise RuntimeError(f"py-spy could not attach: {err.strip()[:300]}")
-    return spy
+class Profiler:
+    """Samples node processes during a timed round; ``summary()`` says where the CPU went."""
+
+    name = ""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def command(self, pids: Sequence[int]) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, pids: Sequence[int]) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(
+            self.command(pids), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        time.sleep(1.0)  # let it attach before the uploads start
+        if self._proc.poll() is not None:
+            err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+            self._proc = None
+            raise RuntimeError(f"{self.name} could not attach: {err.strip()[:300]}")
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.send_signal(signal.SIGINT)  # both write their output on SIGINT
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._proc = None
+
+    def summary(self) -> dict[str, Any]:
+        raise NotImplementedError
 
 
-def _stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
-    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-    try:
-        spy.wait(30)
-    except subprocess.TimeoutExpired:
-        spy.kill()
-        spy.wait(10)
+class PySpy(Profiler):
+    """py-spy on node n0: which Python code (and C extension) the node's threads run."""
+
+    name = "py-spy"
+
+    def command(self, pids: Sequence[int]) -> list[str]:
+        exe = py_spy_path()
+        assert exe is not None
+        # --native shows time inside C extensions (BLAKE3, memcpy, uvloop, the HTTP parser).
+        return [exe, "record", "-p", str(pids[0]), "-o", str(self.out), "--format", "raw",
+                "-r", str(PROFILE_HZ), "--native"]  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        return {"node": "n0", "hz": PROFILE_HZ, "raw": str(self.out),
+                **summarize_profile(self.out)}  # fmt: skip
+
+
+class Perf(Profiler):
+    """perf (cpu-clock) on every node: kernel included, which py-spy cannot see."""
+
+    name = "perf"
+    hz = 499
+
+    def command(self, pids: Sequence[int]) -> list[str]:
+        return ["perf", "record", "-F", str(self.hz), "-g", "-o", str(self.out),
+                "-p", ",".join(str(p) for p in pids)]  # fmt: skip
+
+    def summary(self) -> dict[str, Any]:
+        script = subprocess.run(
+            ["perf", "script", "-i", str(self.out), "-F", "ip,sym,dso"],
+            capture_output=True, text=True, timeout=300, check=True,
+        )  # fmt: skip
+        return {"nodes": "all", "hz": self.hz, "data": str(self.out),
+                **summarize_perf(script.stdout)}  # fmt: skip
+
+
+#: (category, pattern searched in a whole perf stack, kernel and leaf symbols), first match wins
+PERF_CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
+    ("new RAM buffers: mmap + zeroing fresh pages", re.compile(r"__mm_populate|vm_mmap_pgoff")),
+    ("page faults elsewhere (malloc, bytes objects)", re.compile(r"exc_page_fault")),
+    ("BLAKE3 hash (id checks)", re.compile(r"blake3", re.I)),
+    ("erasure code + CRC-32C", re.compile(r"fec_|zfec|crc32c", re.I)),
+    ("file writes, fsync (drain, fragments)", re.compile(
+        r"ext4|xfs|btrfs|filemap|generic_perform_write|iomap|do_fsync|blk_|submit_bio|"
+        r"do_unlinkat|do_renameat|jbd2")),
+    ("kernel TCP over loopback (send/recv, socket copies)", re.compile(
+        r"tcp_|sock_|skb|inet_|ip_rcv|ip_output|__sys_recv|__sys_send|net_rx|loopback")),
+    ("wakeups, scheduling, futex (threads, GIL, epoll)", re.compile(
+        r"futex|schedule|finish_task_switch|try_to_wake_up|epoll|eventfd|sched_")),
+    ("other kernel (syscalls, memory management)", re.compile(r"\[kernel\.kallsyms\]")),
+    ("user-space copies (memcpy/memmove)", re.compile(r"^(__memmove|__memcpy|memcpy)")),
+    ("event loop (uvloop/libuv), HTTP parser", re.compile(r"uvloop|libuv|_http_parser|llhttp")),
+    ("Python interpreter, objects, allocator", re.compile(
+        r"libpython|_Py|Py[A-Z]|python3|cpython|libc\.so")),
+]  # fmt: skip
+
+
+def summarize_perf(script: str, top: int = 15) -> dict[str, Any]:
+    """``perf script -F ip,sym,dso`` output summed by category and by leaf symbol (shares)."""
+    categories: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    total = 0
+    for sample in script.split("\n\n"):
+        frames = []
+        for line in sample.splitlines():
+            parts = line.split(None, 1)  # address, "symbol (dso)"
+            if len(parts) == 2 and re.fullmatch(r"[0-9a-f]+", parts[0]):
+                frames.append(parts[1])
+        if not frames:
+            continue
+        total += 1
+        leaves[frames[0]] += 1
+        # Leaf first (perf prints the sampled frame first), so "^" patterns test the leaf.
+        stack = "\n".join(frames)
+        for name, pattern in PERF_CATEGORIES:
+            if (
+                pattern.search(stack)
+                if not pattern.pattern.startswith("^")
+                else pattern.match(frames[0])
+            ):
+                categories[name] += 1
+                break
+        else:
+            categories["other"] += 1
+    if not total:
+        return {"samples": 0, "categories": {}, "top_symbols": []}
+    return {
+        "samples": total,
+        "categories": {k: round(v / total, 3) for k, v in categories.most_common()},
+        "top_symbols": [[_short_dso(k), round(v / total, 3)] for k, v in leaves.most_common(top)],
+    }
+
+
+def _short_dso(frame: str) -> str:
+    return re.sub(r"\((?:.*/)?([^/)]+)\)$", r"(\1)", frame)
 
 
 #: (category, pattern of a frame), tried in order on each frame from the leaf up
@@ -646,6 +826,34 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _print_profile(profile: dict[str, Any], skipped: bool) -> None:
+    if not profile["ran"]:
+        if not skipped:
+            print("# no profile: neither perf nor py-spy found (pip install py-spy)")
+        return
+    print(f"# profiled round: c={profile['concurrency']}, "
+          f"{profile['gbps_while_profiled']:.2f} GB/s while profiled")  # fmt: skip
+    if "perf" in profile:
+        perf = profile["perf"]
+        print(f"# perf, all nodes ({perf['samples']} samples at {perf['hz']} Hz): "
+              "where the CPU goes")  # fmt: skip
+        for name, share in perf["categories"].items():
+            print(f"#   {share * 100:5.1f} %  {name}")
+        print("# perf top symbols:")
+        for name, share in perf["top_symbols"][:10]:
+            print(f"#   {share * 100:5.1f} %  {name}")
+    if "py-spy" in profile:
+        spy = profile["py-spy"]
+        print(f"# py-spy, node n0 ({spy['samples']} busy samples at {spy['hz']} Hz; "
+              f"{spy['idle_samples']} idle, {spy['gil_wait_samples']} waiting for the GIL): "
+              "where its threads work")  # fmt: skip
+        for name, share in spy["categories"].items():
+            print(f"#   {share * 100:5.1f} %  {name}")
+        print("# py-spy top Python lines:")
+        for name, share in spy["top_python_lines"][:10]:
+            print(f"#   {share * 100:5.1f} %  {name}")
+
+
 def _parse_concurrency(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -683,14 +891,15 @@ def main(argv: list[str] | None = None) -> int:
         help="nodes run no drain or encode workers: the ack path alone",
     )
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy round")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled round")
+    parser.add_argument("--no-warm-pool", action="store_true", help="skip the warm-pool row")
     parser.add_argument(
         "--quick", action="store_true", help="a few seconds: 128 MiB, concurrency 4, no profile"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "ack.json")
     args = parser.parse_args(argv)  # fmt: skip
     if args.quick:
-        args.no_profile = True
+        args.no_profile = args.no_warm_pool = True
     if args.size is None:
         args.size = 0.125 if args.quick else 2.0
     if args.concurrency is None:
@@ -721,8 +930,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# raw loopback socket: {raw.gbps:.2f} GB/s", flush=True)
 
     proc, port = _child(_serve_baseline, chunk, warm + 4, args.loop)
-    tag = 0
+    tags = iter(range(1, 1 << 30))
     measures: dict[tuple[str, int], list[Measure]] = {}
+    top = max(args.concurrency)
     try:
         base_pid = proc.pid or 0
 
@@ -731,25 +941,28 @@ def main(argv: list[str] | None = None) -> int:
 
         for rnd in range(args.repeat):
             for conc in args.concurrency:
-                tag += 1
                 base = _run(
                     timed_uploads("baseline", f"baseline aiohttp 1 copy, c={conc}",
-                                  corpus.uploads(tag), corpus.uploads(tag + 1000, warm),
+                                  corpus.uploads(next(tags)), corpus.uploads(next(tags), warm),
                                   base_url, conc, [base_pid], args.max_seconds),
                     args.loop,
                 )  # fmt: skip
                 measures.setdefault(("baseline", conc), []).append(base)
-                tag += 1
-                store, _ = run_storaged(
-                    spec,
-                    corpus.uploads(tag),
-                    corpus.uploads(tag + 1000, warm),
-                    conc,
+                store = run_storaged(
+                    spec, corpus.uploads(next(tags)), corpus.uploads(next(tags), warm), conc,
                     args.max_seconds,
-                )
+                )  # fmt: skip
                 measures.setdefault(("storaged", conc), []).append(store)
                 print(f"# round {rnd + 1}, c={conc}: baseline {base.gbps:.2f} GB/s, "
                       f"storaged {store.gbps:.2f} GB/s", flush=True)  # fmt: skip
+            if not args.no_warm_pool:
+                fill = corpus.uploads(next(tags), max(top, count // 2))
+                store = run_storaged(spec, corpus.uploads(next(tags)),
+                                     corpus.uploads(next(tags), warm), top, args.max_seconds,
+                                     fill=fill)  # fmt: skip
+                measures.setdefault(("warm", top), []).append(store)
+                print(f"# round {rnd + 1}, c={top}, warm pool: storaged {store.gbps:.2f} GB/s",
+                      flush=True)  # fmt: skip
     finally:
         _stop_child(proc)
 
@@ -757,30 +970,26 @@ def main(argv: list[str] | None = None) -> int:
         base = _median(measures[("baseline", conc)])
         rows.append(base.summary(None))
         rows.append(_median(measures[("storaged", conc)]).summary(base))
+        if ("warm", conc) in measures:
+            rows.append(_median(measures[("warm", conc)]).summary(base))
 
-    profile: dict[str, Any] = {"available": py_spy_path() is not None, "ran": False}
-    if not args.no_profile and profile["available"]:
-        conc = max(args.concurrency)
-        tag += 1
-        raw_path = args.out.parent / "ack-profile-n0.txt"
-        store, _ = run_storaged(spec, corpus.uploads(tag), corpus.uploads(tag + 1000, warm),
-                                conc, args.max_seconds, profile_to=raw_path)  # fmt: skip
-        profile.update(ran=True, node="n0", concurrency=conc, raw=str(raw_path),
-                       gbps_while_profiled=round(store.gbps, 3),
-                       **summarize_profile(raw_path))  # fmt: skip
+    profilers: list[Profiler] = []
+    tools = {"py-spy": py_spy_path(), "perf": shutil.which("perf")}
+    if not args.no_profile:
+        if tools["perf"]:
+            profilers.append(Perf(args.out.parent / "ack-perf.data"))
+        if tools["py-spy"]:
+            profilers.append(PySpy(args.out.parent / "ack-py-spy-n0.txt"))
+    profile: dict[str, Any] = {"tools": tools, "ran": False}
+    if profilers:
+        store = run_storaged(spec, corpus.uploads(next(tags)), corpus.uploads(next(tags), warm),
+                             top, args.max_seconds, profilers=profilers)  # fmt: skip
+        profile.update(ran=True, concurrency=top, gbps_while_profiled=round(store.gbps, 3))
+        for profiler in profilers:
+            profile[profiler.name] = profiler.summary()
 
     print(_table(rows))
-    if profile["ran"]:
-        print(f"# py-spy on n0 (c={profile['concurrency']}, {profile['samples']} samples at "
-              f"200 Hz, {profile['gbps_while_profiled']:.2f} GB/s while profiled): where the "
-              "CPU goes")  # fmt: skip
-        for name, share in profile["categories"].items():
-            print(f"#   {share * 100:5.1f} %  {name}")
-        print("# top leaf frames:")
-        for name, share in profile["top_leaves"][:10]:
-            print(f"#   {share * 100:5.1f} %  {name}")
-    elif not args.no_profile:
-        print("# no profile: py-spy not found (pip install py-spy)")
+    _print_profile(profile, args.no_profile)
 
     result = {
         "command": command,
@@ -789,7 +998,8 @@ def main(argv: list[str] | None = None) -> int:
                     "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "settings": {"chunk_bytes": chunk, "chunks": count, "nodes": args.nodes,
                      "memory_per_node": args.memory, "background": spec.background,
-                     "repeat": args.repeat, "concurrency": args.concurrency},
+                     "repeat": args.repeat, "concurrency": args.concurrency,
+                     "max_seconds": args.max_seconds, "warm_gc_grace": WARM_GC_GRACE},
         "results": rows,
         "profile": profile,
     }  # fmt: skip

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.ack import Corpus, categorize, is_gil_wait, is_idle, percentile, summarize_profile
+from loadtest.ack import (
+    Corpus,
+    categorize,
+    is_gil_wait,
+    is_idle,
+    percentile,
+    summarize_perf,
+    summarize_profile,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -178,3 +186,46 @@ def test_categorize_and_wait_rules_on_single_stacks() -> None:
         "event loop (uvloop, asyncio tasks)"
     )
     assert categorize(["mystery (elsewhere.py:3)"]) == "other"
+
+
+PERF_SCRIPT = """python
+\tffffffff8205a00f clear_page_erms ([kernel.kallsyms])
+\tffffffff8205a00f get_page_from_freelist ([kernel.kallsyms])
+\tffffffff8205c5df __mm_populate ([kernel.kallsyms])
+\t           f838f __mmap (/usr/lib/x86_64-linux-gnu/libc.so.6)
+
+python
+\tffffffff8208651f _copy_from_iter ([kernel.kallsyms])
+\tffffffff8206e8cb tcp_sendmsg ([kernel.kallsyms])
+\tffffffff81e7e7ab sock_write_iter ([kernel.kallsyms])
+\t           f838f __GI___libc_write (/usr/lib/x86_64-linux-gnu/libc.so.6)
+
+python
+\t            9f00 _blake3_hash_many_avx512 (/x/site-packages/blake3/blake3.cpython-311.so)
+
+python
+\t           1a2b3 __memmove_avx512_unaligned_erms (/usr/lib/x86_64-linux-gnu/libc.so.6)
+
+python
+\t           fc08f _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)
+\t    7f771acd8c80 [unknown] ([unknown])
+
+python
+\t    7f771acd8c80 [unknown] ([unknown])
+"""
+
+
+def test_perf_summary_sorts_samples_by_what_the_cpu_did() -> None:
+    summary = summarize_perf(PERF_SCRIPT + "\n\npython\n\tnot a frame line\n")
+    assert summary["samples"] == 6
+    assert summary["categories"] == {
+        "new RAM buffers: mmap + zeroing fresh pages": 0.167,
+        "kernel TCP over loopback (send/recv, socket copies)": 0.167,
+        "BLAKE3 hash (id checks)": 0.167,
+        "user-space copies (memcpy/memmove)": 0.167,
+        "Python interpreter, objects, allocator": 0.167,
+        "other": 0.167,
+    }
+    assert ["clear_page_erms ([kernel.kallsyms])", 0.167] in summary["top_symbols"]
+    assert ["_blake3_hash_many_avx512 (blake3.cpython-311.so)", 0.167] in summary["top_symbols"]
+    assert summarize_perf("") == {"samples": 0, "categories": {}, "top_symbols": []}
