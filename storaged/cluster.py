@@ -41,8 +41,22 @@ def default_erasure(nodes: int, n: int = 6) -> tuple[int, int]:
     return k, n
 
 
-def free_port_block(count: int, start: int = 20000, end: int = 60000) -> int:
-    """A base port with ``count`` consecutive free ports on 127.0.0.1 (best effort)."""
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_block(count: int, start: int = 10000, end: int | None = None) -> int:
+    """A base port with ``count`` consecutive free ports on 127.0.0.1 (best effort).
+
+    Drawn below the kernel's ephemeral range, so that outgoing connections of other
+    processes cannot take one of them between this check and the nodes' bind.
+    """
+    if end is None:
+        end = _ephemeral_low()
     rng = secrets.SystemRandom()
     for _ in range(200):
         base = rng.randrange(start, end - count)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from storaged.cluster import LocalCluster, free_port_block
+from storaged.cluster import ClusterError, LocalCluster, free_port_block
 
 #: a callback holding the loop this long fails the test (generous: the machine is shared)
 BLOCKING_LIMIT_S = 0.5
@@ -115,20 +115,29 @@ class ClusterFactory:
         merged = {**FAST_SETTINGS, **settings}
         if "tiers" in settings:
             merged["tiers"] = {**FAST_SETTINGS["tiers"], **settings["tiers"]}
-        port = free_port_block(nodes * 2 + 1)
-        cluster = LocalCluster(
-            nodes=nodes,
-            data=self.root / f"cluster{len(self.clusters)}",
-            port=port,
-            peer_port=port + nodes,
-            token=token,
-            settings=merged,
-            env=_node_env(),
-            https=https,
-        )
-        self.clusters.append(cluster)
-        cluster.start()
-        return cluster
+        for attempt in range(2):
+            port = free_port_block(nodes * 2 + 1)
+            cluster = LocalCluster(
+                nodes=nodes,
+                data=self.root / f"cluster{len(self.clusters)}",
+                port=port,
+                peer_port=port + nodes,
+                token=token,
+                settings=merged,
+                env=_node_env(),
+                https=https,
+            )
+            self.clusters.append(cluster)
+            try:
+                cluster.start()
+            except ClusterError:
+                # Another process may have taken a port between the check and the bind.
+                cluster.stop()
+                if attempt:
+                    raise
+                continue
+            return cluster
+        raise AssertionError("unreachable")
 
     async def start(
         self, nodes: int = 4, *, token: str = TOKEN, https: bool = False, **settings: Any
