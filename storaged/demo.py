@@ -337,8 +337,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UsageError(f"--size: {exc}") from None
         if size < 16 * MiB:
             raise UsageError("--size must be at least 16MiB")
-        if args.ranks < 1 or args.restore_ranks < 1:
-            raise UsageError("--ranks and --restore-ranks must be >= 1")
+        if not (1 <= args.ranks <= 64 and 1 <= args.restore_ranks <= 64):
+            raise UsageError("--ranks and --restore-ranks must be between 1 and 64")
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             outcome.append(_demo(args, size))

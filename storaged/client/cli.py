@@ -245,8 +245,6 @@ def explain(error: BaseException, url: str = "") -> str:
         )
     if isinstance(error, Unavailable):
         return f"the cluster{where} cannot serve now: {error}"
-    if isinstance(error, WaitTimeout):
-        return str(error)
     return str(error)
 
 
