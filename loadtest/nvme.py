@@ -9,17 +9,21 @@ Writes, per round, ``--count`` chunks of ``--size`` bytes (8 MiB by default):
 - ``tier+check``: the same with the BLAKE3 check of the data (``verified=False``).
 - ``raw x4`` and ``tier x4``: four writes in flight (threads / concurrent puts).
 
-Then reads every file of the last round, from the page cache (``warm``) and after dropping
-the files' pages with ``posix_fadvise(DONTNEED)`` (``cold``):
+Then reads the files of the last round, from the page cache (``warm``) and after dropping
+each file's pages with ``posix_fadvise(DONTNEED)`` (``cold``):
 
-- ``raw``: open, ``readv`` into a preallocated buffer, close; no check.
+- ``raw``: open, ``preadv`` into a preallocated buffer, close; no check.
 - ``raw+blake3``: the same and a BLAKE3 of the bytes: what any checked read costs.
 - ``tier read_into``: ``NvmeTier.read_into(key, preallocated)``: header and BLAKE3 checked.
-- ``tier get``: ``NvmeTier.get(key)``: the same into a fresh buffer the caller keeps.
+- ``tier get``: ``NvmeTier.get(key)``: the same into a new buffer the caller keeps.
 
-Modes run interleaved, round after round, so that drift on a shared, noisy machine hits
-all of them alike. GB/s is chunk bytes (10^9) per second; ``best`` is from the fastest
-round, ``median`` from the median round; ratios are to the raw mode of the same kind.
+This machine is shared, disk included, so the sequential modes are timed chunk by chunk,
+interleaved (chunk 1 raw, chunk 1 tier, chunk 1 tier+check, chunk 2 ..., the order rotating
+from round to round): a neighbour's burst slows them alike. The x4 modes alternate round by
+round. GB/s is chunk bytes (10^9) per second from the best and the median round; ``ratio``
+is to the raw mode of the same kind from the best rounds, ``median ratio`` the median of the
+round-by-round ratios. Rounds stop at ``--rounds`` or after ``--budget`` seconds (at least
+two), so a run stays well under a minute.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +54,7 @@ MiB = 1 << 20
 class Mode:
     name: str
     baseline: str | None
+    #: seconds per round (all chunks)
     times: list[float] = field(default_factory=list)
 
 
@@ -97,6 +102,7 @@ def drop_cache(paths: Sequence[str]) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="storaged-nvme-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     raw_dir = base / "raw"
@@ -104,123 +110,166 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     chunks = make_chunks(args.count, args.size)
     total = args.count * args.size
     tier = await NvmeTier.open(base / "tier", 1 << 50)
+    checked = await NvmeTier.open(base / "tier-checked", 1 << 50)
     pool = ThreadPoolExecutor(max_workers=4)
     loop = asyncio.get_running_loop()
 
-    async def tier_write(verified: bool, inflight: int) -> None:
-        sem = asyncio.Semaphore(inflight)
+    def more_rounds(done: int) -> bool:
+        if done < 2:
+            return True
+        rounds_left: bool = done < args.rounds
+        return rounds_left and time.perf_counter() - started < args.budget
 
-        async def one(key: str, data: bytearray) -> None:
-            async with sem:
-                await tier.put(key, data, verified=verified)
-
-        await asyncio.gather(*(one(k, d) for k, d in chunks))
-
-    async def raw_write(inflight: int) -> None:
-        if inflight == 1:
-            for key, data in chunks:
-                raw_write_one(str(raw_dir), key, data)
+    # --- writes: the sequential modes are timed chunk by chunk, interleaved, so that the
+    # disk's neighbours (this machine is shared) slow each mode alike.
+    async def write_one(mode: str, key: str, data: bytearray) -> None:
+        if mode == "raw":
+            raw_write_one(str(raw_dir), key, data)
+        elif mode == "tier":
+            await tier.put(key, data, verified=True)
         else:
+            await checked.put(key, data)
+
+    async def write_many(mode: str) -> None:
+        if mode == "raw x4":
             await asyncio.gather(
                 *(loop.run_in_executor(pool, raw_write_one, str(raw_dir), k, d) for k, d in chunks)
             )
+        else:
+            sem = asyncio.Semaphore(4)
+
+            async def one(key: str, data: bytearray) -> None:
+                async with sem:
+                    await tier.put(key, data, verified=True)
+
+            await asyncio.gather(*(one(k, d) for k, d in chunks))
 
     async def clean() -> None:
         for key, _ in chunks:
             await tier.delete(key)
+            await checked.delete(key)
             (raw_dir / key).unlink(missing_ok=True)
 
-    writes: list[tuple[Mode, Callable[[], Any]]] = [
-        (Mode("raw", None), lambda: raw_write(1)),
-        (Mode("tier", "raw"), lambda: tier_write(True, 1)),
-        (Mode("tier+check", "raw"), lambda: tier_write(False, 1)),
-        (Mode("raw x4", None), lambda: raw_write(4)),
-        (Mode("tier x4", "raw x4"), lambda: tier_write(True, 4)),
-    ]
-    for round_ in range(args.rounds):
-        for mode, write in writes:
-            await clean()
-            if round_ == 0 and mode.name == "raw":
-                await write()  # warm-up: directories, page cache, allocator
-                await clean()
-            start = time.perf_counter()
-            await write()
-            mode.times.append(time.perf_counter() - start)
-    if not all(tier.has(k) and (raw_dir / k).exists() for k, _ in chunks):
-        await tier_write(True, 4)
-        await raw_write(4)
+    seq = {m.name: m for m in (Mode("raw", None), Mode("tier", "raw"), Mode("tier+check", "raw"))}
+    par = {m.name: m for m in (Mode("raw x4", None), Mode("tier x4", "raw x4"))}
+    await clean()
+    for key, data in chunks[:2]:  # warm-up: directories, threads, allocator
+        for name in seq:
+            await write_one(name, key, data)
+    rounds = 0
+    while more_rounds(rounds):
+        await clean()
+        order = list(seq)[rounds % 3 :] + list(seq)[: rounds % 3]
+        spent = dict.fromkeys(seq, 0.0)
+        for key, data in chunks:
+            for name in order:
+                t0 = time.perf_counter()
+                await write_one(name, key, data)
+                spent[name] += time.perf_counter() - t0
+        for name, seconds in spent.items():
+            seq[name].times.append(seconds)
+        for name in list(par) if rounds % 2 == 0 else list(par)[::-1]:
+            for key, _ in chunks:  # each mode rewrites its own files
+                if name == "tier x4":
+                    await tier.delete(key)
+                else:
+                    (raw_dir / key).unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            await write_many(name)
+            par[name].times.append(time.perf_counter() - t0)
+        rounds += 1
+    write_rounds = rounds
 
+    # --- reads of what the last round wrote, chunk by chunk, interleaved likewise.
     out = memoryview(bytearray(args.size))
-    bufs = [memoryview(bytearray(args.size)) for _ in range(1)]
-    raw_paths = [str(raw_dir / k) for k, _ in chunks]
-    tier_paths = [str(tier.root / k[:2] / k[2:4] / k) for k, _ in chunks]
+    raw_paths = {k: str(raw_dir / k) for k, _ in chunks}
+    tier_paths = {k: str(tier.root / k[:2] / k[2:4] / k) for k, _ in chunks}
 
-    async def raw_read(check: bool) -> None:
-        for (key, _), path in zip(chunks, raw_paths, strict=True):
-            raw_read_one(path, out)
-            if check and chunk_id_of(out) != key:
+    async def read_one(mode: str, key: str) -> None:
+        if mode == "raw":
+            raw_read_one(raw_paths[key], out)
+        elif mode == "raw+blake3":
+            raw_read_one(raw_paths[key], out)
+            if chunk_id_of(out) != key:
                 raise AssertionError("raw read returned other bytes")
-
-    async def tier_read_into() -> None:
-        for key, _ in chunks:
-            await tier.read_into(key, bufs[0])
-
-    async def tier_get() -> None:
-        for key, _ in chunks:
+        elif mode == "tier read_into":
+            await tier.read_into(key, out)
+        else:
             await tier.get(key)
 
     results: dict[str, Any] = {"writes": {}, "reads": {}}
     for cache in ("warm", "cold"):
-        reads: list[tuple[Mode, Callable[[], Any], list[str]]] = [
-            (Mode("raw", None), lambda: raw_read(False), raw_paths),
-            (Mode("raw+blake3", None), lambda: raw_read(True), raw_paths),
-            (Mode("tier read_into", "raw"), tier_read_into, tier_paths),
-            (Mode("tier get", "raw"), tier_get, tier_paths),
-        ]
-        for _ in range(args.rounds):
-            for mode, read, paths in reads:
-                if cache == "cold":
-                    drop_cache(paths)
-                else:
-                    await read()  # make sure the pages are in
-                start = time.perf_counter()
-                await read()
-                mode.times.append(time.perf_counter() - start)
-        results["reads"][cache] = summarize([m for m, _, _ in reads], total)
-    results["writes"] = summarize([m for m, _ in writes], total)
+        modes = {
+            m.name: m
+            for m in (
+                Mode("raw", None),
+                Mode("raw+blake3", "raw"),
+                Mode("tier read_into", "raw"),
+                Mode("tier get", "raw"),
+            )
+        }
+        started = time.perf_counter()
+        rounds = 0
+        while more_rounds(rounds):
+            order = list(modes)[rounds % 4 :] + list(modes)[: rounds % 4]
+            spent = dict.fromkeys(modes, 0.0)
+            for key, _ in chunks:
+                for name in order:
+                    path = tier_paths[key] if name.startswith("tier") else raw_paths[key]
+                    if cache == "cold":
+                        drop_cache([path])
+                    else:
+                        await read_one(name, key)  # make sure its pages are in
+                    t0 = time.perf_counter()
+                    await read_one(name, key)
+                    spent[name] += time.perf_counter() - t0
+            for name, seconds in spent.items():
+                modes[name].times.append(seconds)
+            rounds += 1
+        results["reads"][cache] = summarize(list(modes.values()), total)
+        results["reads"][cache]["rounds"] = rounds
+    results["writes"] = summarize([*seq.values(), *par.values()], total)
     await tier.close()
+    await checked.close()
     pool.shutdown()
     if not args.dir:
         shutil.rmtree(base)
     results["config"] = {
         "count": args.count,
         "size": args.size,
-        "rounds": args.rounds,
+        "write_rounds": write_rounds,
         "dir": str(base),
         "python": sys.version.split()[0],
+        "load_average": os.getloadavg()[0],
     }
     return results
 
 
-def summarize(modes: Sequence[Mode], total: int) -> dict[str, dict[str, float]]:
+def summarize(modes: Sequence[Mode], total: int) -> dict[str, Any]:
+    """GB/s from the best and the median round; ratios to the baseline from the best
+    rounds and (``ratio_median``) the median of the round-by-round ratios."""
     by_name = {m.name: m for m in modes}
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, Any] = {}
     for m in modes:
-        best = total / min(m.times) / 1e9
-        median = total / statistics.median(m.times) / 1e9
-        row = {"best_gbps": round(best, 3), "median_gbps": round(median, 3)}
+        row = {
+            "best_gbps": round(total / min(m.times) / 1e9, 3),
+            "median_gbps": round(total / statistics.median(m.times) / 1e9, 3),
+        }
         if m.baseline is not None:
             b = by_name[m.baseline]
             row["ratio_best"] = round(min(b.times) / min(m.times), 3)
-            row["ratio_median"] = round(statistics.median(b.times) / statistics.median(m.times), 3)
+            paired = [bt / mt for bt, mt in zip(b.times, m.times, strict=True)]
+            row["ratio_median"] = round(statistics.median(paired), 3)
         rows[m.name] = row
     return rows
 
 
-def print_table(title: str, rows: dict[str, dict[str, float]]) -> None:
+def print_table(title: str, rows: dict[str, Any]) -> None:
     print(f"\n{title}")
     print(f"  {'mode':<16} {'best GB/s':>10} {'median GB/s':>12} {'ratio':>7} {'median ratio':>13}")
     for name, row in rows.items():
+        if not isinstance(row, dict):
+            continue
         ratio = f"{row['ratio_best']:.2f}" if "ratio_best" in row else "-"
         mratio = f"{row['ratio_median']:.2f}" if "ratio_median" in row else "-"
         print(
@@ -234,7 +283,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", help="where to write (default: a temp dir, removed after)")
     parser.add_argument("--count", type=int, default=16, help="chunks per round (default 16)")
     parser.add_argument("--size", type=int, default=8 * MiB, help="chunk bytes (default 8 MiB)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per mode (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="at most this many (default 5)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=15.0,
+        help="no new round after this many seconds of writes, or of each read kind"
+        " (at least 2 rounds; default 15)",
+    )
     parser.add_argument("--quick", action="store_true", help="6 chunks, 2 rounds")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -245,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = results["config"]
     print(
         f"nvme tier: {cfg['count']} chunks of {cfg['size']} bytes per round,"
-        f" {cfg['rounds']} rounds, in {cfg['dir']}"
+        f" {cfg['write_rounds']} write rounds, in {cfg['dir']}; load average at the end"
+        f" {cfg['load_average']:.1f}"
     )
     print_table("writes (ratio: to raw at the same concurrency)", results["writes"])
     for cache, rows in results["reads"].items():
