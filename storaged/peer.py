@@ -116,6 +116,9 @@ _PREFIX = struct.Struct("!I")
 # Header reads ask for at least this much: a put header and the first body bytes
 # behind it arrive in one read, and the few body bytes are copied out of scratch.
 _MIN_HEADER_READ = 4096
+# One read copies at most this much out of the kernel: it bounds how long a
+# single callback holds the loop while other connections wait.
+_MAX_READ = 1 << 20
 _SERVER_LABEL = "storaged-peer/1 server"
 _CLIENT_LABEL = "storaged-peer/1 client"
 
@@ -291,7 +294,7 @@ class _FramedProtocol(asyncio.BufferedProtocol):
         mode = self._mode
         if mode == _BODY:
             assert self._body is not None
-            return self._body[self._pos :]
+            return self._body[self._pos : self._pos + _MAX_READ]
         if mode == _DISCARD:
             return self._smv[: min(self._discard_left, len(self._scratch))]
         avail = self._send - self._sbeg

@@ -39,7 +39,6 @@ from tiers.base import BytesLike
 
 SECRET = b"cluster-secret-for-the-peer-tests"
 CLIENT_TOKEN = b"a-client-token-is-not-the-cluster-secret"
-POOL_SLOT = 9 << 20
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,12 +59,16 @@ def chunk_id(data: BytesLike) -> str:
 
 
 class StoreHandler(PeerHandler):
-    """A memory tier in miniature: a pool of bytearray slots and a dict of stored chunks."""
+    """A memory tier in miniature: a pool of reusable slots and a dict of stored chunks.
+
+    Slots are anonymous memory (faulted in as the body is written, not zeroed up front):
+    zeroing megabytes inside receive_chunk would hold the event loop.
+    """
 
     def __init__(self) -> None:
         self.stored: dict[str, bytes] = {}
         self.aborted: list[str] = []
-        self.free: list[bytearray] = []
+        self.free: list[mmap.mmap] = []
         self.lent = 0  # buffers handed out and not yet given back
         self.receiving = 0  # receive_chunk calls that returned a buffer
         self.refuse: PeerError | None = None
@@ -83,25 +86,29 @@ class StoreHandler(PeerHandler):
             return memoryview(bytes(size + 1))  # read-only and one byte too long
         self.lent += 1
         self.receiving += 1
-        if size > POOL_SLOT:
-            # Anonymous memory is faulted in as it is written, not zeroed up front here.
-            return memoryview(mmap.mmap(-1, size))
-        slot = self.free.pop() if self.free else bytearray(POOL_SLOT)
+        fitting = [slot for slot in self.free if len(slot) >= size]
+        if fitting:
+            slot = min(fitting, key=len)
+            self.free.remove(slot)
+        else:
+            slot = mmap.mmap(-1, max(size, 1))
         return memoryview(slot)[:size]
 
     def _give_back(self, buf: memoryview) -> None:
         self.lent -= 1
-        slot = buf.obj
-        if isinstance(slot, bytearray) and len(slot) == POOL_SLOT:
-            self.free.append(slot)
+        assert isinstance(buf.obj, mmap.mmap)
+        self.free.append(buf.obj)
 
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+        def check_and_copy() -> tuple[str, bytes]:
+            # Deliberate copy: the test keeps the bytes, the slot goes back to the pool.
+            return blake3.blake3(buf).hexdigest(), bytes(buf)
+
         try:
-            digest = await asyncio.to_thread(lambda: blake3.blake3(buf).hexdigest())
+            digest, data = await asyncio.to_thread(check_and_copy)
             if digest != chunk_id:
                 raise PeerError("checksum_mismatch", f"body hashes to {digest}")
-            # Deliberate copy: the test keeps the bytes, the slot goes back to the pool.
-            self.stored[chunk_id] = bytes(buf)
+            self.stored[chunk_id] = data
             return {"chunk": chunk_id, "size": len(buf)}
         finally:
             self._give_back(buf)
