@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import FrameType, SimpleNamespace
 from typing import Any, Protocol
@@ -256,27 +256,42 @@ class WorkerPool:
                 theirs.close()
                 self._workers.append((proc, mine))
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     @property
     def pids(self) -> list[int]:
         return [proc.pid or 0 for proc, _ in self._workers]
 
-    def _receive(self, index: int, conn: Connection, deadline: float) -> tuple[str, Any]:
-        proc = self._workers[index][0]
-        while not conn.poll(0.2):
-            if not proc.is_alive():
-                raise WorkerError(f"worker {index} exited with {proc.exitcode}")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"worker {index} did not answer in time")
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError) as exc:
-            raise WorkerError(f"worker {index} went away: {exc!r}") from exc
-        if kind == "error":
-            raise WorkerError(f"worker {index} failed:\n{payload}")
-        return str(kind), payload
+    def _gather(self, count: int, deadline: float, stage: str) -> list[Any]:
+        """One message from each of the first ``count`` workers, in worker order.
+
+        Fails as soon as any of them sends an error or dies, not when its turn comes.
+        """
+        pending = {conn: i for i, (_, conn) in enumerate(self._workers[:count])}
+        out: list[Any] = [None] * count
+        while pending:
+            for conn in wait(list(pending), timeout=0.2):
+                assert isinstance(conn, Connection)
+                index = pending.pop(conn)
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError) as exc:
+                    proc = self._workers[index][0]
+                    proc.join(2)  # its pipe closes as it exits: say how it ended
+                    raise WorkerError(
+                        f"worker {index} exited with {proc.exitcode} while {stage}"
+                    ) from exc
+                if kind == "error":
+                    raise WorkerError(f"worker {index} failed while {stage}:\n{payload}")
+                out[index] = payload
+            for conn, index in pending.items():
+                proc = self._workers[index][0]
+                if not proc.is_alive() and not conn.poll():
+                    raise WorkerError(f"worker {index} exited with {proc.exitcode} while {stage}")
+            if pending and time.monotonic() > deadline:
+                raise WorkerError(f"{len(pending)} worker(s) not done {stage} in time")
+        return out
 
     def run(self, jobs: Sequence[Job], before_go: Callable[[], None] | None = None) -> list[Any]:
         """Prepare every job (one per worker), start them together, return their results.
@@ -286,28 +301,25 @@ class WorkerPool:
         """
         if len(jobs) > len(self._workers):
             raise ValueError(f"{len(jobs)} jobs for {len(self._workers)} workers")
-        used = self._workers[: len(jobs)]
         try:
-            for (_, conn), job in zip(used, jobs, strict=True):
+            for (_, conn), job in zip(self._workers, jobs, strict=False):
                 conn.send(job)
-            deadline = time.monotonic() + self.ready_timeout
-            for i, (_, conn) in enumerate(used):
-                self._receive(i, conn, deadline)
+            self._gather(len(jobs), time.monotonic() + self.ready_timeout, "preparing")
             if before_go is not None:
                 before_go()
-            for _, conn in used:
+            for _, conn in self._workers[: len(jobs)]:
                 conn.send("go")
-            deadline = time.monotonic() + self.run_timeout
-            return [self._receive(i, conn, deadline)[1] for i, (_, conn) in enumerate(used)]
+            return self._gather(len(jobs), time.monotonic() + self.run_timeout, "running")
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker: ask, then (or at once, without ``graceful``) terminate, kill."""
         for _, conn in self._workers:
             with contextlib.suppress(OSError):
                 conn.send("stop")
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + (5 if graceful else 0)
         for proc, conn in self._workers:
             proc.join(max(0.1, deadline - time.monotonic()))
             if proc.is_alive():

@@ -469,6 +469,7 @@ class Options:
     verify: bool
     quick: bool
     command: str
+    baselines: bool = True
 
 
 @dataclass
@@ -503,7 +504,10 @@ def run(opts: Options) -> dict[str, Any]:
     under_test: _Cluster | None = None
     try:
         pool = WorkerPool(max(opts.ranks, *conc))
-        _baselines(opts, pool, layout, k, n, work, baselines, bar)
+        if opts.baselines:
+            _baselines(opts, pool, layout, k, n, work, baselines, bar)
+        else:
+            bar.update(2 + 3 * len(conc))
 
         bar.set_postfix_str("cluster: save, wait for cold")
         under_test = _start(opts, work)
@@ -552,6 +556,9 @@ def run(opts: Options) -> dict[str, Any]:
             under_test.cluster.stop()
         remove_tree(work)
 
+    for kind in BASELINE_KINDS:
+        baselines.setdefault(kind, [])
+    baselines.setdefault("codec", {})
     _add_ratios(runs, baselines)
     return {
         "kind": "restore",
@@ -699,6 +706,7 @@ def _baselines(
     remove_tree(dcp)
 
 
+BASELINE_KINDS = ("raw_loopback", "aiohttp_memory", "disk_read", "dcp_load_warm", "dcp_load_cold")
 #: (baseline the tier's figures are divided by, the DCP load it is compared with)
 BASELINE_OF = {
     "memory": ("aiohttp_memory", "dcp_load_warm"),
@@ -716,7 +724,7 @@ def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
         c = row["concurrency"]
         base_kind, dcp_kind = BASELINE_OF[row["tier"]]
         if base_kind == "codec":
-            base: dict[str, Any] = {"gbps": baselines["codec"]["decode_raw_gbps"]}
+            base: dict[str, Any] = {"gbps": baselines["codec"].get("decode_raw_gbps")}
         else:
             base = _by_c(baselines[base_kind], c)
         raw = _by_c(baselines["raw_loopback"], c)
@@ -776,7 +784,6 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 fmt(b.get("client_cpu_s_per_gb")), fmt(b.get("server_cpu_s_per_gb")),
                 str(b.get("cache", "-")),
             ])  # fmt: skip
-    codec = doc["baselines"]["codec"]
     ev = doc["events"]
     lines = [
         f"# restore: {s['bytes'] / GiB:.2f} GiB as {s['keys']} tensors saved by "
@@ -800,12 +807,16 @@ def render_markdown(doc: dict[str, Any]) -> str:
             brows,
         ),
         "",
-        f"raw zfec decode with fragment 0 missing {codec['decode_raw_gbps']:.2f} GB/s "
-        f"(wrapper {codec['decode_wrapper_gbps']:.2f}), one thread, "
-        f"{codec['chunk_bytes'] / MiB:g} MiB chunk.",
         f"save from {s['saving_ranks']} ranks: {ev['save']['ack_gbps']:.2f} GB/s to the ack; "
         f"cold after {ev['cold']['seconds']:.1f} s (state {ev['cold']['state']}).",
     ]
+    codec = doc["baselines"]["codec"]
+    if codec:
+        lines.append(
+            f"raw zfec decode with fragment 0 missing {codec['decode_raw_gbps']:.2f} GB/s "
+            f"(wrapper {codec['decode_wrapper_gbps']:.2f}), one thread, "
+            f"{codec['chunk_bytes'] / MiB:g} MiB chunk."
+        )
     if "killed" in ev:
         lines.append(f"cold runs: node {ev['killed']['node']} SIGKILLed, seen down after "
                      f"{ev['killed']['seen_down_after_s']:.1f} s.")  # fmt: skip
@@ -834,7 +845,7 @@ def render_plot(doc: dict[str, Any], path: Path) -> None:
             rows = base[kind]
             ax.plot([b["concurrency"] for b in rows], [b["gbps"] for b in rows], "--",
                     color=colors[kind], label=kind.replace("_", " "))  # fmt: skip
-        if tier == "cold":
+        if tier == "cold" and base["codec"]:
             ax.axhline(base["codec"]["decode_raw_gbps"], color="tab:red", ls=":",
                        label="raw zfec decode, 1 thread")  # fmt: skip
         ax.set_title(tier + (" (one node killed)" if tier == "cold" else ""))
@@ -881,6 +892,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="client token for --url (default $STORAGED_TOKEN)")  # fmt: skip
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte checks")
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
     parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
     parser.add_argument(
@@ -908,11 +922,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory=args.memory, chunk=chunk, client_concurrency=args.client_concurrency,
         cold_timeout=args.cold_timeout, url=args.url, token=args.token, loop=args.loop,
         out=args.out, tmp=args.tmp, verify=not args.no_verify, quick=args.quick,
-        command=command.rstrip(),
+        command=command.rstrip(), baselines=not args.no_baselines,
     )  # fmt: skip
     print(f"# {opts.command}", flush=True)
-    with interrupt_on_sigterm():
-        doc = run(opts)
+    try:
+        with interrupt_on_sigterm():
+            doc = run(opts)
+    except KeyboardInterrupt:
+        print("# interrupted: every process this run started is stopped", file=sys.stderr)
+        return 130
     md = render_markdown(doc)
     paths = {"json": opts.out / "restore.json", "markdown": opts.out / "restore.md",
              "png": opts.out / "restore.png"}  # fmt: skip

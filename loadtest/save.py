@@ -431,6 +431,7 @@ class Options:
     tmp: Path | None
     quick: bool
     command: str
+    baselines: bool = True
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -447,58 +448,10 @@ def run(opts: Options) -> dict[str, Any]:
     pool: WorkerPool | None = None
     try:
         pool = WorkerPool(max(conc))
-
-        bar.set_postfix_str("raw loopback, raw encode")
-        baselines["raw_loopback"] = [
-            raw_loopback(layout.nbytes, opts.chunk, c, opts.loop) for c in conc
-        ]
-        sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
-        layout.fill(0, 0, sample)
-        baselines["codec"] = codec_rates(sample.tobytes(), k, n)
-        bar.update(1)
-
-        baselines["aiohttp_upload"] = []
-        baselines["disk_write"] = []
-        baselines["dcp_save"] = []
-        from loadtest.ack import _child, _serve_baseline, _stop_child
-
-        for c in conc:
-            bar.set_postfix_str(f"aiohttp 1-copy upload c={c}")
-            proc, port = _child(_serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
-                                opts.loop)  # fmt: skip
-            try:
-                jobs = [AiohttpSave(port, layout, r, c, opts.client_concurrency, opts.chunk,
-                                    opts.loop) for r in range(c)]  # fmt: skip
-                meter = CpuMeter([proc.pid or 0])
-                results = pool.run(jobs, meter.start)
-                server = meter.seconds()
-            finally:
-                _stop_child(proc)
-            row = _rate_row("aiohttp_upload", c, results)
-            row["server_cpu_s_per_gb"] = round(server / (row["bytes"] / GB), 4)
-            baselines["aiohttp_upload"].append(row)
-            bar.update(1)
-
-            bar.set_postfix_str(f"raw write+fsync c={c}")
-            target = work / f"disk-c{c}"
-            try:
-                results = pool.run([DiskWrite(str(target), layout, r, c, opts.chunk)
-                                    for r in range(c)])  # fmt: skip
-            finally:
-                remove_tree(target)
-            baselines["disk_write"].append(_rate_row("disk_write", c, results))
-            bar.update(1)
-
-            bar.set_postfix_str(f"DCP save c={c}")
-            target = work / f"dcp-c{c}"
-            try:
-                results = pool.run([DcpSave(str(target / f"rank{r}"), layout, r, c)
-                                    for r in range(c)])  # fmt: skip
-            finally:
-                remove_tree(target)
-            baselines["dcp_save"].append(_rate_row("dcp_save", c, results))
-            bar.update(1)
-
+        if opts.baselines:
+            _baselines(opts, pool, layout, k, n, work, baselines, bar)
+        else:
+            bar.update(1 + 3 * len(conc))
         for level, c in enumerate(conc):
             bar.set_postfix_str(f"storaged c={c}")
             runs.append(_storaged_level(opts, pool, layout.with_seed(200 + level), c, work))
@@ -510,6 +463,9 @@ def run(opts: Options) -> dict[str, Any]:
             pool.close()
         remove_tree(work)
 
+    for kind in BASELINE_KINDS:
+        baselines.setdefault(kind, [])
+    baselines.setdefault("codec", {})
     _add_ratios(runs, baselines)
     return {
         "kind": "save",
@@ -535,6 +491,73 @@ def run(opts: Options) -> dict[str, Any]:
         "baselines": baselines,
         "runs": runs,
     }
+
+
+BASELINE_KINDS = ("raw_loopback", "aiohttp_upload", "disk_write", "dcp_save")
+
+
+def _baselines(
+    opts: Options,
+    pool: WorkerPool,
+    layout: Layout,
+    k: int,
+    n: int,
+    work: Path,
+    baselines: dict[str, Any],
+    bar: Any,
+) -> None:
+    from loadtest.ack import _child, _serve_baseline, _stop_child
+
+    conc = opts.concurrency
+    bar.set_postfix_str("raw loopback, raw encode")
+    baselines["raw_loopback"] = [
+        raw_loopback(layout.nbytes, opts.chunk, c, opts.loop) for c in conc
+    ]
+    sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
+    layout.fill(0, 0, sample)
+    baselines["codec"] = codec_rates(sample.tobytes(), k, n)
+    bar.update(1)
+
+    baselines["aiohttp_upload"] = []
+    baselines["disk_write"] = []
+    baselines["dcp_save"] = []
+
+    for c in conc:
+        bar.set_postfix_str(f"aiohttp 1-copy upload c={c}")
+        proc, port = _child(_serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
+                            opts.loop)  # fmt: skip
+        try:
+            jobs = [AiohttpSave(port, layout, r, c, opts.client_concurrency, opts.chunk,
+                                opts.loop) for r in range(c)]  # fmt: skip
+            meter = CpuMeter([proc.pid or 0])
+            results = pool.run(jobs, meter.start)
+            server = meter.seconds()
+        finally:
+            _stop_child(proc)
+        row = _rate_row("aiohttp_upload", c, results)
+        row["server_cpu_s_per_gb"] = round(server / (row["bytes"] / GB), 4)
+        baselines["aiohttp_upload"].append(row)
+        bar.update(1)
+
+        bar.set_postfix_str(f"raw write+fsync c={c}")
+        target = work / f"disk-c{c}"
+        try:
+            results = pool.run([DiskWrite(str(target), layout, r, c, opts.chunk)
+                                for r in range(c)])  # fmt: skip
+        finally:
+            remove_tree(target)
+        baselines["disk_write"].append(_rate_row("disk_write", c, results))
+        bar.update(1)
+
+        bar.set_postfix_str(f"DCP save c={c}")
+        target = work / f"dcp-c{c}"
+        try:
+            results = pool.run([DcpSave(str(target / f"rank{r}"), layout, r, c)
+                                for r in range(c)])  # fmt: skip
+        finally:
+            remove_tree(target)
+        baselines["dcp_save"].append(_rate_row("dcp_save", c, results))
+        bar.update(1)
 
 
 def _storaged_level(
@@ -626,7 +649,7 @@ def _by_c(rows: Sequence[dict[str, Any]], c: int) -> dict[str, Any] | None:
 
 
 def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
-    encode = baselines["codec"]["encode_raw_gbps"]
+    encode = baselines["codec"].get("encode_raw_gbps")
     for row in runs:
         c = row["concurrency"]
         up = _by_c(baselines["aiohttp_upload"], c) or {}
@@ -686,7 +709,6 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 fmt(b.get("p99_ms"), ".1f"), fmt(b.get("client_cpu_s_per_gb")),
                 fmt(b.get("server_cpu_s_per_gb")),
             ])  # fmt: skip
-    codec = base["codec"]
     s = doc["settings"]
     lines = [
         f"# save: {s['bytes'] / GiB:.2f} GiB as {s['keys']} tensors, "
@@ -708,10 +730,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
             ],
             brow,
         ),
-        "",
-        f"raw zfec encode {codec['encode_raw_gbps']:.2f} GB/s (wrapper "
-        f"{codec['encode_wrapper_gbps']:.2f}), one thread, {codec['chunk_bytes'] / MiB:g} MiB.",
     ]
+    codec = base["codec"]
+    if codec:
+        lines += [
+            "",
+            f"raw zfec encode {codec['encode_raw_gbps']:.2f} GB/s (wrapper "
+            f"{codec['encode_wrapper_gbps']:.2f}), one thread, {codec['chunk_bytes'] / MiB:g} "
+            "MiB.",
+        ]
     for r in doc["runs"]:
         if r["cold_s"] is None:
             lines.append(
@@ -737,7 +764,8 @@ def render_plot(doc: dict[str, Any], path: Path) -> None:
         rows = base[kind]
         xs = [b["concurrency"] for b in rows]
         left.plot(xs, [b["gbps"] for b in rows], linestyle=style, color="grey", label=label)
-    left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
+    if base["codec"]:
+        left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
                  label="raw zfec encode, 1 thread")  # fmt: skip
     left.set_xlabel("saving ranks (processes)")
     left.set_ylabel("GB/s")
@@ -793,6 +821,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
     parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
     parser.add_argument(
+        "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
     )
     args = parser.parse_args(argv)
@@ -814,11 +845,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory=args.memory, chunk=chunk, client_concurrency=args.client_concurrency,
         cold_timeout=args.cold_timeout or (60.0 if args.quick else 120.0), url=args.url,
         token=args.token, loop=args.loop, out=args.out, tmp=args.tmp, quick=args.quick,
-        command=command.rstrip(),
+        command=command.rstrip(), baselines=not args.no_baselines,
     )  # fmt: skip
     print(f"# {opts.command}", flush=True)
-    with interrupt_on_sigterm():
-        doc = run(opts)
+    try:
+        with interrupt_on_sigterm():
+            doc = run(opts)
+    except KeyboardInterrupt:
+        print("# interrupted: every process this run started is stopped", file=sys.stderr)
+        return 130
     md = render_markdown(doc)
     paths = {"json": opts.out / "save.json", "markdown": opts.out / "save.md",
              "png": opts.out / "save.png"}  # fmt: skip
