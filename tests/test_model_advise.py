@@ -413,9 +413,13 @@ def test_advise_from_the_scale_model(capsys: pytest.CaptureFixture[str], tmp_pat
     assert json.loads(capsys.readouterr().out)["cost"] == 5
 
 
-def test_advise_warns_when_saves_would_queue(capsys: pytest.CaptureFixture[str]) -> None:
-    # At 1,000 nodes the ack takes seconds; a 36 s MTBF asks for checkpoints faster than that.
-    assert advise_cli("--mtbf", "0.01", "--nodes", "1000") == 0
+def test_advise_warns_when_saves_would_queue(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # At 1,000 nodes the ack takes seconds (default rates); a 36 s MTBF asks for
+    # checkpoints faster than that.
+    argv = ("--mtbf", "0.01", "--nodes", "1000", "--results", str(tmp_path))
+    assert advise_cli(*argv) == 0
     assert "shorter than the ack" in capsys.readouterr().out
 
 
@@ -488,6 +492,29 @@ def test_advise_unparsable_mtbf_is_an_argparse_error(capsys: pytest.CaptureFixtu
         advise_cli("--stall", "1")  # --mtbf is required
 
 
+@pytest.mark.timeout(120)
+def test_storaged_command_offers_advise() -> None:
+    """Through the real ``storaged`` entry point: registered, exit codes, messages."""
+
+    def storaged(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "storaged", "advise", *argv],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    ok = storaged("--mtbf", "24", "--stall", "60", "--restore", "30")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "3220 s" in ok.stdout
+    bad = storaged("--mtbf", "0", "--stall", "60", "--restore", "30")
+    assert bad.returncode == 2
+    assert "storaged advise: --mtbf must be a positive number of hours" in bad.stderr
+    assert storaged("--stall", "1").returncode == 2  # --mtbf is required
+
+
 def test_advise_live_cluster_unreachable_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     from storaged.cluster import free_port_block
 
@@ -552,8 +579,8 @@ def test_model_command_writes_json_table_and_plot(tmp_path: Path) -> None:
     assert doc["assumptions"]["nic_gbps"] == 50.0
     assert all(s.startswith("default") for s in doc["rate_sources"].values())
     table = (out / "model.md").read_text()
-    assert table.startswith("| nodes | GB/node | stall | ack |")
-    assert "| 24,000 |" in table and "interval (Young)" in table
+    assert table.startswith("| nodes | GB per node | stall | ack |")
+    assert "| 24,000 |" in table and "| interval (Young) |" in table
     assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "scale.png").exists()  # --out was given: nothing written elsewhere
 
@@ -579,9 +606,12 @@ def test_node_mtbf_shrinks_with_the_cluster() -> None:
 
 def test_markdown_marks_every_cell_with_its_bound() -> None:
     doc = run([1000, 2000], Assumptions(), rates(), mtbf_hours=3)
-    lines = markdown(doc).splitlines()
-    assert len(lines) == 4
-    cells = lines[2].strip("| ").split(" | ")
+    save, restore, advice = (t.splitlines() for t in markdown(doc).split("\n\n"))
+    assert [len(t) for t in (save, restore, advice)] == [4, 4, 4]
+    cells = save[2].strip("| ").split(" | ")
     assert cells[0] == "1,000"
-    assert cells[3].endswith(" CPU")  # the ack
-    assert cells[-1].endswith("%")
+    assert cells[3].endswith(" (CPU)")  # the ack
+    assert restore[3].strip("| ").split(" | ")[-1] == "64.8 s (FS)"
+    assert advice[2].endswith("% |")
+    assert "advice" not in markdown(run([1000], Assumptions(), rates())).lower()
+    assert len(markdown(run([1000], Assumptions(), rates())).split("\n\n")) == 2
