@@ -165,15 +165,12 @@ class Catalog:
             current = self._records.get(record.name)
             if current is not None:
                 if current.deleted is None and record.deleted is None:
-                    if current.digest != record.digest:
-                        return False
-                    return True
-                if current.deleted is not None and record.deleted is None:
-                    # A commit after a delete is a new checkpoint only if it came later.
-                    if record.committed <= current.deleted:
-                        return False
+                    return current.digest == record.digest
                 if current.deleted is not None and record.deleted is not None:
                     return True
+                # A commit after a delete is a new checkpoint only if it came later.
+                if current.deleted is not None and record.committed <= current.deleted:
+                    return False
             await asyncio.to_thread(
                 write_file_durably, self.root / _file_name(record.name), _encode(record)
             )

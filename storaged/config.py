@@ -255,4 +255,3 @@ def config_field_names() -> list[str]:
 
 
 __all__ = ["Config", "ConfigError", "NodeSpec", "config_field_names", "load_config", "parse_size"]
-

@@ -123,7 +123,7 @@ class StaticMembership(Membership):
     async def _beat(self, peer: NodeSpec) -> None:
         try:
             info = await asyncio.wait_for(self._ping(peer), timeout=max(self._interval * 2, 1.0))
-        except Exception:  # noqa: BLE001 - any failure is a missed heartbeat
+        except Exception:
             return
         if peer.id in self._failed:
             log.info("peer %s is back", peer.id)

@@ -10,7 +10,10 @@ class NodeMetrics:
         r = self.registry = CollectorRegistry()
         self.tier_bytes = Gauge("storaged_tier_bytes", "Bytes held per tier", ["tier"], registry=r)
         self.tier_chunks = Gauge(
-            "storaged_tier_chunks", "Chunks (fragments for cold) held per tier", ["tier"], registry=r
+            "storaged_tier_chunks",
+            "Chunks (fragments for cold) held per tier",
+            ["tier"],
+            registry=r,
         )
         self.tier_capacity = Gauge(
             "storaged_tier_capacity_bytes", "Capacity per tier", ["tier"], registry=r
@@ -37,7 +40,10 @@ class NodeMetrics:
         self.drained = Counter("storaged_drained_total", "Chunks drained to nvme", registry=r)
         self.encoded = Counter("storaged_encoded_total", "Chunks encoded to cold", registry=r)
         self.repaired = Counter(
-            "storaged_repaired_total", "Copies or fragments restored by repair", ["kind"], registry=r
+            "storaged_repaired_total",
+            "Copies or fragments restored by repair",
+            ["kind"],
+            registry=r,
         )
         self.corrupt = Counter(
             "storaged_corrupt_total", "Stored copies that failed their check", ["tier"], registry=r

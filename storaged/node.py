@@ -30,7 +30,7 @@ import msgpack
 
 from erasure import fragment_key, make_codec, parse_fragment_key
 from erasure.base import Codec, ErasureError
-from storaged.catalog import Catalog, CatalogRecord, CheckpointNotFound
+from storaged.catalog import Catalog, CatalogRecord
 from storaged.config import Config, NodeSpec
 from storaged.errors import ApiError, unavailable
 from storaged.ids import chunk_id_of_async
@@ -418,7 +418,9 @@ class Node:
         return result
 
     # ---- RPC methods (peer side) ----------------------------------------------------------
-    async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> tuple[dict[str, Any], None]:
+    async def rpc_ping(
+        self, args: dict[str, Any], body: memoryview | None
+    ) -> tuple[dict[str, Any], None]:
         return {"id": self.id, "usage": self.usage()}, None
 
     async def rpc_chunk_info(
@@ -512,7 +514,8 @@ class Node:
     async def rpc_evict(
         self, args: dict[str, Any], body: memoryview | None
     ) -> tuple[dict[str, Any], None]:
-        """Admin: push chunks out of RAM (and, with ``nvme``, off nvme) where a colder copy exists."""
+        """Admin: push chunks out of RAM (and, with ``nvme``, off nvme) where a colder copy
+        exists."""
         counts = await self.evict_local(args["ids"], nvme=bool(args.get("nvme")))
         return counts, None
 
@@ -593,19 +596,19 @@ class Node:
             info = self.index.get(cid)
             if info is None:
                 continue
-            if self.memory_has(cid) and self.nvme_has(cid) or (
-                self.memory_has(cid) and info.state >= COLD
-            ):
-                if not self.memory.is_dirty(cid):
-                    await self.memory.delete(cid)
-                    evicted["memory"] += 1
+            colder = self.nvme_has(cid) or info.state >= COLD
+            if self.memory_has(cid) and colder and not self.memory.is_dirty(cid):
+                await self.memory.delete(cid)
+                evicted["memory"] += 1
             if nvme and info.state >= COLD and self.nvme_has(cid) and not self.memory_has(cid):
                 await self.nvme.delete(cid)
                 evicted["nvme"] += 1
         return evicted
 
     # ---- write path --------------------------------------------------------------------
-    async def put_chunk(self, chunk_id: str, size: int, body: BodyPieces) -> tuple[int, dict[str, Any]]:
+    async def put_chunk(
+        self, chunk_id: str, size: int, body: BodyPieces
+    ) -> tuple[int, dict[str, Any]]:
         """Stream a chunk into RAM here and on the other replica holders; (status, reply)."""
         started = time.perf_counter()
         targets = self.hot_targets(chunk_id)
@@ -615,7 +618,7 @@ class Node:
                 f"{len(targets)} live node(s), replication needs {self.config.replication}",
                 retry_after=self.config.down_after,
             )
-        if chunk_id in self.index and self.holds_hot(chunk_id) or self._is_cold(chunk_id):
+        if (chunk_id in self.index and self.holds_hot(chunk_id)) or self._is_cold(chunk_id):
             reply = self._put_reply(chunk_id, size, targets)
             return 200, reply
         try:
@@ -625,12 +628,13 @@ class Node:
         try:
             remote = [t for t in targets if t != self.id]
             streams = await self._open_streams(chunk_id, size, remote)
-            received = await self._receive(body, buf, streams)
+            refused: list[PeerError] = []
+            received = await self._receive(body, buf, streams, refused)
             if received < size:
                 raise ApiError(400, "truncated", f"body ended after {received} of {size} bytes")
             if await chunk_id_of_async(buf) != chunk_id:
                 raise ApiError(400, "checksum_mismatch", "the body's BLAKE3-256 is not the id")
-            holders, created = await self._finish_streams(chunk_id, buf, streams, targets)
+            holders, created = await self._finish_streams(chunk_id, buf, streams, targets, refused)
         except BaseException:
             for stream in list(locals().get("streams", {}).values()):
                 stream.abort()
@@ -676,9 +680,17 @@ class Node:
         return streams
 
     async def _receive(
-        self, body: BodyPieces, buf: memoryview, streams: dict[str, PutStream]
+        self,
+        body: BodyPieces,
+        buf: memoryview,
+        streams: dict[str, PutStream],
+        refused: list[PeerError],
     ) -> int:
-        """Copy pieces into ``buf`` and forward them to every open stream as they arrive."""
+        """Copy pieces into ``buf`` and forward them to every open stream as they arrive.
+
+        A peer that fails or refuses (e.g. memory_full) mid-body leaves ``streams``; its
+        refusal goes into ``refused``.
+        """
         pos = 0
         size = len(buf)
         async for piece in body:
@@ -688,15 +700,18 @@ class Node:
             buf[pos : pos + n] = piece  # the one copy into this node's RAM copy
             if streams:
                 view = buf[pos : pos + n]
-                dead = []
+                dropped = []
                 for node_id, stream in streams.items():
                     try:
                         await stream.write(view)
-                    except PeerError:
-                        dead.append(node_id)
-                for node_id in dead:
+                    except PeerUnavailable:
+                        self.membership.report_failure(node_id)
+                        dropped.append(node_id)
+                    except PeerError as exc:
+                        refused.append(exc)
+                        dropped.append(node_id)
+                for node_id in dropped:
                     streams.pop(node_id).abort()
-                    self.membership.report_failure(node_id)
             pos += n
         return pos
 
@@ -706,6 +721,7 @@ class Node:
         buf: memoryview,
         streams: dict[str, PutStream],
         targets: list[str],
+        refused: list[PeerError],
     ) -> tuple[list[str], list[str]]:
         """Collect the peers' verdicts; replace failed holders from our own copy.
 
@@ -713,7 +729,6 @@ class Node:
         """
         holders: list[str] = [self.id] if self.id in targets else []
         created: list[str] = []
-        refused: list[PeerError] = []
 
         async def finish(node_id: str, stream: PutStream) -> None:
             try:
@@ -885,7 +900,9 @@ class Node:
             key = fragment_key(chunk_id, index)
             blob = fragments[index].to_bytes()  # one joined copy: the peer call takes one body
             try:
-                await self.call(targets[index], "put_fragment", {"key": key, "size": len(data)}, blob)
+                await self.call(
+                    targets[index], "put_fragment", {"key": key, "size": len(data)}, blob
+                )
             except PeerError as exc:
                 log.warning("fragment %s to %s failed: %s", key, targets[index], exc)
                 return False
@@ -1054,9 +1071,7 @@ class Node:
         )
         stored = sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
         if stored < len(targets):
-            conflict = any(
-                not isinstance(r, BaseException) and not r[0]["stored"] for r in results
-            )
+            conflict = any(not isinstance(r, BaseException) and not r[0]["stored"] for r in results)
             if conflict:
                 raise ApiError(409, "exists", f"checkpoint {name!r} was committed concurrently")
             raise unavailable(
@@ -1204,9 +1219,9 @@ class Node:
                     await self.delete_local(cid)
                     freed += 1
                 continue
-            if info.state >= COLD and self.nvme_has(cid):
-                if self.owner(cid) != self.id or cid not in protected:
-                    await self.nvme.delete(cid)
+            keep = self.owner(cid) == self.id and cid in protected
+            if info.state >= COLD and self.nvme_has(cid) and not keep:
+                await self.nvme.delete(cid)
         self.metrics.gc_freed.inc(freed)
         self._update_gauges()
 

@@ -163,9 +163,13 @@ async def put_chunk(request: web.Request) -> web.Response:
         raise ApiError(411, "length_required", "PUT of a chunk needs a Content-Length")
     if size > node.config.max_chunk_size:
         raise ApiError(
-            413, "too_large", f"{size} bytes is over the max chunk size {node.config.max_chunk_size}"
+            413,
+            "too_large",
+            f"{size} bytes is over the max chunk size {node.config.max_chunk_size}",
         )
-    status, body = await node.put_chunk(cid, size, _body_pieces(request, size, node.config.body_timeout))
+    status, body = await node.put_chunk(
+        cid, size, _body_pieces(request, size, node.config.body_timeout)
+    )
     return reply(request, body, status)
 
 

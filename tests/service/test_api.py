@@ -178,7 +178,10 @@ async def test_missing_in_request_order(api: Api) -> None:
         r = await api.request("POST", "/v1/chunks/missing", doc=bad)
         assert r.status == 400 and r.error == "bad_request"
     r = await api.request(
-        "POST", "/v1/chunks/missing", data=b"\xc1garbage", headers={"Content-Type": "application/msgpack"}
+        "POST",
+        "/v1/chunks/missing",
+        data=b"\xc1garbage",
+        headers={"Content-Type": "application/msgpack"},
     )
     assert r.status == 400 and r.error == "bad_request"
 
@@ -265,8 +268,12 @@ def _bad_manifests(chunk: bytes) -> list[tuple[str, Any]]:
         m["shards"][0]["items"][0].update(changes)
         return m
 
-    cases.append(("outside stream", with_item(length=len(chunk) + 1, shape=[len(chunk) + 1],
-                                              global_shape=[len(chunk) + 1])))
+    cases.append(
+        (
+            "outside stream",
+            with_item(length=len(chunk) + 1, shape=[len(chunk) + 1], global_shape=[len(chunk) + 1]),
+        )
+    )
     cases.append(("shape beyond global", with_item(offsets=[1])))
     cases.append(("dtype size", with_item(dtype="float32")))
     cases.append(("type", with_item(start="0")))
@@ -291,7 +298,10 @@ async def test_bad_manifests(api: Api) -> None:
         r = await api.commit("job4/bad", manifest)
         assert r.status == 400 and r.error == "bad_manifest", (what, r.raw)
     r = await api.request(
-        "PUT", "/v1/checkpoints/job4/bad", data=b"\xc1\xc1", headers={"Content-Type": "application/msgpack"}
+        "PUT",
+        "/v1/checkpoints/job4/bad",
+        data=b"\xc1\xc1",
+        headers={"Content-Type": "application/msgpack"},
     )
     assert r.status == 400
     assert (await api.request("GET", "/v1/checkpoints/job4/bad")).status == 404
