@@ -51,7 +51,8 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     header = [line for line in lines if line.startswith("| config |")]
     assert len(header) == 1
     assert header[0].split(" | ")[1:] == [
-        "GB/s", "p50 ms", "p99 ms", "ratio", "p50 x base", "CPU s/GB nodes", "CPU s/GB client |",
+        "GB/s", "p50 ms", "p99 ms", "ratio", "p50 x base", "CPU s/GB nodes", "CPU s/GB client",
+        "ratio if CPU-bound |",
     ]  # fmt: skip
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
     assert [r.split(" | ")[0] for r in rows] == [
@@ -77,6 +78,13 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     assert base["ratio"] is None
     assert store["ratio"] == pytest.approx(store["gbps"] / base["gbps"], rel=0.01)
     assert store["p50_ratio"] == pytest.approx(store["p50_ms"] / base["p50_ms"], rel=0.02)
+    assert store["cpu_bound_ratio"] == pytest.approx(
+        store["cpu_bound_gbps"] / base["cpu_bound_gbps"], rel=0.01
+    )
+    # CPU-bound: never more than the cores allow for the CPU each acked GB costs
+    for row in (base, store):
+        total = row["server_cpu_s_per_gb"] + row["client_cpu_s_per_gb"]
+        assert 0 < row["cpu_bound_gbps"] <= (os.cpu_count() or 1) / total * 1.01
     assert raw["gbps"] > 0 and raw["p50_ms"] is None
 
 
