@@ -214,28 +214,36 @@ def _worker_main(conn: Connection) -> None:
             return  # the parent is gone
         if message == "stop":
             return
-        prepared: Prepared | None = None
         try:
-            job: Job = message
-            prepared = job.prepare()
-            conn.send(("ready", None))
-            if conn.recv() != "go":
-                return
-            cpu0, t0 = time.process_time(), time.monotonic()
-            result = prepared.run()
-            t1, cpu1 = time.monotonic(), time.process_time()
-            result.update(t0=t0, t1=t1, cpu=cpu1 - cpu0)
-            result.update(prepared.check())
-            conn.send(("done", result))
+            reply = _work(conn, message)
         except (EOFError, OSError):
             return
         except BaseException:
-            with contextlib.suppress(OSError):
-                conn.send(("error", traceback.format_exc()))
-        finally:
-            if prepared is not None:
-                with contextlib.suppress(Exception):
-                    prepared.close()
+            reply = ("error", traceback.format_exc())
+        if reply is None:
+            return
+        # Nothing of the job is referenced any more: its buffers are freed before the next.
+        try:
+            conn.send(reply)
+        except OSError:
+            return
+
+
+def _work(conn: Connection, job: Job) -> tuple[str, Any] | None:
+    """Prepare, wait for "go", run, check, close; the reply (None: told to stop)."""
+    prepared = job.prepare()
+    try:
+        conn.send(("ready", None))
+        if conn.recv() != "go":
+            return None
+        cpu0, t0 = time.process_time(), time.monotonic()
+        result = prepared.run()
+        t1, cpu1 = time.monotonic(), time.process_time()
+        result.update(t0=t0, t1=t1, cpu=cpu1 - cpu0)
+        result.update(prepared.check())
+        return ("done", result)
+    finally:
+        prepared.close()
 
 
 class WorkerPool:
