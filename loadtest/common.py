@@ -579,18 +579,13 @@ def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
 def drop_page_cache(paths: Iterable[Path] = ()) -> str:
     """Evict file pages so that reads hit the disk; returns what was done.
 
-    ``"drop_caches"``: the whole page cache (``sync``, then ``echo 1 >
-    /proc/sys/vm/drop_caches``, which needs root). ``"fadvise"``: the pages of every file
-    under ``paths`` (``POSIX_FADV_DONTNEED``; dirty pages would stay, the tiers fsync).
-    ``"warm"``: neither was possible; reads may come from RAM.
+    ``"fadvise"``: the pages of every file under ``paths`` (``POSIX_FADV_DONTNEED``; the
+    files are fsynced, so no page stays dirty). Targeted, so that other work on this
+    shared machine keeps its cache. ``"drop_caches"``: no file was given (a cluster seen
+    only by its URL), so the whole page cache (``sync``, then ``echo 1 >
+    /proc/sys/vm/drop_caches``, which needs root). ``"warm"``: neither was possible;
+    reads may come from RAM.
     """
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        pass
     done = False
     for root in paths:
         for path in [root] if root.is_file() else root.rglob("*"):
@@ -605,7 +600,15 @@ def drop_page_cache(paths: Iterable[Path] = ()) -> str:
                 done = True
             finally:
                 os.close(fd)
-    return "fadvise" if done else "warm"
+    if done:
+        return "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        return "warm"
 
 
 # -- a client that times its chunk requests -------------------------------------------------------

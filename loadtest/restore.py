@@ -11,8 +11,8 @@ against the bytes saved, outside the timed window. Per tier:
 - **memory**: the RAM copies (three per chunk) serve;
 - **nvme**: after ``POST /v1/admin/evict {"tier": "memory"}``; once cold, only each chunk's
   owner keeps its nvme copy (retention), so one copy per chunk serves. The page cache is
-  dropped before each run (``echo 1 > /proc/sys/vm/drop_caches`` when allowed, else
-  ``POSIX_FADV_DONTNEED`` on the nodes' files, else the run is marked warm);
+  dropped before each run (``POSIX_FADV_DONTNEED`` on every file of the nodes; with
+  ``--url``, ``echo 1 > /proc/sys/vm/drop_caches`` when allowed, else the run says warm);
 - **cold**: after ``evict {"tier": "nvme"}`` and SIGKILL of one node (degraded: the nodes
   rebuild every chunk from k of the n fragments left), page cache dropped likewise.
 
