@@ -178,8 +178,7 @@ class MemoryTier(Tier):
 
     # --- the buffer pool -------------------------------------------------------------
 
-    # The brief asks for a timeout parameter: the wait is one of several steps here.
-    async def allocate(self, size: int, timeout: float | None = None) -> memoryview:  # noqa: ASYNC109
+    async def allocate(self, size: int, timeout: float | None = None) -> memoryview:
         """A writable, pre-faulted buffer of exactly ``size`` bytes, counted against capacity.
 
         Makes room by evicting clean values, then waits up to ``timeout`` seconds (default
@@ -544,7 +543,7 @@ class MemoryTier(Tier):
         self._used += nbytes
         return True
 
-    async def _acquire(self, nbytes: int, timeout: float) -> _Buffer:  # noqa: ASYNC109
+    async def _acquire(self, nbytes: int, timeout: float) -> _Buffer:
         if nbytes > self._capacity:
             raise TierFull(f"{nbytes} bytes can never fit in a {self._capacity}-byte memory tier")
         loop = asyncio.get_running_loop()

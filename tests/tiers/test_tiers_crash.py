@@ -69,7 +69,7 @@ def run_writer_and_kill(root: Path, seed: int, acks_before_kill: int) -> list[st
             acked.append(line.decode().strip())
         deadline = time.monotonic() + 10
         while not any(root.glob("??/??/.*.tmp")) and time.monotonic() < deadline:
-            pass  # spin: the window between two writes is short
+            time.sleep(0.001)  # a write (and its temp file) lasts tens of milliseconds
     finally:
         proc.send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
