@@ -769,16 +769,40 @@ def pyplot() -> Any:
     return plt
 
 
-def progress(total: int, desc: str) -> Any:
-    """A tqdm bar on stderr counting the steps of a run."""
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        bar_format="{desc}: {n}/{total} |{bar}| {elapsed}<{remaining} {postfix}",
-    )
+class Progress:
+    """A tqdm bar (stderr) over the steps of a run, and the seconds each step took."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.bar = tqdm(
+            total=total,
+            desc=desc,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            bar_format="{desc}: {n}/{total} |{bar}| {elapsed}<{remaining} {postfix}",
+        )
+        #: label -> seconds, in the order the steps ran
+        self.seconds: dict[str, float] = {}
+        self._label = ""
+        self._since = time.monotonic()
+
+    def begin(self, label: str) -> None:
+        self._label = label
+        self._since = time.monotonic()
+        self.bar.set_postfix_str(label)
+
+    def done(self, steps: int = 1) -> None:
+        now = time.monotonic()
+        spent = self.seconds.get(self._label, 0.0) + now - self._since
+        self.seconds[self._label] = round(spent, 2)
+        self._since = now
+        self.bar.update(steps)
+
+    def skip(self, steps: int) -> None:
+        self.bar.update(steps)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def machine_info() -> dict[str, Any]:

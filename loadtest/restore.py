@@ -66,6 +66,7 @@ from loadtest.common import (
     Layout,
     MiB,
     Prepared,
+    Progress,
     TracedClient,
     WorkerPool,
     codec_rates,
@@ -76,7 +77,6 @@ from loadtest.common import (
     machine_info,
     markdown_table,
     new_loop,
-    progress,
     pyplot,
     ratio,
     raw_loopback,
@@ -496,7 +496,7 @@ def run(opts: Options) -> dict[str, Any]:
     k, n = default_erasure(opts.nodes)
     work = Path(tempfile.mkdtemp(prefix="loadtest-restore-", dir=opts.tmp))
     load_before = os.getloadavg()
-    bar = progress(3 + 6 * len(conc), "restore")
+    bar = Progress(3 + 6 * len(conc), "restore")
     baselines: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     events: dict[str, Any] = {}
@@ -507,9 +507,9 @@ def run(opts: Options) -> dict[str, Any]:
         if opts.baselines:
             _baselines(opts, pool, layout, k, n, work, baselines, bar)
         else:
-            bar.update(2 + 3 * len(conc))
+            bar.skip(2 + 3 * len(conc))
 
-        bar.set_postfix_str("cluster: save, wait for cold")
+        bar.begin("cluster: save, wait for cold")
         under_test = _start(opts, work)
         name = f"loadtest/restore-{os.getpid()}-{int(time.time())}"
         events["save"] = save_checkpoint_with(pool, under_test.urls, under_test.token, name,
@@ -521,16 +521,16 @@ def run(opts: Options) -> dict[str, Any]:
                                             opts.cold_timeout))  # fmt: skip
         events["cold"] = {"seconds": round(time.monotonic() - t0, 3), "state": status.state,
                           "chunks": status.chunks, "cold_chunks": status.cold}  # fmt: skip
-        bar.update(1)
+        bar.done()
 
         def measure(tier: str, cache: str | None) -> None:
             assert pool is not None and under_test is not None
             for c in conc:
-                bar.set_postfix_str(f"storaged {tier} c={c}")
+                bar.begin(f"storaged {tier} c={c}")
                 if cache is not None:
                     cache = drop_page_cache(under_test.node_dirs())
                 runs.append(_restore(pool, under_test, name, layout, c, tier, cache, opts))
-                bar.update(1)
+                bar.done()
 
         measure("memory", None)
         events["evict_memory"] = _evict(under_test.urls[0], under_test.token, name, "memory")
@@ -584,6 +584,7 @@ def run(opts: Options) -> dict[str, Any]:
             "quick": opts.quick,
         },
         "events": events,
+        "step_seconds": bar.seconds,
         "baselines": baselines,
         "runs": runs,
     }
@@ -651,20 +652,20 @@ def _baselines(
     n: int,
     work: Path,
     baselines: dict[str, Any],
-    bar: Any,
+    bar: Progress,
 ) -> None:
     from loadtest.ack import _child, _stop_child
 
     conc = opts.concurrency
-    bar.set_postfix_str("raw loopback, codec")
+    bar.begin("raw loopback, codec")
     baselines["raw_loopback"] = [raw_loopback(layout.nbytes, opts.chunk, c, opts.loop)
                                  for c in conc]  # fmt: skip
     sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
     layout.fill(0, 0, sample)
     baselines["codec"] = codec_rates(sample.tobytes(), k, n)
-    bar.update(1)
+    bar.done()
 
-    bar.set_postfix_str("aiohttp from memory")
+    bar.begin("aiohttp from memory")
     baselines["aiohttp_memory"] = []
     proc, port = _child(serve_memory, layout, opts.loop)
     try:
@@ -676,24 +677,24 @@ def _baselines(
             row = _row("aiohttp_memory", c, results)
             row["server_cpu_s_per_gb"] = round(meter.seconds() / (row["bytes"] / GB), 4)
             baselines["aiohttp_memory"].append(row)
-            bar.update(1)
+            bar.done()
     finally:
         _stop_child(proc)
 
-    bar.set_postfix_str("files for the disk and DCP baselines")
+    bar.begin("files for the disk and DCP baselines")
     disk, dcp = work / "disk", work / "dcp"
     pool.run([DiskWrite(str(disk), layout, r, opts.ranks, opts.chunk) for r in range(opts.ranks)])
     pool.run([DcpSave(str(dcp / f"rank{r}"), layout, r, opts.ranks) for r in range(opts.ranks)])
-    bar.update(1)
+    bar.done()
     baselines["disk_read"] = []
     baselines["dcp_load_cold"] = []
     baselines["dcp_load_warm"] = []
     for c in conc:
-        bar.set_postfix_str(f"disk read, DCP load c={c}")
+        bar.begin(f"disk read, DCP load c={c}")
         cache = drop_page_cache([disk])
         results = pool.run([DiskRestore(str(disk), layout, j, c, opts.verify) for j in range(c)])
         baselines["disk_read"].append(_row("disk_read", c, results, cache=cache))
-        bar.update(1)
+        bar.done()
         dcp_jobs = [DcpLoad(str(dcp), layout, tuple(range(j, opts.ranks, c)), opts.ranks,
                             opts.verify) for j in range(c)]  # fmt: skip
         cache = drop_page_cache([dcp])
@@ -701,7 +702,7 @@ def _baselines(
         baselines["dcp_load_cold"].append(_row("dcp_load_cold", c, results, cache=cache))
         results = pool.run(dcp_jobs)  # the pages the cold load brought in are still there
         baselines["dcp_load_warm"].append(_row("dcp_load_warm", c, results, cache="warm"))
-        bar.update(1)
+        bar.done()
     remove_tree(disk)
     remove_tree(dcp)
 
@@ -816,6 +817,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"raw zfec decode with fragment 0 missing {codec['decode_raw_gbps']:.2f} GB/s "
             f"(wrapper {codec['decode_wrapper_gbps']:.2f}), one thread, "
             f"{codec['chunk_bytes'] / MiB:g} MiB chunk."
+        )
+    steps = doc.get("step_seconds", {})
+    if steps:
+        lines.append(
+            f"run time {sum(steps.values()):.0f} s: "
+            + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
         )
     if "killed" in ev:
         lines.append(f"cold runs: node {ev['killed']['node']} SIGKILLed, seen down after "

@@ -55,6 +55,7 @@ from loadtest.common import (
     MetricsSampler,
     MiB,
     Prepared,
+    Progress,
     TracedClient,
     WorkerPool,
     codec_rates,
@@ -65,7 +66,6 @@ from loadtest.common import (
     markdown_table,
     new_loop,
     node_cpu,
-    progress,
     pyplot,
     ratio,
     raw_loopback,
@@ -441,8 +441,8 @@ def run(opts: Options) -> dict[str, Any]:
     k, n = default_erasure(opts.nodes)
     work = Path(tempfile.mkdtemp(prefix="loadtest-save-", dir=opts.tmp))
     load_before = os.getloadavg()
-    steps = 2 + 4 * len(conc)
-    bar = progress(steps, "save")
+    steps = 1 + 4 * len(conc)
+    bar = Progress(steps, "save")
     baselines: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     pool: WorkerPool | None = None
@@ -451,12 +451,11 @@ def run(opts: Options) -> dict[str, Any]:
         if opts.baselines:
             _baselines(opts, pool, layout, k, n, work, baselines, bar)
         else:
-            bar.update(1 + 3 * len(conc))
+            bar.skip(1 + 3 * len(conc))
         for level, c in enumerate(conc):
-            bar.set_postfix_str(f"storaged c={c}")
+            bar.begin(f"storaged c={c}")
             runs.append(_storaged_level(opts, pool, layout.with_seed(200 + level), c, work))
-            bar.update(1)
-        bar.update(1)
+            bar.done()
     finally:
         bar.close()
         if pool is not None:
@@ -488,6 +487,7 @@ def run(opts: Options) -> dict[str, Any]:
             "loop": opts.loop,
             "quick": opts.quick,
         },
+        "step_seconds": bar.seconds,
         "baselines": baselines,
         "runs": runs,
     }
@@ -504,26 +504,26 @@ def _baselines(
     n: int,
     work: Path,
     baselines: dict[str, Any],
-    bar: Any,
+    bar: Progress,
 ) -> None:
     from loadtest.ack import _child, _serve_baseline, _stop_child
 
     conc = opts.concurrency
-    bar.set_postfix_str("raw loopback, raw encode")
+    bar.begin("raw loopback, raw encode")
     baselines["raw_loopback"] = [
         raw_loopback(layout.nbytes, opts.chunk, c, opts.loop) for c in conc
     ]
     sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
     layout.fill(0, 0, sample)
     baselines["codec"] = codec_rates(sample.tobytes(), k, n)
-    bar.update(1)
+    bar.done()
 
     baselines["aiohttp_upload"] = []
     baselines["disk_write"] = []
     baselines["dcp_save"] = []
 
     for c in conc:
-        bar.set_postfix_str(f"aiohttp 1-copy upload c={c}")
+        bar.begin(f"aiohttp 1-copy upload c={c}")
         proc, port = _child(_serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
                             opts.loop)  # fmt: skip
         try:
@@ -537,9 +537,9 @@ def _baselines(
         row = _rate_row("aiohttp_upload", c, results)
         row["server_cpu_s_per_gb"] = round(server / (row["bytes"] / GB), 4)
         baselines["aiohttp_upload"].append(row)
-        bar.update(1)
+        bar.done()
 
-        bar.set_postfix_str(f"raw write+fsync c={c}")
+        bar.begin(f"raw write+fsync c={c}")
         target = work / f"disk-c{c}"
         try:
             results = pool.run([DiskWrite(str(target), layout, r, c, opts.chunk)
@@ -547,9 +547,9 @@ def _baselines(
         finally:
             remove_tree(target)
         baselines["disk_write"].append(_rate_row("disk_write", c, results))
-        bar.update(1)
+        bar.done()
 
-        bar.set_postfix_str(f"DCP save c={c}")
+        bar.begin(f"DCP save c={c}")
         target = work / f"dcp-c{c}"
         try:
             results = pool.run([DcpSave(str(target / f"rank{r}"), layout, r, c)
@@ -557,7 +557,7 @@ def _baselines(
         finally:
             remove_tree(target)
         baselines["dcp_save"].append(_rate_row("dcp_save", c, results))
-        bar.update(1)
+        bar.done()
 
 
 def _storaged_level(
@@ -739,6 +739,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"{codec['encode_wrapper_gbps']:.2f}), one thread, {codec['chunk_bytes'] / MiB:g} "
             "MiB.",
         ]
+    steps = doc.get("step_seconds", {})
+    if steps:
+        lines.append(
+            f"run time {sum(steps.values()):.0f} s: "
+            + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
+        )
     for r in doc["runs"]:
         if r["cold_s"] is None:
             lines.append(
