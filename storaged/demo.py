@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -93,21 +93,6 @@ def add_demo_parser(
 # --------------------------------------------------------------------------- the model
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """A large global array, saved in dim-0 shards by every rank."""
-
-    key: str
-    #: Name in the manifest ("float32", "bfloat16").
-    dtype: str
-    array: np.ndarray[Any, Any]
-
-    @property
-    def storage(self) -> np.dtype[Any]:
-        dtype: np.dtype[Any] = self.array.dtype
-        return dtype
-
-
 def shares(rows: int, weights: Sequence[float]) -> list[tuple[int, int]]:
     """``(offset, count)`` per rank cutting ``rows`` by ``weights``; every count >= 1."""
     if rows < len(weights):
@@ -124,6 +109,72 @@ def shares(rows: int, weights: Sequence[float]) -> list[tuple[int, int]]:
     return [(lo, hi - lo) for lo, hi in itertools.pairwise(bounds)]
 
 
+def _f32_pattern(block: int) -> int:
+    # The low 12 mantissa bits of both float32 lanes: values stay close to the base's.
+    return ((block >> 12) & 0xFFF) << 32 | (block & 0xFFF)
+
+
+def _bf16_pattern(block: int) -> int:
+    # The low 4 mantissa bits of each of the four bfloat16 lanes.
+    return sum(((block >> (4 * lane)) & 0xF) << (16 * lane) for lane in range(4))
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A large global array, saved in dim-0 shards by every rank.
+
+    Its content is a function of its place: 64-bit word ``i`` is word ``i % W`` of
+    its kind's random base block XOR the pattern of block ``first_block + i // W``
+    (``W`` words per 8 MiB block). Every 8 MiB block is distinct (no dedup), it is
+    made at memcpy speed, and it can be made again to check a restore without
+    keeping the source.
+    """
+
+    key: str
+    #: Name in the manifest ("float32", "bfloat16").
+    dtype: str
+    shape: tuple[int, ...]
+    first_block: int
+
+    @property
+    def storage(self) -> np.dtype[Any]:
+        return np.dtype(np.uint16 if self.dtype == "bfloat16" else np.float32)
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:])) * self.storage.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+
+class _Content:
+    """Makes the words of any tensor (see ``Tensor``)."""
+
+    def __init__(self, seed: int) -> None:
+        words = _BLOCK_BYTES // 8
+        normal = np.random.default_rng(seed).standard_normal(words * 4, dtype=np.float32)
+        normal *= np.float32(0.02)
+        self.f32 = normal[: words * 2].view(np.uint64)
+        self.bf16 = (normal.view(np.uint32) >> 16).astype(np.uint16).view(np.uint64)
+        self.words = words
+
+    def fill(self, tensor: Tensor, out: np.ndarray[Any, Any], first_word: int) -> None:
+        """Write words ``first_word ...`` of ``tensor`` into the uint64 array ``out``."""
+        base, pattern = (
+            (self.bf16, _bf16_pattern) if tensor.dtype == "bfloat16" else (self.f32, _f32_pattern)
+        )
+        pos = 0
+        while pos < len(out):
+            word = first_word + pos
+            block, within = divmod(word, self.words)
+            n = min(len(out) - pos, self.words - within)
+            mask = np.uint64(pattern(tensor.first_block + block))
+            np.bitwise_xor(base[within : within + n], mask, out=out[pos : pos + n])
+            pos += n
+
+
 @dataclass
 class SyntheticModel:
     """A checkpoint's worth of state: big sharded tensors, small values of rank 0 and each rank."""
@@ -133,7 +184,9 @@ class SyntheticModel:
     common: dict[str, Any]
     #: Saved by each rank under its own keys.
     per_rank: list[dict[str, Any]]
-    splits: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    #: Key -> ``(offset, rows)`` of each saving rank.
+    splits: dict[str, list[tuple[int, int]]]
+    content: _Content
 
     @property
     def nbytes(self) -> int:
@@ -143,19 +196,28 @@ class SyntheticModel:
             for v in values.values()
             if isinstance(v, np.ndarray)
         )
-        return sum(t.array.nbytes for t in self.tensors) + small
+        return sum(t.nbytes for t in self.tensors) + small
 
-    def rank_states(self) -> dict[int, dict[str, Any]]:
-        """What each saving rank holds: views of the global arrays (no copy)."""
+    def materialize(self) -> dict[str, np.ndarray[Any, Any]]:
+        """The global arrays (the source of the save); CPU bound: run in a thread."""
+        arrays = {}
+        for tensor in self.tensors:
+            array = np.empty(tensor.shape, dtype=tensor.storage)
+            self.content.fill(tensor, array.reshape(-1).view(np.uint64), 0)
+            arrays[tensor.key] = array
+        return arrays
+
+    def rank_states(self, arrays: dict[str, np.ndarray[Any, Any]]) -> dict[int, dict[str, Any]]:
+        """What each saving rank holds: views of the global ``arrays`` (no copy)."""
         states: dict[int, dict[str, Any]] = {r: {} for r in range(len(self.per_rank))}
         for tensor in self.tensors:
+            array = arrays[tensor.key]
             for rank, (offset, count) in enumerate(self.splits[tensor.key]):
-                name = tensor.dtype if tensor.dtype in STORAGE_DTYPES else None
                 states[rank][tensor.key] = Shard(
-                    tensor.array[offset : offset + count],
-                    tuple(tensor.array.shape),
-                    (offset,) + (0,) * (tensor.array.ndim - 1),
-                    name,
+                    array[offset : offset + count],
+                    tensor.shape,
+                    (offset,) + (0,) * (len(tensor.shape) - 1),
+                    tensor.dtype if tensor.dtype in STORAGE_DTYPES else None,
                 )
         states[0].update(self.common)
         for rank, values in enumerate(self.per_rank):
@@ -166,14 +228,12 @@ class SyntheticModel:
         """Destinations of ``ranks`` restoring ranks: even dim-0 shards; rank 0 gets the rest."""
         targets: list[dict[str, Any]] = [{} for _ in range(ranks)]
         for tensor in self.tensors:
-            for rank, (offset, count) in enumerate(shares(len(tensor.array), [1.0] * ranks)):
-                name = tensor.dtype if tensor.dtype in STORAGE_DTYPES else None
-                shape = (count, *tensor.array.shape[1:])
+            for rank, (offset, count) in enumerate(shares(tensor.shape[0], [1.0] * ranks)):
                 targets[rank][tensor.key] = Shard(
-                    np.empty(shape, dtype=tensor.storage),
-                    tuple(tensor.array.shape),
-                    (offset,) + (0,) * (tensor.array.ndim - 1),
-                    name,
+                    np.empty((count, *tensor.shape[1:]), dtype=tensor.storage),
+                    tensor.shape,
+                    (offset,) + (0,) * (len(tensor.shape) - 1),
+                    tensor.dtype if tensor.dtype in STORAGE_DTYPES else None,
                 )
         for values in (self.common, *self.per_rank):
             targets[0].update(dict.fromkeys(values))
@@ -182,28 +242,37 @@ class SyntheticModel:
     def verify(
         self, targets: Sequence[dict[str, Any]], returned: dict[str, Any]
     ) -> tuple[int, dict[str, int]]:
-        """(bytes checked, {key: bytes that differ}) of restored state against the source."""
+        """(bytes checked, {key: bytes that differ}) of restored state against the source.
+
+        The large tensors are made again block by block: the source need not be kept.
+        """
         checked = 0
         wrong: dict[str, int] = {}
+        expected = np.empty(self.content.words, dtype=np.uint64)
         for tensor in self.tensors:
             for target in targets:
-                got = target[tensor.key]
-                offset = got.offsets[0]
-                want = tensor.array[offset : offset + len(got.array)]
-                checked += want.nbytes
-                differ = _differing_bytes(want, got.array)
+                shard: Shard = target[tensor.key]
+                got = np.ascontiguousarray(shard.array).reshape(-1).view(np.uint64)
+                first = shard.offsets[0] * tensor.row_bytes // 8
+                differ = 0
+                for lo in range(0, len(got), len(expected)):
+                    part = got[lo : lo + len(expected)]
+                    want = expected[: len(part)]
+                    self.content.fill(tensor, want, first + lo)
+                    differ += _differing_bytes(want, part)
+                checked += got.nbytes
                 if differ:
                     wrong[tensor.key] = wrong.get(tensor.key, 0) + differ
         for values in (self.common, *self.per_rank):
-            for key, want in values.items():
-                got = returned.get(key)
-                if isinstance(want, np.ndarray):
-                    checked += want.nbytes
-                    if not isinstance(got, np.ndarray) or got.dtype != want.dtype:
-                        wrong[key] = want.nbytes
-                    elif differ := _differing_bytes(want, got):
+            for key, value in values.items():
+                got_value = returned.get(key)
+                if isinstance(value, np.ndarray):
+                    checked += value.nbytes
+                    if not isinstance(got_value, np.ndarray) or got_value.dtype != value.dtype:
+                        wrong[key] = value.nbytes
+                    elif differ := _differing_bytes(value, got_value):
                         wrong[key] = differ
-                elif got != want:
+                elif got_value != value:
                     wrong[key] = 1
         return checked, wrong
 
@@ -214,38 +283,14 @@ def _differing_bytes(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> int:
     x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
     if x.size % 8 == 0 and np.array_equal(x.view(np.uint64), y.view(np.uint64)):
-        return 0
+        return 0  # the common case, 8 bytes at a time
     return int(np.count_nonzero(x != y))
 
 
-def _fill(dest: np.ndarray[Any, Any], base: np.ndarray[Any, Any], patterns: Iterator[int]) -> None:
-    """Fill ``dest`` block by block with ``base`` XOR a 64-bit pattern (one pass, no RNG)."""
-    words = dest.reshape(-1).view(np.uint64)
-    step = len(base)
-    for lo in range(0, len(words), step):
-        part = words[lo : lo + step]
-        np.bitwise_xor(base[: len(part)], np.uint64(next(patterns)), out=part)
-
-
-def _f32_patterns() -> Iterator[int]:
-    # The low 12 mantissa bits of both float32 lanes: values stay close to the base's.
-    for c in itertools.count(1):
-        yield ((c >> 12) & 0xFFF) << 32 | (c & 0xFFF)
-
-
-def _bf16_patterns() -> Iterator[int]:
-    # The low 4 mantissa bits of each of the four bfloat16 lanes.
-    for c in itertools.count(1):
-        yield sum(((c >> (4 * lane)) & 0xF) << (16 * lane) for lane in range(4))
-
-
 def build_model(size: int, ranks: int, seed: int = 0) -> SyntheticModel:
-    """About ``size`` bytes of state: unique 8 MiB blocks (no dedup), realistic-looking values."""
-    rng = np.random.default_rng(seed)
-    words = _BLOCK_BYTES // 8
-    normal = rng.standard_normal(words * 2, dtype=np.float32) * np.float32(0.02)
-    f32_base = normal.view(np.uint64)
-    bf16_base = (normal.view(np.uint32) >> 16).astype(np.uint16)[: words * 4].view(np.uint64)
+    """About ``size`` bytes of state in large float32/bfloat16 tensors, plus small values."""
+    content = _Content(seed)
+    rng = np.random.default_rng(seed + 1)
     layout = [  # key, dtype, columns, share of the size
         ("embed.weight", "bfloat16", 1536, 0.10),
         ("layers.0.attn.qkv.weight", "float32", 1024, 0.15),
@@ -254,18 +299,15 @@ def build_model(size: int, ranks: int, seed: int = 0) -> SyntheticModel:
         ("layers.1.mlp.weight", "float32", 1024, 0.20),
         ("lm_head.weight", "bfloat16", 1536, 0.20),
     ]
-    f32_patterns, bf16_patterns = _f32_patterns(), _bf16_patterns()
+    next_block = {"float32": 1, "bfloat16": 1}
     tensors = []
     splits = {}
     for index, (key, dtype, cols, share) in enumerate(layout):
-        storage = np.dtype(np.uint16 if dtype == "bfloat16" else np.float32)
-        rows = max(2 * ranks, int(size * share) // (cols * storage.itemsize))
-        array = np.empty((rows, cols), dtype=storage)
-        if dtype == "bfloat16":
-            _fill(array, bf16_base, bf16_patterns)
-        else:
-            _fill(array, f32_base, f32_patterns)
-        tensors.append(Tensor(key, dtype, array))
+        itemsize = 2 if dtype == "bfloat16" else 4
+        rows = max(2 * ranks, int(size * share) // (cols * itemsize))
+        tensor = Tensor(key, dtype, (rows, cols), next_block[dtype])
+        next_block[dtype] += -(-tensor.nbytes // _BLOCK_BYTES)
+        tensors.append(tensor)
         weights = [_SHARES[(r + index) % len(_SHARES)] for r in range(ranks)]
         splits[key] = shares(rows, weights)
     common: dict[str, Any] = {
@@ -281,7 +323,7 @@ def build_model(size: int, ranks: int, seed: int = 0) -> SyntheticModel:
         }
         for r in range(ranks)
     ]
-    return SyntheticModel(tensors, common, per_rank, splits)
+    return SyntheticModel(tensors, common, per_rank, splits, content)
 
 
 # --------------------------------------------------------------------------- running it
@@ -412,6 +454,7 @@ async def _run(
         )
         began = time.perf_counter()
         model = await asyncio.to_thread(build_model, size, args.ranks)
+        arrays = await asyncio.to_thread(model.materialize)
         figures.size = model.nbytes
         _say(
             f"built a synthetic checkpoint of {human_bytes(model.nbytes)} in "
@@ -425,8 +468,10 @@ async def _run(
         saver = AsyncSaver(client)
         try:
             began = time.perf_counter()
-            handle = await saver.save(name, model.rank_states(), meta={"step": 1000})
+            handle = await saver.save(name, model.rank_states(arrays), meta={"step": 1000})
             figures.stall = handle.stall_seconds
+            # The state may change now; the demo drops it (the check makes it again).
+            del arrays
             _say(
                 f"  save() returned after {figures.stall:.2f} s: {human_bytes(handle.staged_bytes)}"
                 " copied to staging buffers (fresh memory on a first save, reused by later"

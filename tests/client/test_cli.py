@@ -375,27 +375,36 @@ def test_shares_are_uneven_and_cover() -> None:
 
 
 def test_demo_check_finds_a_flipped_byte() -> None:
-    model = build_model(16 << 20, ranks=4)
-    # the synthetic blocks are distinct: no chunk would dedup
-    blocks = {
-        model.tensors[2].array.reshape(-1).view(np.uint8)[i : i + 4096].tobytes()
-        for i in range(0, model.tensors[2].array.nbytes, 8 << 20)
-    }
-    assert len(blocks) == -(-model.tensors[2].array.nbytes // (8 << 20))
+    model = build_model(96 << 20, ranks=4)
+    arrays = model.materialize()
+    assert sum(a.nbytes for a in arrays.values()) > 95 << 20
+    # every 8 MiB block of every tensor is distinct: nothing would dedup
+    heads = [
+        a.reshape(-1).view(np.uint8)[i : i + 64].tobytes()
+        for a in arrays.values()
+        for i in range(0, a.nbytes, 8 << 20)
+    ]
+    assert len(set(heads)) == len(heads) > len(arrays)
+    # the values look like weights (finite, small), not random bits
+    assert np.all(np.abs(arrays["layers.0.mlp.weight"]) < 1.0)
+
     targets = model.restore_targets(2)
     for target in targets:
-        for tensor in model.tensors:
-            shard = target[tensor.key]
+        for key, array in arrays.items():
+            shard = target[key]
             offset = shard.offsets[0]
-            shard.array[...] = tensor.array[offset : offset + len(shard.array)]
+            shard.array[...] = array[offset : offset + len(shard.array)]
     returned = {k: v for values in (model.common, *model.per_rank) for k, v in values.items()}
     checked, wrong = model.verify(targets, returned)
     assert checked == model.nbytes and wrong == {}
 
     targets[1]["lm_head.weight"].array.reshape(-1).view(np.uint8)[12345] ^= 1
+    targets[0]["layers.0.attn.qkv.weight"].array[-1, -1] = np.float32(7.0)
     returned["step"] = 999
     checked, wrong = model.verify(targets, returned)
-    assert wrong == {"lm_head.weight": 1, "step": 1}
+    assert sorted(wrong) == ["layers.0.attn.qkv.weight", "lm_head.weight", "step"]
+    assert wrong["lm_head.weight"] == 1 and wrong["step"] == 1
+    assert 1 <= wrong["layers.0.attn.qkv.weight"] <= 4
 
 
 def test_byte_progress_follows_the_counter() -> None:
