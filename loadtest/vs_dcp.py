@@ -100,19 +100,25 @@ class TensorSpec:
         return math.prod(self.shape) * F32.itemsize
 
 
-#: the sizes small tensors cycle through (norms, biases, scalars of a schedule...)
-_SMALL = (4 << 10, 16 << 10, 64 << 10, 1 << 20)
+#: the sizes small tensors cycle through (norms, biases, per-layer scales...). Smaller ones
+#: (4 KiB norms) make a 2 GiB state of ~480 tensors whose manifest, about 85 KB with its
+#: chunk list, no longer fits one peer-protocol header (64 KiB, storaged/peer.py) when the
+#: node replicates it to the catalogue: see docs/BENCHMARKS.md. ``--small-kib`` sets them.
+DEFAULT_SMALL = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 
 
-def state_layout(total: int) -> list[TensorSpec]:
+def state_layout(total: int, small: Sequence[int] = DEFAULT_SMALL) -> list[TensorSpec]:
     """Float32 tensors whose sizes add up to ``total`` bytes (a multiple of 4, >= 64 KiB).
 
     Half the bytes in 4 large tensors (embeddings and their optimizer moments), about
     45 % in medium tensors of ``total / 128`` (projection weights), the rest in small
-    ones cycling through 4 KiB .. 1 MiB, the last one taking what is left.
+    ones cycling through the ``small`` sizes (multiples of 4), the last one taking what
+    is left.
     """
     if total % F32.itemsize or total < 64 << 10:
         raise ValueError(f"total must be a multiple of 4 and at least 64 KiB, not {total}")
+    if not small or any(s <= 0 or s % F32.itemsize for s in small):
+        raise ValueError(f"small tensor sizes must be positive multiples of 4, not {small}")
     specs: list[TensorSpec] = []
     width = 1024  # elements per row of the 2-D tensors
 
@@ -135,7 +141,7 @@ def state_layout(total: int) -> list[TensorSpec]:
     left = total - sum(s.nbytes for s in specs)
     i = 0
     while left > 0:
-        size = min(_SMALL[i % len(_SMALL)], left)
+        size = min(small[i % len(small)], left)
         specs.append(TensorSpec(f"model.norms.{i}.weight", (size // F32.itemsize,), "small"))
         left -= size
         i += 1
@@ -196,13 +202,26 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def machine_jiffies() -> tuple[int, int, int]:
+    """(busy, iowait, total) clock ticks of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is inside user already)
+    total = sum(ticks[:8])
+    return total - ticks[3] - ticks[4], ticks[4], total
+
+
 @dataclass
 class Window:
-    """One timed stretch: wall seconds and the CPU seconds each process spent in it."""
+    """One timed stretch: wall seconds, the CPU seconds each of our processes spent in it,
+    and how busy the whole machine was (other work on a shared machine shows there)."""
 
     seconds: float
     client_cpu: float
     node_cpu: list[float] = field(default_factory=list)
+    #: share of all cores busy with anything (ours and others'), and waiting for disk
+    machine_busy: float = 0.0
+    machine_iowait: float = 0.0
 
     @property
     def cpu(self) -> float:
@@ -212,12 +231,17 @@ class Window:
         """Share of all cores busy with this process and the nodes (1.0: every core)."""
         return self.cpu / self.seconds / CORES if self.seconds > 0 else 0.0
 
+    def cpu_per_gb(self, nbytes: int) -> float:
+        return self.cpu / (nbytes / GB)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds": round(self.seconds, 4),
             "client_cpu_s": round(self.client_cpu, 3),
             "node_cpu_s": [round(c, 3) for c in self.node_cpu],
             "busy_share_of_cores": round(self.busy(), 3),
+            "machine_busy_share": round(self.machine_busy, 3),
+            "machine_iowait_share": round(self.machine_iowait, 3),
         }
 
 
@@ -227,6 +251,7 @@ class Stopwatch:
     def __init__(self, pids: Sequence[int] = ()) -> None:
         self.pids = list(pids)
         self.nodes0 = [proc_cpu_seconds(p) for p in self.pids]
+        self.machine0 = machine_jiffies()
         self.cpu0 = time.process_time()
         self.t0 = time.perf_counter()
 
@@ -234,7 +259,9 @@ class Stopwatch:
         seconds = time.perf_counter() - self.t0
         cpu = time.process_time() - self.cpu0
         nodes = [proc_cpu_seconds(p) - c for p, c in zip(self.pids, self.nodes0, strict=True)]
-        return Window(seconds, cpu, nodes)
+        busy, iowait, total = (b - a for a, b in zip(self.machine0, machine_jiffies(), strict=True))
+        total = max(total, 1)
+        return Window(seconds, cpu, nodes, busy / total, iowait / total)
 
 
 def median_window(windows: Sequence[Window]) -> Window:
@@ -248,7 +275,7 @@ def memcpy_reference(nbytes: int) -> dict[str, float]:
     warm = np.empty_like(source)
     warm.fill(0)
     best_warm = math.inf
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         np.copyto(warm, source)
         best_warm = min(best_warm, time.perf_counter() - t0)
@@ -789,13 +816,18 @@ class Metric:
     passed: bool | None
     storaged_gbps: float
     dcp_gbps: float
+    #: CPU seconds per GB moved, all our processes (client and nodes; DCP: this process)
+    storaged_cpu_s_per_gb: float
+    dcp_cpu_s_per_gb: float
     limit: str
 
 
 def _limit_text(window: Window, what: str) -> str:
     nodes = sum(window.node_cpu)
     return (f"{what}; CPU {window.client_cpu:.2f} s client + {nodes:.2f} s nodes over "
-            f"{window.seconds:.2f} s = {window.busy() * 100:.0f} % of {CORES} cores")  # fmt: skip
+            f"{window.seconds:.2f} s = {window.busy() * 100:.0f} % of {CORES} cores; machine "
+            f"{window.machine_busy * 100:.0f} % busy, {window.machine_iowait * 100:.0f} % "
+            "iowait")  # fmt: skip
 
 
 def build_metrics(
@@ -817,7 +849,8 @@ def build_metrics(
         return Metric(name, mine.seconds, theirs.seconds, ratio,
                       "-" if target is None else f"time <= {target:g} x",
                       None if target is None else ratio <= target,
-                      gb / mine.seconds, gb / theirs.seconds, limit)  # fmt: skip
+                      gb / mine.seconds, gb / theirs.seconds, mine.cpu / gb, theirs.cpu / gb,
+                      limit)  # fmt: skip
 
     def speed_metric(name: str, mine: Window, theirs: Window, target: float | None,
                      limit: str) -> Metric:  # fmt: skip
@@ -825,7 +858,8 @@ def build_metrics(
         return Metric(name, mine.seconds, theirs.seconds, ratio,
                       "-" if target is None else f"speed >= {target:g} x",
                       None if target is None else ratio >= target,
-                      gb / mine.seconds, gb / theirs.seconds, limit)  # fmt: skip
+                      gb / mine.seconds, gb / theirs.seconds, mine.cpu / gb, theirs.cpu / gb,
+                      limit)  # fmt: skip
 
     copy_note = (f"one thread copying into staging at {gb / stall.seconds:.2f} GB/s "
                  f"(memcpy here: {copy['warm_gbps']:.2f} GB/s warm, "
@@ -866,14 +900,15 @@ def build_metrics(
 
 def table(metrics: Sequence[Metric]) -> str:
     head = ("metric", "storaged s", "DCP s", "ratio", "target", "pass", "storaged GB/s",
-            "DCP GB/s")  # fmt: skip
+            "DCP GB/s", "storaged CPU s/GB", "DCP CPU s/GB")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * 3 + " --- | --- |"
-             + " ---: |" * 2]  # fmt: skip
+             + " ---: |" * 4]  # fmt: skip
     for m in metrics:
         verdict = "-" if m.passed is None else ("pass" if m.passed else "FAIL")
         lines.append(
             f"| {m.metric} | {m.storaged_s:.3f} | {m.dcp_s:.3f} | {m.ratio:.2f} | {m.target} "
-            f"| {verdict} | {m.storaged_gbps:.2f} | {m.dcp_gbps:.2f} |"
+            f"| {verdict} | {m.storaged_gbps:.2f} | {m.dcp_gbps:.2f} "
+            f"| {m.storaged_cpu_s_per_gb:.2f} | {m.dcp_cpu_s_per_gb:.2f} |"
         )
     return "\n".join(lines)
 
@@ -902,6 +937,16 @@ def _size(text: str) -> int:
     return nbytes
 
 
+def _kib_list(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(float(v) * 1024) // 4 * 4 for v in text.split(",") if v.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s <= 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"want KiB sizes like 64,256,1024, not {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.vs_dcp", description=__doc__,
@@ -919,6 +964,12 @@ def main(argv: list[str] | None = None) -> int:
         help="steady storaged saves after the first (default 2, 1 with --quick)",
     )
     parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument(
+        "--small-kib",
+        type=_kib_list,
+        default=DEFAULT_SMALL,
+        help="KiB sizes of the small tensors (default 64,256,1024,4096)",
+    )
     parser.add_argument("--restore-procs", type=int, default=4,
                         help="processes restoring a share of the keys each (0: skip)")  # fmt: skip
     parser.add_argument(
@@ -954,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
         print("loadtest.vs_dcp needs torch (pip install -e '.[torch]')", file=sys.stderr)
         return 2
 
-    specs = state_layout(args.size)
+    specs = state_layout(args.size, args.small_kib)
     nbytes = sum(s.nbytes for s in specs)
     memory = memory_per_node(nbytes, args.nodes)
     # source + staging (or DCP's copy, or restore arrays) + the nodes' RAM tiers, at most
@@ -980,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# state dict: {len(specs)} float32 tensors, {nbytes / GiB:.3f} GiB ({counts}), made "
           f"in {time.perf_counter() - t_gen:.1f} s; {CORES} CPUs, load {load_before[0]:.1f}",
           flush=True)  # fmt: skip
-    copy = memcpy_reference(min(nbytes, 512 * MiB))
+    copy = memcpy_reference(min(nbytes, 256 * MiB))
 
     root = Path(tempfile.mkdtemp(prefix="storaged-vs-dcp-", dir=args.dir))
     cluster: LocalCluster | None = None
@@ -1021,6 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
                     "loadavg_after": os.getloadavg(),
                     "mem_available_gib": round(available / GiB, 1)},
         "settings": {"bytes": nbytes, "tensors": len(specs), "mix": counts,
+                     "small_tensor_bytes": list(args.small_kib),
                      "nodes": args.nodes, "memory_per_node": store.memory_per_node,
                      "chunk_size": DEFAULT_CHUNK_SIZE, "repeat": args.repeat,
                      "rounds": args.rounds, "restore_procs": args.restore_procs,

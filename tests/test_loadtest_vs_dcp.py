@@ -54,7 +54,8 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     header = [line for line in lines if line.startswith("| metric |")]
     assert header == [
-        "| metric | storaged s | DCP s | ratio | target | pass | storaged GB/s | DCP GB/s |"
+        "| metric | storaged s | DCP s | ratio | target | pass | storaged GB/s | DCP GB/s "
+        "| storaged CPU s/GB | DCP CPU s/GB |"
     ]
     rows = [line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line]
     names = [r[0].removeprefix("| ") for r in rows[1:]]
@@ -114,6 +115,11 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     assert restore["passed"] == (restore["ratio"] >= 2.0)
     assert math.isclose(restore["storaged_gbps"], settings["bytes"] / 1e9 / restore["storaged_s"])
     assert all("% of" in m["limit"] for m in doc["metrics"])  # each says what bounds it
+    assert restore["storaged_cpu_s_per_gb"] > 0 and restore["dcp_cpu_s_per_gb"] > 0
+    window = steady["ack"]
+    assert 0 <= window["machine_iowait_share"] <= 1
+    # the machine is at least as busy as our processes make it (clock ticks are coarse)
+    assert window["machine_busy_share"] >= window["busy_share_of_cores"] - 0.1
     assert doc["profile"]["ran"] is False  # --quick never profiles
     # The figures are printed, with what limits each.
     assert sum(1 for line in lines if line.startswith("# stall (save returns")) == 1
@@ -136,6 +142,15 @@ def test_state_layout_adds_up_to_the_size(total: int) -> None:
     if total >= 64 * MiB:
         assert kinds.count("large") == 4 and kinds.count("medium") > 20
         assert sum(s.nbytes for s in specs if s.kind == "large") >= total * 0.49
+
+
+def test_small_tensor_sizes_set_the_tensor_count() -> None:
+    many = state_layout(2 << 30, (4 << 10, 16 << 10, 64 << 10, 1 << 20))
+    few = state_layout(2 << 30)
+    assert len(many) > 400 > 200 > len(few) > 100
+    assert sum(s.nbytes for s in many) == sum(s.nbytes for s in few) == 2 << 30
+    with pytest.raises(ValueError):
+        state_layout(64 * MiB, (6,))
 
 
 def test_state_layout_refuses_odd_sizes() -> None:
