@@ -858,6 +858,9 @@ class Node:
         order = self.live_order(chunk_id)
         ask = order[: self.config.replication + 2]
         held = (await self.holdings(ask, [chunk_id]))[chunk_id]
+        if sum(1 for h in held if h.hot) < self.config.replication:
+            # Placed while membership was changing: copies may sit further down the order.
+            held += (await self.holdings(order[len(ask) :], [chunk_id]))[chunk_id]
         hot = [h for h in held if h.hot]
         if max((h.state for h in held), default=0) >= COLD:
             await self.record_state([chunk_id], COLD)
@@ -868,8 +871,16 @@ class Node:
             *(self.call(h.node, "set_state", {"ids": [chunk_id], "state": NVME}) for h in hot),
             return_exceptions=True,
         )
-        async with self.local_copy(chunk_id) as data:
-            if data is None or not await self.encode_and_spread(chunk_id, data):
+        async with self.local_copy(chunk_id) as local:
+            data = local
+            if data is None:
+                # Placed while this node was thought down: the owner holds no copy itself.
+                try:
+                    data, _ = await self.read_chunk(chunk_id)
+                except ChunkNotFound:
+                    log.warning("cannot encode %s: no holder serves it", chunk_id)
+                    return
+            if not await self.encode_and_spread(chunk_id, data):
                 return
         holders = [h.node for h in hot]
         await asyncio.gather(
@@ -892,7 +903,10 @@ class Node:
         targets = self.fragment_targets(chunk_id)
         per_node = math.ceil(self.config.n / len(set(targets)))
         if per_node > self.config.n - self.config.k:
-            return False  # too few live nodes to spread safely: wait for them
+            log.info(
+                "not encoding %s: too few live nodes to spread %d fragments", chunk_id, len(targets)
+            )
+            return False  # repair offers it again once enough nodes are back
         fragments = await self.codec.encode_async(chunk_id, data)
         wanted = set(range(self.config.n)) if only is None else set(only)
 

@@ -153,10 +153,14 @@ class ClusterFactory:
 
 
 def _dump_logs(cluster: LocalCluster) -> str:
-    out = []
+    # The whole logs outlive the test's directory, for a look after a failure.
+    keep = Path(tempfile.gettempdir()) / "storaged-failed-logs" / cluster.data.parent.name
+    out = [f"node logs kept in {keep}"]
     for i in range(cluster.nodes):
         log = cluster.data / cluster.node_id(i) / "node.log"
         if log.exists():
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, keep / f"{cluster.data.name}-{cluster.node_id(i)}.log")
             out.append(f"--- {log} (tail)\n" + "\n".join(log.read_text().splitlines()[-30:]))
     return "\n".join(out)
 
