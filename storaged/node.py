@@ -59,6 +59,11 @@ _STATE_RANK = {name: i + 1 for i, name in enumerate(STATES)}
 
 #: chunk ids per chunk_info call
 _INFO_BATCH = 4096
+#: peer calls whose arguments and replies can be large: sent as msgpack bodies
+_DOC_METHODS = frozenset(
+    {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "set_state", "drop_nvme",
+     "forget", "evict"}
+)  # fmt: skip
 
 BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
 
@@ -339,10 +344,15 @@ class Node:
         if node_id == self.id:
             reply, out = await self.call_local(method, args, memoryview(body) if body else None)
             return reply, (bytes(out) if isinstance(out, bytearray) else out)
+        addr = self.spec(node_id).peer_addr
         try:
-            return await self.peers.call(
-                self.spec(node_id).peer_addr, method, args, body, timeout=timeout
-            )
+            if method in _DOC_METHODS:
+                # Arguments and reply travel as msgpack bodies: a manifest or a batch of
+                # thousands of chunk ids is far over the peer protocol's header limit.
+                packed = msgpack.packb(args, use_bin_type=True)
+                _, out = await self.peers.call(addr, method, {"doc": True}, packed, timeout=timeout)
+                return msgpack.unpackb(out, raw=False) if out is not None else {}, None
+            return await self.peers.call(addr, method, args, body, timeout=timeout)
         except PeerUnavailable:
             self.membership.report_failure(node_id)
             raise
@@ -1345,6 +1355,15 @@ class _PeerHandler(PeerHandler):
     async def call(
         self, method: str, args: dict[str, Any], body: memoryview | None
     ) -> tuple[dict[str, Any], bytes | bytearray | memoryview | None]:
+        if args.get("doc") and method in _DOC_METHODS:
+            if body is None:
+                raise PeerError("bad_request", f"{method} needs its arguments as a body")
+            try:
+                doc = msgpack.unpackb(body, raw=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise PeerError("bad_request", f"{method}: arguments are not msgpack") from exc
+            reply, _ = await self.node.call_local(method, doc, None)
+            return {"doc": True}, msgpack.packb(reply, use_bin_type=True)
         return await self.node.call_local(method, args, body)
 
 

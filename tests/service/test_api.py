@@ -405,3 +405,26 @@ def _stall(port: int) -> tuple[bytes, float]:
 async def test_half_header_connection_is_dropped(cluster: LocalCluster) -> None:
     data, _ = await asyncio.to_thread(_stall, cluster.port)
     assert data == b"", "a stalled half header must not hold the connection"
+
+
+async def test_large_manifest_and_many_ids(api: Api, cluster: LocalCluster) -> None:
+    # Far over the peer protocol's 64 KiB header: node-to-node calls must carry it as a body.
+    chunk = random_chunk(4000 * 8)
+    await _upload(api, [chunk])
+    items = [
+        {"key": f"model.layers.{i}.mlp.weight", "dtype": "float64", "global_shape": [1],
+         "offsets": [0], "shape": [1], "start": 8 * i, "length": 8}
+        for i in range(4000)
+    ]  # fmt: skip
+    manifest = manifest_for([chunk])
+    manifest["shards"][0]["items"] = items
+    r = await api.commit("big/manifest", manifest, url=cluster.urls[3])
+    assert r.status == 201, r.raw
+    for url in cluster.urls:
+        got = await api.request("GET", "/v1/checkpoints/big/manifest", url=url)
+        assert got.status == 200 and msgpack.unpackb(got.raw) == manifest
+    ids = [chunk_id_of(os.urandom(8)) for _ in range(5000)] + [chunk_id_of(chunk)]
+    r = await api.request("POST", "/v1/chunks/missing", doc={"chunks": ids})
+    assert r.status == 200 and r.doc["missing"] == ids[:-1]
+    listing = await api.request("GET", "/v1/checkpoints?prefix=big/")
+    assert [c["name"] for c in listing.doc["checkpoints"]] == ["big/manifest"]
