@@ -615,10 +615,12 @@ def restore_by_processes(
     try:
         for _, conn in children:
             _expect(conn, "ready", timeout)
-        nodes0 = [proc_cpu_seconds(p) for p in pids]
+        watch = Stopwatch(
+            pids
+        )  # for the nodes' CPU and the machine's; wall comes from the children
         barrier.wait(timeout)
         replies = [_expect(conn, "done", timeout) for _, conn in children]
-        nodes = [proc_cpu_seconds(p) - c for p, c in zip(pids, nodes0, strict=True)]
+        nodes_and_machine = watch.lap()
     finally:
         barrier.abort()  # frees any child still waiting if this side failed
         for proc, _ in children:
@@ -632,9 +634,12 @@ def restore_by_processes(
         r[4] == digest_arrays([state[s.key] for s in group])
         for r, group in zip(replies, groups, strict=True)
     )
+    window = nodes_and_machine
+    window.seconds = end - start
+    window.client_cpu = sum(r[3] for r in replies)
     return MultiRestore(
         len(groups),
-        Window(end - start, sum(r[3] for r in replies), nodes),
+        window,
         [round(r[2] - r[1], 4) for r in replies],
         verified,
     )
