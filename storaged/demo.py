@@ -84,6 +84,9 @@ def add_demo_parser(
     p.add_argument("--restore-ranks", type=int, default=2, help="ranks that restore (default 2)")
     p.add_argument("--nodes", type=int, default=4, help="nodes of the local cluster")
     p.add_argument("--kill", type=int, default=1, help="index of the node to kill (default 1)")
+    p.add_argument(
+        "--no-kill", action="store_true", help="restore with every node up (for comparison)"
+    )
     p.add_argument("--data", default=None, help="parent of the temporary data dir")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to reach cold")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint (with --url)")
@@ -499,13 +502,13 @@ async def _run(
         figures.nvme = seen.reached.get("nvme")
         figures.cold = seen.reached.get("cold")
 
-        if cluster is not None:
+        if cluster is not None and not args.no_kill:
             victim = cluster.node_id(args.kill)
             await asyncio.to_thread(cluster.kill, args.kill, signal.SIGKILL)
             figures.killed = victim
             _say(f"\nkilled node {victim} (SIGKILL)")
         else:
-            _say("\n(not our cluster: no node is killed)")
+            _say("\nno node is killed" + ("" if cluster is not None else " (not our cluster)"))
 
         targets = model.restore_targets(args.restore_ranks)
         _say(f"restoring onto {args.restore_ranks} ranks (saved by {args.ranks})")
