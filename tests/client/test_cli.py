@@ -359,6 +359,29 @@ def test_bad_input_files(cli: Any, tmp_path: Path) -> None:
     assert r.status == 1 and "cannot write" in r.err
 
 
+def test_missing_libraries(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without safetensors or torch installed, their files get a clear error, not a traceback."""
+    torch = _torch()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    st_file = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(4, dtype=torch.bfloat16)}, str(st_file))
+    pt_file = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(4)}, pt_file)
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+        r = cli("save", str(pt_file), _name("nolib"))
+        assert r.status == 1 and "needs PyTorch" in r.err
+        # bfloat16 tensors of a .safetensors file need torch to be read
+        r = cli("save", str(st_file), _name("nolib"))
+        assert r.status == 1 and "numpy lacks: that needs PyTorch" in r.err
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "safetensors", None)
+        m.setitem(sys.modules, "safetensors.numpy", None)
+        r = cli("save", str(st_file), _name("nolib"))
+        assert r.status == 1 and "need the safetensors package" in r.err
+
+
 # --------------------------------------------------------------------------- pieces of the demo
 
 
