@@ -110,6 +110,13 @@ class Config:
     scrub_interval: float = 3600.0
     drain_workers: int = 2
     encode_workers: int = 1
+    #: background work (drain, encode) yields to PUTs in flight for at most this long per
+    #: chunk, so that acks get the CPU; drain stops yielding when RAM is half dirty
+    drain_defer: float = 1.0
+    encode_defer: float = 5.0
+    #: share of the RAM tier mapped and pre-faulted at start-up as 8 MiB buffers (fresh pages
+    #: cost the first writes about twice: see docs/BENCHMARKS.md)
+    prefault_fraction: float = 0.25
     #: an idle connection, or one that has not sent complete headers, is closed after this
     keepalive_timeout: float = 15.0
     #: a PUT body that delivers no byte for this long is abandoned (nothing is kept)

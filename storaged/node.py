@@ -213,6 +213,9 @@ class Node:
         self._encode_pending: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_catalog_replies = 0
+        self._puts_inflight = 0
+        #: chunks named by a live checkpoint, as of the last complete GC pass
+        self._referenced: set[str] | None = None
         self.started = time.time()
 
     # ---- life cycle ----------------------------------------------------------------------
@@ -273,10 +276,19 @@ class Node:
         self._spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
         self._spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self._spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
+        self._spawn(self._prefault(), "prefault")
         # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
         for cid, info in self.index.items():
             if info.state < COLD:
                 self._offer_encode(cid)
+
+    async def _prefault(self) -> None:
+        """Map part of the RAM tier ahead of the first PUTs (8 MiB, the client's chunk size)."""
+        size = min(8 * 2**20, self.config.max_chunk_size)
+        count = int(self.config.memory_capacity * self.config.prefault_fraction) // size
+        if count > 0:
+            added = await self.memory.prefault(size, count)
+            log.info("pre-faulted %d RAM buffers of %d bytes", added, size)
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
@@ -631,6 +643,15 @@ class Node:
         if (chunk_id in self.index and self.holds_hot(chunk_id)) or self._is_cold(chunk_id):
             reply = self._put_reply(chunk_id, size, targets)
             return 200, reply
+        self._puts_inflight += 1
+        try:
+            return await self._put_new(chunk_id, size, body, targets, started)
+        finally:
+            self._puts_inflight -= 1
+
+    async def _put_new(
+        self, chunk_id: str, size: int, body: BodyPieces, targets: list[str], started: float
+    ) -> tuple[int, dict[str, Any]]:
         try:
             buf = await self.memory.allocate(size, timeout=self.config.put_wait)
         except TierFull as exc:
@@ -810,11 +831,24 @@ class Node:
         )
 
     # ---- drain and encode ---------------------------------------------------------------
+    async def _quiet(self, longest: float, *, unless: Callable[[], bool] | None = None) -> None:
+        """Wait (at most ``longest`` s) until no PUT is in flight: acks come first."""
+        deadline = time.monotonic() + longest
+        while self._puts_inflight and time.monotonic() < deadline:
+            if unless is not None and unless():
+                return
+            await asyncio.sleep(0.02)
+
+    def _ram_pressed(self) -> bool:
+        u = self.memory.usage()
+        return u.used > u.capacity // 2
+
     async def _drain_worker(self) -> None:
         while True:
             cid = await self._drain_queue.get()
             self.metrics.drain_backlog.dec()
             try:
+                await self._quiet(self.config.drain_defer, unless=self._ram_pressed)
                 await self.drain(cid)
             except asyncio.CancelledError:
                 raise
@@ -855,6 +889,7 @@ class Node:
             self._encode_pending.discard(cid)
             self.metrics.encode_backlog.set(len(self._encode_pending))
             try:
+                await self._quiet(self.config.encode_defer)
                 await self.advance(cid)
             except asyncio.CancelledError:
                 raise
@@ -1231,6 +1266,7 @@ class Node:
         referenced: set[str] = set()
         for r in live:
             referenced.update(r.chunks)
+        self._referenced = referenced
         protected = _newest_per_prefix(live, self.config.retain_newest)
         now = time.time()
         freed = 0
@@ -1271,6 +1307,14 @@ class Node:
                     log.exception("repair of %s failed", cid)
 
     async def _repair_one(self, chunk_id: str, held: list[Holding]) -> None:
+        info = self.index.get(chunk_id)
+        if (
+            info is not None
+            and self._referenced is not None
+            and chunk_id not in self._referenced
+            and time.time() - info.stored_at > self.config.gc_grace
+        ):
+            return  # garbage waiting for GC: copying it back would undo the collection
         order = self.live_order(chunk_id)
         holders = {h.node for h in held if h.hot or h.fragments}
         # The first node in placement order that has anything of the chunk does the repair.

@@ -139,20 +139,28 @@ async def _body_pieces(
 ) -> AsyncIterator[bytes]:
     """The body as the transport delivers it; each wait for bytes is bounded."""
     remaining = size
-    while remaining > 0:
-        try:
-            async with asyncio.timeout(stall_timeout):
-                # readchunk hands over one buffered piece as is; readany() would join pieces.
-                data, _ = await request.content.readchunk()
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            return
-        except Exception as exc:  # aiohttp's payload errors on a broken connection
-            log.info("PUT body broke off: %s", exc)
-            return
-        if not data:
-            return
-        remaining -= len(data)
-        yield data
+    loop = asyncio.get_running_loop()
+    try:
+        # One timeout for the whole body, re-armed before each read (cheaper than a new
+        # one per piece) and disarmed while the consumer works on a piece.
+        async with asyncio.timeout(None) as stall:
+            while remaining > 0:
+                stall.reschedule(loop.time() + stall_timeout)
+                try:
+                    # readchunk hands over one buffered piece as is; readany() would join.
+                    data, _ = await request.content.readchunk()
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    return
+                except Exception as exc:  # aiohttp's payload errors on a broken connection
+                    log.info("PUT body broke off: %s", exc)
+                    return
+                stall.reschedule(None)
+                if not data:
+                    return
+                remaining -= len(data)
+                yield data
+    except TimeoutError:
+        log.info("PUT body stalled for %.1f s: abandoned", stall_timeout)
 
 
 async def put_chunk(request: web.Request) -> web.Response:
