@@ -91,6 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         token=args.token,
         replication=args.replication,
         settings={"tiers": {"memory_capacity": args.memory}},
+        die_with_parent=True,
     )
     try:
         cluster.start()

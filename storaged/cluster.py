@@ -88,6 +88,9 @@ class LocalCluster:
     log_to_files: bool = True
     #: nodes serve HTTPS (settings must carry tls_cert and tls_key)
     https: bool = False
+    #: nodes get SIGTERM when the process that started them dies, even by SIGKILL (Linux);
+    #: for ``storaged up`` and the demo, so no node outlives its supervisor
+    die_with_parent: bool = False
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,7 +175,13 @@ class LocalCluster:
         out: Any = subprocess.DEVNULL
         if self.log_to_files:
             out = open(node_dir / "node.log", "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_term_with_parent if self.die_with_parent else None,
+        )
         if self.log_to_files:
             out.close()
         self.procs[i] = proc
@@ -246,6 +255,18 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: ask the kernel for SIGTERM when the parent thread dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: nodes then outlive a killed parent
+        pass
 
 
 def wait_forever_until_signal(cluster: LocalCluster) -> int:

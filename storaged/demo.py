@@ -420,6 +420,7 @@ def _demo(args: argparse.Namespace, size: int) -> int:
                 settings=settings,
                 # The nodes never inherit asyncio debug mode from a test run: it slows them.
                 env={"PYTHONASYNCIODEBUG": ""},
+                die_with_parent=True,
             )
             mem = settings["tiers"]["memory_capacity"]
             _say(
