@@ -144,7 +144,7 @@ class Codec(abc.ABC):
             raise InvalidParameters(f"data must be contiguous bytes-like, not {exc}") from exc
         if verify_id and chunk_id_of(view) != chunk_id:
             raise InvalidParameters(f"data does not hash to chunk id {chunk_id}")
-        payloads = self._encode_payloads(view)
+        payloads, crcs = self._encode_with_crcs(view)
         return [
             build_fragment(
                 codec=self.name,
@@ -154,9 +154,17 @@ class Codec(abc.ABC):
                 length=view.nbytes,
                 chunk_id=chunk_id,
                 payload=payload,
+                payload_crc=crc,
             )
-            for i, payload in enumerate(payloads)
+            for i, (payload, crc) in enumerate(zip(payloads, crcs, strict=True))
         ]
+
+    def _encode_with_crcs(
+        self, data: memoryview
+    ) -> tuple[Sequence[BytesLike], Sequence[int | None]]:
+        """Payloads and, where already known, their CRC-32C (None: computed when built)."""
+        payloads = self._encode_payloads(data)
+        return payloads, [None] * len(payloads)
 
     async def encode_async(
         self, chunk_id: str, data: BytesLike, *, verify_id: bool = False

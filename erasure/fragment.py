@@ -55,6 +55,11 @@ def _crc(data: BytesLike) -> int:
     return int(crc32c.crc32c(data))
 
 
+def payload_crc(data: BytesLike) -> int:
+    """The CRC-32C a fragment header records for ``data`` (releases the GIL on large data)."""
+    return _crc(data)
+
+
 @dataclass(frozen=True, slots=True)
 class FragmentHeader:
     """What a fragment's header says, already checked (magic, version, header checksum)."""
@@ -142,9 +147,11 @@ def build_fragment(
     length: int,
     chunk_id: str,
     payload: BytesLike,
+    payload_crc: int | None = None,
 ) -> Fragment:
     """A fragment for ``payload`` (kept as a view, not copied), its header and checksums computed.
 
+    ``payload_crc`` skips computing the payload's CRC-32C when the caller already has it.
     Raises ``InvalidParameters`` for a bad codec name, k/n/index, length or chunk id.
     Tests use this to make valid (or deliberately inconsistent) fragments.
     """
@@ -166,7 +173,7 @@ def build_fragment(
         length=length,
         chunk_id=chunk_id,
         payload_size=view.nbytes,
-        payload_crc=_crc(view),
+        payload_crc=_crc(view) if payload_crc is None else payload_crc,
         version=VERSION,
     )
     return Fragment(

@@ -18,11 +18,15 @@ Two zfec 1.6 behaviours are guarded against here:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import zfec
 
 from erasure.base import DEFAULT_MAX_DECODE_ATTEMPTS, BytesLike, Codec, DecodeMismatch
-from erasure.fragment import Fragment
+from erasure.fragment import Fragment, payload_crc
+
+#: one helper thread computes the primary payloads' CRCs while zfec codes the parity
+_CRC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="erasure-crc")
 
 __all__ = ["ZfecCodec", "block_size"]
 
@@ -53,7 +57,26 @@ class ZfecCodec(Codec):
     def _expected_payload_size(self, length: int) -> int:
         return block_size(length, self.k)
 
+    def _encode_with_crcs(
+        self, data: memoryview
+    ) -> tuple[Sequence[BytesLike], Sequence[int | None]]:
+        # The primary payloads are known before zfec runs: their CRCs are computed on
+        # another thread while zfec computes the parity (both release the GIL), so the
+        # checksums cost next to nothing on a machine with a free core.
+        primaries = self._primaries(data)
+        crcs_of_primaries = _CRC_POOL.submit(lambda: [payload_crc(p) for p in primaries])
+        parity = self._encoder.encode(tuple(primaries), tuple(range(self.k, self.n)))
+        parity_crcs: list[int | None] = [payload_crc(p) for p in parity]
+        crcs: list[int | None] = [*crcs_of_primaries.result(), *parity_crcs]
+        return [*primaries, *parity], crcs
+
     def _encode_payloads(self, data: memoryview) -> Sequence[BytesLike]:
+        primaries = self._primaries(data)
+        # Fresh tuples here too, though encode was not seen to reorder them: cheap insurance.
+        parity = self._encoder.encode(tuple(primaries), tuple(range(self.k, self.n)))
+        return [*primaries, *parity]
+
+    def _primaries(self, data: memoryview) -> list[BytesLike]:
         length = data.nbytes
         size = block_size(length, self.k)
         primaries: list[BytesLike] = []
@@ -67,9 +90,7 @@ class ZfecCodec(Codec):
                 tail = data[start:length] if start < length else data[0:0]
                 padded[: tail.nbytes] = tail
                 primaries.append(bytes(padded))
-        # Fresh tuples here too, though encode was not seen to reorder them: cheap insurance.
-        parity = self._encoder.encode(tuple(primaries), tuple(range(self.k, self.n)))
-        return [*primaries, *parity]
+        return primaries
 
     def _decode_payloads(self, fragments: Sequence[Fragment], length: int) -> bytes:
         # A fresh tuple on every call: zfec reorders its argument in place (module doc).

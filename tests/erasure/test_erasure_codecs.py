@@ -430,9 +430,11 @@ class CodecConformance:
         chunk_id = chunk_id_of(data)
         loop_thread = threading.get_ident()
         seen: list[int] = []
-        encode, decode = codec._encode_payloads, codec._decode_payloads
+        encode, decode = codec._encode_with_crcs, codec._decode_payloads
 
-        def spy_encode(view: memoryview) -> Sequence[bytes | bytearray | memoryview]:
+        def spy_encode(
+            view: memoryview,
+        ) -> tuple[Sequence[bytes | bytearray | memoryview], Sequence[int | None]]:
             seen.append(threading.get_ident())
             return encode(view)
 
@@ -440,7 +442,7 @@ class CodecConformance:
             seen.append(threading.get_ident())
             return decode(fragments, length)
 
-        monkeypatch.setattr(codec, "_encode_payloads", spy_encode)
+        monkeypatch.setattr(codec, "_encode_with_crcs", spy_encode)
         monkeypatch.setattr(codec, "_decode_payloads", spy_decode)
         frags = await codec.encode_async(chunk_id, data)
         assert await codec.decode_async(chunk_id, frags[2:]) == data
