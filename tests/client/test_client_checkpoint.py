@@ -1,12 +1,25 @@
-"""Saving and restoring sharded state through an in-process store (no cluster): the save
-protocol (upload, then one commit), the async saver's staging, and restore into any layout."""
+"""Saving and restoring sharded state against real node processes: the save protocol
+(upload, then one commit), the async saver's staging, and restore into any layout.
+
+Failures are real ones: dead nodes, a name already taken, a manifest naming chunks
+never uploaded, chunks the cluster garbage-collected between the upload and the
+commit. Two clusters serve this module: the shared ``cluster`` for the plain cases
+and ``fragile`` (short GC grace) for the tests that kill nodes or wait for GC; every
+test that kills nodes restarts them before it ends.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgpack
 import numpy as np
 import pytest
@@ -19,11 +32,88 @@ from storaged.client.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
     save_shard,
+    stage_shard,
 )
-from storaged.client.client import BytesLike
-from storaged.client.errors import Exists, MissingChunks, Unavailable
+from storaged.client.client import Client, CommitResult
+from storaged.client.errors import (
+    CheckpointNotFound,
+    Exists,
+    MissingChunks,
+    Unavailable,
+)
 from storaged.client.layout import KeyNotSaved, RegionNotCovered
-from tests.client.memstore import MemoryStore
+from storaged.client.retry import RetryPolicy
+from storaged.cluster import LocalCluster
+from storaged.ids import chunk_id_of
+from tests.conftest import ClusterFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+#: GC grace of the ``fragile`` cluster: uncommitted chunks older than this are collected.
+FRAGILE_GC_GRACE = 2.0
+
+
+@pytest.fixture(scope="module")
+def fragile() -> Iterator[LocalCluster]:
+    """A 4-node cluster whose GC collects uncommitted chunks after ``FRAGILE_GC_GRACE`` s,
+    for the tests that kill nodes (they restart them) or wait for the collector."""
+    root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
+    factory = ClusterFactory(root)
+    try:
+        yield factory(4, gc_grace=FRAGILE_GC_GRACE)
+    finally:
+        factory.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
+    return Client(cluster.urls, token=cluster.token, **kwargs)
+
+
+async def all_alive(client: Client, cluster: LocalCluster) -> None:
+    """Until every node sees every other alive, and so does the client's view."""
+    await every_node_sees_all_alive(cluster)
+    for _ in range(300):
+        info = await client.refresh_cluster()
+        if all(n.alive for n in info.nodes):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"nodes not all alive: {client.cluster}")
+
+
+@asynccontextmanager
+async def nodes_down(cluster: LocalCluster, indexes: Sequence[int]) -> AsyncIterator[None]:
+    """Kill these nodes; restart them (concurrently, off the loop) on the way out."""
+    for i in indexes:
+        await asyncio.to_thread(cluster.kill, i)
+    try:
+        yield
+    finally:
+        await restart_dead(cluster, indexes)
+
+
+async def restart_dead(cluster: LocalCluster, indexes: Sequence[int]) -> None:
+    """Restart those of ``indexes`` that are dead; return once every node sees all alive."""
+    await asyncio.gather(
+        *(asyncio.to_thread(cluster.restart, i) for i in indexes if not cluster.alive(i))
+    )
+    await every_node_sees_all_alive(cluster)
+
+
+async def every_node_sees_all_alive(cluster: LocalCluster) -> None:
+    """Until each node's membership has every node alive (after a start or a restart the
+    views differ for a moment, and a PUT counts the live nodes its receiver sees)."""
+    headers = {"Authorization": f"Bearer {cluster.token}", "Accept": "application/msgpack"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for url in cluster.urls:
+            for _ in range(300):
+                async with session.get(url + "/v1/cluster") as resp:
+                    doc = msgpack.unpackb(await resp.read())
+                if all(n["alive"] for n in doc["nodes"]):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"{url} does not see every node alive")
 
 
 def row_split(g: np.ndarray[Any, Any], bounds: list[int], axis: int = 0) -> list[Shard]:
@@ -58,8 +148,16 @@ def states_of(m: dict[str, np.ndarray[Any, Any]], ranks: int) -> dict[int, dict[
     }
 
 
+def chunk_ids_of(manifest: Mapping[str, Any]) -> set[str]:
+    return {c for shard in manifest["shards"] for c, _ in shard["chunks"]}
+
+
+async def names(client: Client, prefix: str) -> list[str]:
+    return [c.name for c in await client.list(prefix)]
+
+
 async def restore_on(
-    store: MemoryStore, name: str, m: dict[str, np.ndarray[Any, Any]], ranks: int
+    client: Client, name: str, m: dict[str, np.ndarray[Any, Any]], ranks: int
 ) -> None:
     """Restore on ``ranks`` ranks with another uneven split, strided destinations included."""
     for r in range(ranks):
@@ -69,7 +167,7 @@ async def restore_on(
         w_full = np.zeros((64, 96))
         w = w_full[:, ::2]  # a non-contiguous destination
         values = await restore_checkpoint(
-            store,
+            client,
             name,
             {
                 "emb": Shard(emb, (300, 64), (lo, 0)),
@@ -84,166 +182,159 @@ async def restore_on(
         assert np.array_equal(values["b"], m["b"]) and values["step"] == 100
 
 
+# --------------------------------------------------------------------------- the plain cases
+
+
 @pytest.mark.parametrize(("saved_on", "restored_on"), [(1, 3), (3, 2), (4, 4), (5, 1)])
-async def test_save_n_restore_m(saved_on: int, restored_on: int) -> None:
-    store = MemoryStore()
+async def test_save_n_restore_m(cluster: LocalCluster, saved_on: int, restored_on: int) -> None:
+    name = f"nm/{saved_on}-to-{restored_on}"
     m = model()
-    result = await save_checkpoint(
-        store, "job/step-100", states_of(m, saved_on), meta={"step": 100}, chunk_size=4096
-    )
-    assert result.created and result.chunks == len(store.chunks)
-    await restore_on(store, "job/step-100", m, restored_on)
-    everything = await restore_checkpoint(store, "job/step-100")
-    assert set(everything) == {"emb", "w", "b", "step", "cfg"}
-    assert everything["cfg"] == {"lr": 0.1, "r": 0}  # the lowest rank's value
-    assert np.array_equal(everything["emb"], m["emb"])
+    async with client_for(cluster) as client:
+        result = await save_checkpoint(
+            client, name, states_of(m, saved_on), meta={"step": 100}, chunk_size=4096
+        )
+        manifest = await client.get_manifest(name)
+        ids = chunk_ids_of(manifest)
+        assert result.created and result.chunks == len(ids)
+        plan = await client.plan(name)
+        assert set(plan) == ids and all(plan.values())  # every chunk has a holder
+        await restore_on(client, name, m, restored_on)
+        everything = await restore_checkpoint(client, name)
+        assert set(everything) == {"emb", "w", "b", "step", "cfg"}
+        assert everything["cfg"] == {"lr": 0.1, "r": 0}  # the lowest rank's value
+        assert np.array_equal(everything["emb"], m["emb"])
 
 
-async def test_ranks_in_separate_processes_hand_over_msgpack_entries() -> None:
-    store = MemoryStore()
+async def test_ranks_in_separate_processes_hand_over_msgpack_entries(
+    cluster: LocalCluster,
+) -> None:
     m = model(1)
     states = states_of(m, 3)
-    # Each "process" uploads its shard and ships its entry as bytes to the coordinator.
-    wire = [await save_shard(store, rank, state, chunk_size=2048) for rank, state in states.items()]
-    gathered = [msgpack.unpackb(msgpack.packb(entry)) for entry in reversed(wire)]
-    assert not store.manifests  # nothing visible before the coordinator commits
-    await commit_checkpoint(store, "job/step-1", gathered, meta={"world": 3})
-    assert (await store.get_manifest("job/step-1"))["meta"] == {"world": 3}
-    await restore_on(store, "job/step-1", m, 2)
+    async with client_for(cluster) as client:
+        # Each "process" uploads its shard and ships its entry as bytes to the coordinator.
+        wire = [
+            await save_shard(client, rank, state, chunk_size=2048) for rank, state in states.items()
+        ]
+        gathered = [msgpack.unpackb(msgpack.packb(entry)) for entry in reversed(wire)]
+        # Nothing is visible before the coordinator commits, though every chunk is held.
+        assert await names(client, "handover/") == []
+        with pytest.raises(CheckpointNotFound):
+            await client.get_manifest("handover/step-1")
+        ids = [c for entry in wire for c, _ in entry["chunks"]]
+        assert await client.missing_chunks(ids) == []
+        await commit_checkpoint(client, "handover/step-1", gathered, meta={"world": 3})
+        assert (await client.get_manifest("handover/step-1"))["meta"] == {"world": 3}
+        await restore_on(client, "handover/step-1", m, 2)
 
 
-async def test_a_failed_rank_leaves_no_checkpoint() -> None:
-    store = MemoryStore()
+async def test_unchanged_state_uploads_only_what_changed(cluster: LocalCluster) -> None:
+    m = model(3)
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, "changed/step-1", states_of(m, 2), chunk_size=4096)
+        first = client.stats.bytes_uploaded
+        assert first > 0
+        await save_checkpoint(client, "changed/step-2", states_of(m, 2), chunk_size=4096)
+        assert client.stats.bytes_uploaded == first  # every chunk was already held
+        m["w"][0, 0] += 1.0  # one element of one array changes
+        states = states_of(m, 2)
+        states[0]["step"] = 300
+        await save_checkpoint(client, "changed/step-3", states, chunk_size=4096)
+        changed = client.stats.bytes_uploaded - first
+        assert 0 < changed <= 2 * 4096 + 4096  # w's one chunk, rank 0's packed small items
+        restored = await restore_checkpoint(client, "changed/step-3", {"w": None})
+        assert restored["w"][0, 0] == m["w"][0, 0]
+
+
+async def test_checkpoints_are_immutable(cluster: LocalCluster) -> None:
+    m = model(4)
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, "immutable/x", states_of(m, 1))
+        with pytest.raises(Exists):
+            await save_checkpoint(client, "immutable/x", states_of(model(5), 1))
+        await restore_on(client, "immutable/x", m, 1)
+
+
+async def test_commit_of_chunks_never_uploaded_is_refused(cluster: LocalCluster) -> None:
+    # A shard entry made here but never uploaded: its chunk is unknown to the cluster.
+    data = np.random.default_rng(99).integers(0, 1 << 30, 1000)
+    staged = await asyncio.to_thread(stage_shard, 0, {"x": data})
+    entry = staged.entry([chunk_id_of(c) for c in staged.chunks])
+    async with client_for(cluster) as client:
+        with pytest.raises(MissingChunks) as info:
+            await commit_checkpoint(client, "missing/m", [entry])
+        assert info.value.missing == [chunk_id_of(staged.chunks[0])]
+        assert await names(client, "missing/") == []
+
+
+async def test_restore_errors_before_any_read(cluster: LocalCluster) -> None:
+    g = np.zeros((10, 4), np.float32)
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, "early/e", {0: {"g": Shard(g[:5], (10, 4), (0, 0))}})
+        client.stats.reset()
+        with pytest.raises(KeyNotSaved):
+            await restore_checkpoint(client, "early/e", {"h": np.zeros(3)})
+        with pytest.raises(RegionNotCovered):
+            await restore_checkpoint(client, "early/e", {"g": np.zeros((10, 4), np.float32)})
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.zeros((10, 4), np.float32)
+            ro.flags.writeable = False
+            await restore_checkpoint(client, "early/e", {"g": Shard(ro[:5], (10, 4), (0, 0))})
+        assert client.stats.chunks_downloaded == 0 and client.stats.bytes_downloaded == 0
+        # The same client does read once the request is valid.
+        out = np.ones((5, 4), np.float32)
+        await restore_checkpoint(client, "early/e", {"g": Shard(out, (10, 4), (0, 0))})
+        assert client.stats.chunks_downloaded > 0 and not out.any()
+
+
+async def test_async_save_without_commit_yields_entries_for_a_coordinator(
+    cluster: LocalCluster,
+) -> None:
+    m = model(10)
+    async with client_for(cluster) as client:
+        async with AsyncSaver(client) as saver:
+            handle = await saver.save("coord/c", states_of(m, 2), commit=False)
+            result = await handle.acked()
+            assert result.commit is None and sorted(result.shards) == [0, 1]
+            assert await names(client, "coord/") == []
+            with pytest.raises(RuntimeError):
+                await handle.durable()
+        await commit_checkpoint(client, "coord/c", list(result.shards.values()))
+        await restore_on(client, "coord/c", m, 2)
+
+
+# --------------------------------------------------------------------------- real failures
+
+
+async def test_failed_saves_commit_nothing_and_the_saver_recovers(fragile: LocalCluster) -> None:
     m = model(2)
     states = states_of(m, 3)
-    calls = 0
-
-    def fail_third_upload(_: str) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise Unavailable(message="node died", status=503)
-
-    store.on_put = fail_third_upload
-    with pytest.raises(Unavailable):
-        await save_checkpoint(store, "job/step-2", states, chunk_size=4096)
-    assert not store.manifests
-    store.on_put = None
-    await save_checkpoint(store, "job/step-2", states, chunk_size=4096)
-    await restore_on(store, "job/step-2", m, 1)
-
-
-async def test_unchanged_state_uploads_only_what_changed() -> None:
-    store = MemoryStore()
-    m = model(3)
-    await save_checkpoint(store, "job/step-1", states_of(m, 2), chunk_size=4096)
-    first = store.put_bytes
-    await save_checkpoint(store, "job/step-2", states_of(m, 2), chunk_size=4096)
-    assert store.put_bytes == first  # every chunk was already held
-    m["w"][0, 0] += 1.0  # one element of one array changes
-    states = states_of(m, 2)
-    states[0]["step"] = 300
-    await save_checkpoint(store, "job/step-3", states, chunk_size=4096)
-    changed = store.put_bytes - first
-    assert 0 < changed <= 2 * 4096 + 4096  # w's one chunk, rank 0's packed small items
-    assert (await restore_checkpoint(store, "job/step-3", {"w": None}))["w"][0, 0] == m["w"][0, 0]
+    # Give up fast: the point is the failure, not the patience.
+    quick = RetryPolicy(max_attempts=3, max_delay=0.1, max_retry_after=0.1, deadline=10)
+    async with client_for(fragile, retry=quick) as client:
+        await all_alive(client, fragile)
+        saver = AsyncSaver(client, chunk_size=4096, buffers=1)
+        async with nodes_down(fragile, [2, 3]):  # fewer live nodes than the replication
+            with pytest.raises(Unavailable):
+                await save_checkpoint(client, "failed/sync", states, chunk_size=4096)
+            handle = await saver.save("failed/async", states)
+            with pytest.raises(Unavailable):
+                await handle.acked()
+            assert await names(client, "failed/") == []
+        await all_alive(client, fragile)
+        await save_checkpoint(client, "failed/sync", states, chunk_size=4096)
+        # The failed save gave its only staging buffer back: this one is not stuck behind it.
+        handle = await asyncio.wait_for(saver.save("failed/async", states), 30)
+        assert (await handle.acked()).commit is not None
+        await saver.aclose()
+        assert await names(client, "failed/") == ["failed/async", "failed/sync"]
+        await restore_on(client, "failed/sync", m, 1)
+        await restore_on(client, "failed/async", m, 2)
 
 
-async def test_checkpoints_are_immutable() -> None:
-    store = MemoryStore()
-    m = model(4)
-    await save_checkpoint(store, "job/x", states_of(m, 1))
-    with pytest.raises(Exists):
-        await save_checkpoint(store, "job/x", states_of(model(5), 1))
-    await restore_on(store, "job/x", m, 1)
-
-
-class ForgetfulStore(MemoryStore):
-    """Loses one chunk right after acknowledging it (as if collected before the commit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forgotten = False
-
-    async def put_chunks(self, chunks: Any, chunk_ids: Any = None) -> list[str]:
-        ids = await super().put_chunks(chunks, chunk_ids)
-        if not self.forgotten and ids:
-            del self.chunks[ids[-1]]
-            self.forgotten = True
-        return ids
-
-
-async def test_commit_resends_chunks_the_cluster_lost() -> None:
-    store = ForgetfulStore()
-    m = model(6)
-    await save_checkpoint(store, "job/lost", states_of(m, 2), chunk_size=4096)
-    assert store.forgotten
-    await restore_on(store, "job/lost", m, 3)
-
-
-async def test_commit_of_missing_chunks_from_elsewhere_is_refused() -> None:
-    store = MemoryStore()
-    entry = await save_shard(store, 0, {"x": np.arange(10)})
-    store.chunks.clear()
-    with pytest.raises(MissingChunks) as info:
-        await commit_checkpoint(store, "job/m", [entry])
-    assert len(info.value.missing) == 1 and not store.manifests
-
-
-async def test_restore_errors_before_any_read() -> None:
-    store = MemoryStore()
-    g = np.zeros((10, 4), np.float32)
-    await save_checkpoint(store, "job/e", {0: {"g": Shard(g[:5], (10, 4), (0, 0))}})
-    store.gets.clear()
-    with pytest.raises(KeyNotSaved):
-        await restore_checkpoint(store, "job/e", {"h": np.zeros(3)})
-    with pytest.raises(RegionNotCovered):
-        await restore_checkpoint(store, "job/e", {"g": np.zeros((10, 4), np.float32)})
-    with pytest.raises(ValueError, match="read-only"):
-        ro = np.zeros((10, 4), np.float32)
-        ro.flags.writeable = False
-        await restore_checkpoint(store, "job/e", {"g": Shard(ro[:5], (10, 4), (0, 0))})
-    assert store.gets == []
-
-
-# --------------------------------------------------------------------------- async saver
-
-
-class GatedStore(MemoryStore):
-    """Uploads wait for ``gate``: the test decides when the network is done."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-
-    async def put_chunk(self, data: BytesLike, chunk_id: str | None = None) -> str:
-        await self.gate.wait()
-        return await super().put_chunk(data, chunk_id)
-
-
-async def test_async_save_returns_after_staging_and_ignores_later_mutation() -> None:
-    store = GatedStore()
-    m = model(7)
-    originals = {k: v.copy() for k, v in m.items()}
-    async with AsyncSaver(store, chunk_size=4096) as saver:
-        handle = await saver.save("job/async", states_of(m, 2), meta={"step": 7})
-        assert handle.staged_bytes > 0 and handle.stall_seconds >= 0
-        for array in m.values():  # the training loop moves on
-            array[...] = 0
-        await asyncio.sleep(0.01)
-        assert not handle.done() and not store.manifests  # still uploading
-        store.gate.set()
-        result = await handle.acked()
-        assert result.commit is not None and result.commit.created
-        assert sorted(result.shards) == [0, 1]
-        status = await handle.durable("cold", timeout=5)
-        assert status.state == "cold"
-    await restore_on(store, "job/async", originals, 3)
-
-
-async def test_async_saver_reuses_staging_and_applies_backpressure(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_async_save_returns_after_staging_and_ignores_later_mutation(
+    fragile: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Observe (not replace) the staging buffers: which memory each save packs into.
     pointers: list[int] = []
     reserve = StagingBuffer.reserve
 
@@ -253,49 +344,80 @@ async def test_async_saver_reuses_staging_and_applies_backpressure(
         return view
 
     monkeypatch.setattr(StagingBuffer, "reserve", recording)
-    store = GatedStore()
-    m = model(8)
-    saver = AsyncSaver(store, chunk_size=4096, buffers=1)
-    first = await saver.save("job/s1", {0: m})
-    second = asyncio.ensure_future(saver.save("job/s2", {0: m}))
-    await asyncio.sleep(0.01)
-    assert not second.done()  # the only staging buffer is still uploading
-    store.gate.set()
-    await first.acked()
-    handle = await second
-    await handle.acked()
-    await saver.aclose()
-    assert len(pointers) == 2 and pointers[0] == pointers[1]
+    m = model(7)
+    originals = {k: v.copy() for k, v in m.items()}
+    # Patient enough to outlast the dead nodes below.
+    patient = RetryPolicy(max_attempts=10_000, max_delay=0.2, max_retry_after=0.2, deadline=90)
+    async with client_for(fragile, retry=patient) as client:
+        await all_alive(client, fragile)
+        saver = AsyncSaver(client, chunk_size=4096, buffers=1)
+        try:
+            # Two of four nodes down: no chunk can be acknowledged until they are back,
+            # so the saves below are certainly still uploading when the test looks.
+            async with nodes_down(fragile, [2, 3]):
+                handle = await saver.save("mutated/1", states_of(m, 2), meta={"step": 7})
+                assert handle.staged_bytes > 0 and handle.stall_seconds >= 0
+                for array in m.values():  # the training loop moves on
+                    array[...] = 0
+                second = asyncio.ensure_future(saver.save("mutated/2", states_of(m, 2)))
+                await asyncio.sleep(0.5)
+                assert not handle.done() and await names(client, "mutated/") == []
+                assert not second.done()  # the only staging buffer is still uploading
+            result = await asyncio.wait_for(handle.acked(), 60)
+            assert result.commit is not None and result.commit.created
+            assert sorted(result.shards) == [0, 1]
+            status = await handle.durable("nvme", timeout=60)
+            assert status.nvme == status.chunks > 0
+            later = await asyncio.wait_for(second, 60)
+            assert (await later.acked()).commit is not None
+        finally:
+            await saver.aclose()
+        # Both saves packed into the same memory, and each kept the values it was given.
+        assert len(pointers) == 4 and set(pointers[:2]) == set(pointers[2:])
+        await restore_on(client, "mutated/1", originals, 3)
+        zeros = await restore_checkpoint(client, "mutated/2")
+        assert not zeros["emb"].any() and not zeros["w"].any()
 
 
-async def test_failed_async_save_commits_nothing_and_frees_its_buffers() -> None:
-    store = MemoryStore()
-    m = model(9)
+class SlowCoordinator(Client):
+    """A real client whose first commit comes late: only once the cluster has collected
+    (GC, past its grace) every chunk the manifest names, as when gathering the ranks'
+    entries takes longer than the grace. Its server answers are left as they are."""
 
-    def refuse(_: str) -> None:
-        raise Unavailable(message="cluster down", status=503)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused: list[MissingChunks] = []
+        self._late = True
 
-    store.on_put = refuse
-    saver = AsyncSaver(store, chunk_size=4096)
-    handle = await saver.save("job/f", states_of(m, 2))
-    with pytest.raises(Unavailable):
-        await handle.acked()
-    assert not store.manifests
-    store.on_put = None
-    handle = await saver.save("job/f", states_of(m, 2))  # the buffers came back
-    await handle.acked()
-    await saver.aclose()
-    await restore_on(store, "job/f", m, 1)
+    async def commit(self, name: str, manifest: Mapping[str, Any]) -> CommitResult:
+        if self._late:
+            self._late = False
+            ids = sorted(chunk_ids_of(manifest))
+            for _ in range(600):
+                if len(await self.missing_chunks(ids)) == len(ids):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the cluster kept chunks no checkpoint names")
+        try:
+            return await super().commit(name, manifest)
+        except MissingChunks as exc:
+            self.refused.append(exc)
+            raise
 
 
-async def test_async_save_without_commit_yields_entries_for_a_coordinator() -> None:
-    store = MemoryStore()
-    m = model(10)
-    async with AsyncSaver(store) as saver:
-        handle = await saver.save("job/c", states_of(m, 2), commit=False)
-        result = await handle.acked()
-        assert result.commit is None and not store.manifests
-        with pytest.raises(RuntimeError):
-            await handle.durable()
-    await commit_checkpoint(store, "job/c", list(result.shards.values()))
-    await restore_on(store, "job/c", m, 2)
+async def test_commit_resends_chunks_the_cluster_lost(fragile: LocalCluster) -> None:
+    m = model(6)
+    states = states_of(m, 2)
+    for state in states.values():
+        state["tag"] = "lost"  # no chunk in common with another test's checkpoint
+    client = SlowCoordinator(fragile.urls, token=fragile.token)
+    async with client:
+        await all_alive(client, fragile)
+        result = await save_checkpoint(client, "lost/1", states, chunk_size=4096)
+        assert client.stats.chunks_skipped == 0
+        ids = chunk_ids_of(await client.get_manifest("lost/1"))
+        # The first commit was refused naming every chunk; each was sent again, then held.
+        assert len(client.refused) == 1 and set(client.refused[0].missing) == ids
+        assert result.created and client.stats.chunks_uploaded == 2 * len(ids)
+        await restore_on(client, "lost/1", m, 3)

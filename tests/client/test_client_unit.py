@@ -1,23 +1,31 @@
-"""Client behaviour that needs no cluster: error mapping, retry policy, placement, and the
-request engine's failover and retry decisions over a scripted transport."""
+"""The client: what needs no server (error mapping, retry policy arithmetic, placement,
+small helpers, document parsing) and the request engine's retry, failover and read
+decisions against real node processes: 503 memory_full with Retry-After from a cluster
+whose RAM cannot drain, 503 insufficient_replicas and lost connections from killed
+nodes, real 4xx answers, reads into the caller's memory, a wait that times out."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import json
 import random
+import shutil
+import tempfile
 import time
 import types
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgpack
+import numpy as np
 import pytest
 
-from storaged.client import client as client_module
 from storaged.client.client import (
     Client,
     ClusterInfo,
@@ -29,8 +37,10 @@ from storaged.client.client import (
 )
 from storaged.client.errors import (
     BadManifest,
+    BadRange,
     BadRequest,
     CheckpointNotFound,
+    ChecksumMismatch,
     ChunkNotFound,
     ConnectionFailed,
     Exists,
@@ -47,9 +57,13 @@ from storaged.client.errors import (
     parse_retry_after,
 )
 from storaged.client.retry import RetryPolicy
+from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
+from tests.conftest import ClusterFactory
 from tiers.base import ByteRange
+
+pytestmark = pytest.mark.timeout(120)
 
 # --------------------------------------------------------------------------- errors
 
@@ -200,8 +214,6 @@ def test_range_header_is_inclusive_on_the_wire() -> None:
 
 
 def test_writable_view_checks_the_buffer() -> None:
-    import numpy as np
-
     assert len(writable_view(np.zeros((2, 3), np.float32))) == 24
     with pytest.raises(TypeError, match="read-only"):
         writable_view(memoryview(b"abc"))
@@ -239,209 +251,325 @@ def test_cluster_document_parsing() -> None:
 
 
 # --------------------------------------------------------------------------- request engine
-
-Reply = tuple[int, dict[str, str], bytes] | BaseException
-
-
-class _Content:
-    def __init__(self, body: bytes, piece: int = 3) -> None:
-        self._pieces = [body[i : i + piece] for i in range(0, len(body), piece)]
-
-    async def readany(self) -> bytes:
-        return self._pieces.pop(0) if self._pieces else b""
+#
+# The request engine against real node processes: every status, header and lost
+# connection below comes from a real server (or a real dead one).
 
 
-class _Response:
-    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self._body = body
-        self.content = _Content(body)
-        self.content_length = (
-            int(headers["Content-Length"]) if "Content-Length" in headers else None
+@pytest.fixture(scope="module")
+def starved() -> Iterator[LocalCluster]:
+    """A 4-node cluster that cannot make data durable: its nvme (1 MiB) is too small to
+    drain 2 MiB chunks into, so RAM (24 MiB a node) fills with dirty data and PUTs are
+    refused with 503 memory_full after ``put_wait``; no encoder runs, so nothing ever
+    reaches cold. Unreferenced chunks are collected ``gc_grace`` seconds after upload."""
+    root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
+    factory = ClusterFactory(root)
+    try:
+        yield factory(
+            4,
+            put_wait=0.5,
+            encode_workers=0,
+            gc_grace=2.0,
+            tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
         )
-
-    async def read(self) -> bytes:
-        return self._body
-
-
-class ScriptedSession:
-    """Answers each request with the next scripted reply for its URL's host (a transport
-    stub for the retry logic, not a storaged server)."""
-
-    def __init__(self, script: dict[str, list[Reply]]) -> None:
-        self.script = script
-        self.calls: list[tuple[str, str, dict[str, str]]] = []
-
-    @asynccontextmanager
-    async def request(
-        self, method: str, url: str, data: Any = None, headers: dict[str, str] | None = None
-    ) -> AsyncIterator[_Response]:
-        host = url.split("/")[2]
-        self.calls.append((method, url, dict(headers or {})))
-        if data is not None and hasattr(data, "__aiter__"):
-            async for _ in data:
-                pass
-        reply = self.script[host].pop(0)
-        if isinstance(reply, BaseException):
-            raise reply
-        yield _Response(*reply)
+    finally:
+        factory.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
 
 
-def _doc(status: int, doc: Any, **headers: str) -> Reply:
-    return status, {"Content-Type": "application/msgpack", **headers}, msgpack.packb(doc)
+def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
+    return Client(cluster.urls, token=cluster.token, **kwargs)
 
 
-CLUSTER = {
-    "nodes": [{"id": f"n{i}", "url": f"http://h{i}", "alive": True} for i in range(3)],
-    "replication": 2,
-    "erasure": None,
-    "max_chunk_size": 100,
-}
+async def all_alive(client: Client, cluster: LocalCluster) -> None:
+    """Until every node sees every other alive, and so does the client's view."""
+    await settled(cluster)
+    for _ in range(300):
+        info = await client.refresh_cluster()
+        if all(n.alive for n in info.nodes):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"nodes not all alive: {client.cluster}")
 
 
-async def scripted_client(
-    script: dict[str, list[Reply]], monkeypatch: pytest.MonkeyPatch, **kwargs: Any
-) -> tuple[Client, ScriptedSession, list[float]]:
-    sleeps: list[float] = []
-
-    async def no_sleep(delay: float) -> None:
-        sleeps.append(delay)
-
-    monkeypatch.setattr(asyncio, "sleep", no_sleep)
-    script.setdefault("h0", []).insert(0, _doc(200, CLUSTER))
-    session = ScriptedSession(script)
-    client = Client(["http://h0"], **kwargs)
-    await client.open(session)  # type: ignore[arg-type]
-    return client, session, sleeps
-
-
-async def test_503_is_retried_after_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = b"hello"
-    cid = chunk_id_of(data)
-    first = rendezvous_order(cid, ["n0", "n1", "n2"])[0]
-    host = "h" + first[1:]
-    busy = _doc(503, {"error": "memory_full", "message": "full"}, **{"Retry-After": "1.5"})
-    ok = _doc(201, {"chunk": cid, "size": 5, "replicas": ["n0", "n1"], "state": "memory"})
-    script: dict[str, list[Reply]] = {host: [busy, busy, ok]}
-    client, session, sleeps = await scripted_client(script, monkeypatch)
-    result = await client.put_chunk_result(data)
-    assert result.created and result.replicas == ("n0", "n1")
-    puts = [c for c in session.calls if c[0] == "PUT"]
-    assert len(puts) == 3 and all(host in url for _, url, _ in puts)  # the placement's first
-    assert puts[0][2]["Content-Length"] == "5"
-    assert len(sleeps) == 2 and all(1.5 <= s <= 1.6 for s in sleeps)
-    assert client.stats.retries == 2
+async def settled(cluster: LocalCluster, dead: frozenset[str] = frozenset()) -> None:
+    """Until every live node's membership has exactly the ``dead`` nodes down (right after
+    start-up, or after a kill, the nodes' views differ for a moment)."""
+    live = [i for i in range(cluster.nodes) if cluster.node_id(i) not in dead]
+    headers = {"Authorization": f"Bearer {cluster.token}", "Accept": "application/msgpack"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for i in live:
+            for _ in range(300):
+                async with session.get(cluster.url(i) + "/v1/cluster") as resp:
+                    doc = msgpack.unpackb(await resp.read())
+                if all(n["alive"] == (n["id"] not in dead) for n in doc["nodes"]):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"{cluster.node_id(i)} does not see exactly {dead} down")
 
 
-async def test_lost_connection_fails_over_without_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = b"payload"
-    cid = chunk_id_of(data)
-    order = rendezvous_order(cid, ["n0", "n1", "n2"])
-    ok = _doc(200, {"chunk": cid, "size": 7, "replicas": [], "state": "memory"})
-    script: dict[str, list[Reply]] = {
-        "h" + order[0][1:]: [aiohttp.ClientConnectionError("refused")],
-        "h" + order[1][1:]: [ok],
+@dataclass(frozen=True)
+class RecordingPolicy(RetryPolicy):
+    """The real policy, remembering each ``Retry-After`` it was given and the wait it chose."""
+
+    waits: list[tuple[float | None, float]] = field(default_factory=list)
+
+    def delay(
+        self, retry: int, retry_after: float | None = None, rng: random.Random | None = None
+    ) -> float:
+        chosen = RetryPolicy.delay(self, retry, retry_after, rng)
+        self.waits.append((retry_after, chosen))
+        return chosen
+
+
+def first_placed_on(node: str, client: Client, rng: np.random.Generator) -> bytes:
+    """Random 100 kB whose placement (in the client's view) starts with ``node``."""
+    while True:
+        data = rng.bytes(100_000)
+        if client.placement(chunk_id_of(data))[0] == node:
+            return data
+
+
+def one_chunk_manifest(chunk: str, size: int) -> dict[str, Any]:
+    return {
+        "format": 1,
+        "created": time.time(),
+        "meta": {},
+        "shards": [{"rank": 0, "chunks": [[chunk, size]], "items": []}],
     }
-    client, _, sleeps = await scripted_client(script, monkeypatch)
-    result = await client.put_chunk_result(data)
-    assert not result.created and sleeps == []
-    assert client.stats.failovers == 1
-    assert client._suspected(order[0], time.monotonic())
 
 
-async def test_gives_up_with_the_last_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    busy = _doc(503, {"error": "insufficient_replicas", "message": "1 live"})
-    script: dict[str, list[Reply]] = {f"h{i}": [busy] * 10 for i in range(3)}
-    client, _, sleeps = await scripted_client(
-        script, monkeypatch, retry=RetryPolicy(max_attempts=4)
-    )
-    with pytest.raises(Unavailable) as info:
-        await client.put_chunk(b"abc")
-    assert info.value.code == "insufficient_replicas" and len(sleeps) == 3
+def traced_session(token: str, calls: list[tuple[str, str]]) -> aiohttp.ClientSession:
+    """A real session that records the method and URL of every request it starts."""
+
+    async def on_start(
+        session: aiohttp.ClientSession,
+        context: types.SimpleNamespace,
+        params: aiohttp.TraceRequestStartParams,
+    ) -> None:
+        calls.append((params.method, str(params.url)))
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(on_start)
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
+    return aiohttp.ClientSession(headers=headers, trace_configs=[trace])
 
 
-async def test_client_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = _doc(400, {"error": "bad_manifest", "message": "items overlap"})
-    script: dict[str, list[Reply]] = {f"h{i}": [bad] for i in range(3)}
-    client, session, sleeps = await scripted_client(script, monkeypatch)
-    with pytest.raises(BadManifest, match="items overlap"):
-        await client.commit("job/step-1", {"format": 1})
-    assert sleeps == [] and len([c for c in session.calls if c[0] == "PUT"]) == 1
-    with pytest.raises(BadRequest):
-        await client.commit("../etc", {})  # refused before any request
-
-
-async def test_get_tries_every_holder_then_raises_not_found(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_full_memory_is_retried_after_retry_after(
+    starved: LocalCluster,
 ) -> None:
-    cid = chunk_id_of(b"gone")
-    missing = _doc(404, {"error": "chunk_not_found", "message": "no"})
-    script: dict[str, list[Reply]] = {f"h{i}": [missing] for i in range(3)}
-    client, session, _ = await scripted_client(script, monkeypatch)
-    with pytest.raises(ChunkNotFound):
-        await client.get_chunk(cid, holders=[Holder("n2", "http://h2", "memory")])
-    gets = [url for method, url, _ in session.calls if method == "GET" and "chunks" in url]
-    assert gets[0].startswith("http://h2") and len(gets) == 3
+    rng = np.random.default_rng(20)
+    policy = RecordingPolicy(max_attempts=3, max_retry_after=1.0)
+    filled: list[str] = []
+    async with client_for(starved, retry=policy) as client:
+        await all_alive(client, starved)
+        try:
+            await fill_then_free(starved, client, policy, rng, filled)
+        finally:
+            # RAM is left as found, even when the test failed half way.
+            for name in filled:
+                with contextlib.suppress(StoragedError):
+                    await client.delete(name)
 
 
-async def test_get_reads_into_the_callers_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
-    data = bytes(range(50))
-    cid = chunk_id_of(data)
-    whole: Reply = (200, {"Content-Length": "50"}, data)
-    # A node that ignores Range sends everything: the client skips to the range.
-    ignored: Reply = (200, {"Content-Length": "50"}, data)
-    partial: Reply = (206, {"Content-Length": "10"}, data[10:20])
-    short: Reply = (206, {"Content-Length": "4"}, data[10:14])
-    script: dict[str, list[Reply]] = {f"h{i}": [whole, ignored, partial, short] for i in range(3)}
-    client, _, _ = await scripted_client(script, monkeypatch)
-    out = bytearray(64)
-    view = await client.get_chunk(cid, out, holders=["n0"])
-    assert bytes(view) == data and view.obj is out
-    view = await client.get_chunk(cid, out, ByteRange(10, 20), holders=["n0"])
-    assert bytes(view) == data[10:20] and bytes(out[:10]) == data[10:20]
-    view = await client.get_chunk(cid, None, ByteRange(10, 20), holders=["n0"])
-    assert bytes(view) == data[10:20]
-    # A body shorter than the range asked for is a protocol error: the next node answers.
-    view = await client.get_chunk(cid, None, ByteRange(10, 20), holders=["n0"])
-    assert bytes(view) == data[10:20]
-    with pytest.raises(ValueError, match="output buffer"):
-        await client.get_chunk(cid, bytearray(3), ByteRange(0, 10))
-    assert len(await client.get_chunk(cid, None, ByteRange(5, 5))) == 0
-
-
-async def test_delete_after_a_lost_answer_is_not_an_error(
-    monkeypatch: pytest.MonkeyPatch,
+async def fill_then_free(
+    cluster: LocalCluster,
+    client: Client,
+    policy: RecordingPolicy,
+    rng: np.random.Generator,
+    filled: list[str],
 ) -> None:
-    gone = _doc(404, {"error": "checkpoint_not_found", "message": "no"})
-    script: dict[str, list[Reply]] = {
-        "h0": [aiohttp.ServerDisconnectedError(), gone],
-        "h1": [gone, gone],
-        "h2": [gone, gone],
-    }
-    client, _, _ = await scripted_client(script, monkeypatch)
-    monkeypatch.setattr(client, "_any_nodes", lambda: ["n0", "n1", "n2"])
-    await client.delete("job/step-1")  # the first attempt may have deleted it
-    with pytest.raises(CheckpointNotFound):
-        await client.delete("job/step-2")
+    # Fill RAM with 2 MiB chunks, each named by a checkpoint so that GC keeps it.
+    full: MemoryFull | None = None
+    for i in range(100):
+        data = rng.bytes(2 << 20)
+        requests, retries = client.stats.requests, client.stats.retries
+        try:
+            cid = await client.put_chunk(data)
+        except MemoryFull as exc:
+            full = exc
+            break
+        await client.commit(f"fill/{i}", one_chunk_manifest(cid, len(data)))
+        filled.append(f"fill/{i}")
+    assert full is not None, "RAM never filled"
+    assert filled, "nothing was acknowledged before RAM filled"
+    assert (full.code, full.status) == ("memory_full", 503)
+    assert full.retry_after is not None and full.retry_after >= 1
+    # Three attempts, the two waits in between at least the server's Retry-After.
+    assert client.stats.requests - requests == 3 and client.stats.retries - retries == 2
+    assert [ra for ra, _ in policy.waits[-2:]] == [full.retry_after] * 2
+    assert all(wait >= min(ra or 0, 1.0) for ra, wait in policy.waits[-2:])
+
+    # A patient client keeps retrying until RAM frees: here, once the filling
+    # checkpoints are deleted and GC has collected their chunks.
+    patient = RecordingPolicy(max_attempts=200, max_retry_after=0.5, deadline=60)
+    async with client_for(cluster, retry=patient) as waiting:
+        data = rng.bytes(2 << 20)
+        put = asyncio.ensure_future(waiting.put_chunk_result(data))
+        for _ in range(300):
+            if waiting.stats.retries or put.done():
+                break
+            await asyncio.sleep(0.05)
+        assert waiting.stats.retries >= 1 and not put.done(), "RAM was not full"
+        while filled:
+            await client.delete(filled.pop())
+        result = await asyncio.wait_for(put, 60)
+        assert result.created and result.chunk == chunk_id_of(data)
+        assert patient.waits and all(ra is not None and ra >= 1 for ra, _ in patient.waits)
+        assert bytes(await waiting.get_chunk(result.chunk)) == data
 
 
-async def test_wait_times_out_with_the_last_status(monkeypatch: pytest.MonkeyPatch) -> None:
-    status = _doc(200, {"state": "memory", "chunks": 4, "memory": 4, "nvme": 1, "cold": 0})
-    script: dict[str, list[Reply]] = {f"h{i}": [status] * 50 for i in range(3)}
-    client, _, _ = await scripted_client(script, monkeypatch)
-    clock = iter(range(10_000))
-    # The client's clock only: the event loop keeps the real one.
-    fake_time = types.SimpleNamespace(monotonic=lambda: float(next(clock)))
-    monkeypatch.setattr(client_module, "time", fake_time)
-    with pytest.raises(WaitTimeout) as info:
-        await client.wait("job/step-1", "nvme", timeout=5)
-    assert info.value.status is not None and info.value.status.nvme == 1
-    assert isinstance(info.value, TimeoutError)
-    reached = await client.wait("job/step-1", "memory", timeout=5)
-    assert reached.state == "memory"
-    with pytest.raises(ValueError):
-        await client.wait("job/step-1", "disk")
+async def test_wait_times_out_with_the_last_status(starved: LocalCluster) -> None:
+    data = np.random.default_rng(21).bytes(100_000)
+    async with client_for(starved) as client:
+        await all_alive(client, starved)
+        cid = await client.put_chunk(data)
+        await client.commit("slow/1", one_chunk_manifest(cid, len(data)))
+        # No encoder runs on this cluster: the checkpoint never gets cold.
+        with pytest.raises(WaitTimeout) as info:
+            await client.wait("slow/1", "cold", timeout=2)
+        assert isinstance(info.value, TimeoutError)
+        status = info.value.status
+        assert status is not None and status.chunks == 1 and status.cold == 0
+        assert status.state in ("memory", "nvme") and not status.reached("cold")
+        reached = await client.wait("slow/1", "memory", timeout=10)
+        assert reached.memory == 1 and reached.reached("memory")
+        with pytest.raises(ValueError):
+            await client.wait("slow/1", "disk")
+
+
+async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = await cluster_factory.start(4)
+    rng = np.random.default_rng(22)
+    # Clients that learned the membership while every node was up.
+    async with client_for(cluster) as putter, client_for(cluster) as getter:
+        await all_alive(putter, cluster)
+        await all_alive(getter, cluster)
+        stored = rng.bytes(100_000)
+        await putter.put_chunk(stored)
+        # Two chunks whose placement starts with n3, chosen while the view had n3 alive.
+        data, other = first_placed_on("n3", putter, rng), first_placed_on("n3", putter, rng)
+
+        await asyncio.to_thread(cluster.kill, 3)
+        await settled(cluster, frozenset({"n3"}))
+        # The clients still think n3 alive: their first attempt goes there and finds
+        # nobody; the next node answers at once, with no wait in between.
+        before = dataclasses.replace(putter.stats)
+        result = await putter.put_chunk_result(data)
+        assert result.created and "n3" not in result.replicas
+        assert putter.stats.failovers - before.failovers == 1
+        assert putter.stats.requests - before.requests == 2
+        assert putter.stats.retries == before.retries
+        # n3 is now suspect (or, once the client refreshed its view, down): the next
+        # chunk placed first on it is not sent there.
+        await putter.put_chunk(other)
+        assert putter.stats.failovers - before.failovers == 1
+
+        url3 = cluster.url(3)
+        view = await getter.get_chunk(chunk_id_of(stored), holders=[Holder("n3", url3, "memory")])
+        assert bytes(view) == stored
+        assert getter.stats.failovers == 1 and getter.stats.retries == 0
+
+        # Two of four down: fewer live nodes than the replication factor. 503
+        # insufficient_replicas is retried, then raised with its code.
+        await asyncio.to_thread(cluster.kill, 2)
+        await settled(cluster, frozenset({"n2", "n3"}))
+        policy = RecordingPolicy(max_attempts=3, max_retry_after=0.1)
+        async with client_for(cluster, retry=policy) as client:
+            assert {n.id for n in client.cluster.live} == {"n0", "n1"}
+            client.stats.reset()  # count from here, not the membership request of open()
+            lost = rng.bytes(1000)
+            with pytest.raises(Unavailable) as info:
+                await client.put_chunk(lost)
+            assert (info.value.code, info.value.status) == ("insufficient_replicas", 503)
+            assert info.value.retry_after is not None and info.value.retry_after >= 1
+            assert client.stats.requests == 3 and client.stats.retries == 2
+            assert client.stats.failovers == 0
+            assert [ra for ra, _ in policy.waits] == [info.value.retry_after] * 2
+            assert await client.missing_chunks([chunk_id_of(lost)]) == [chunk_id_of(lost)]
+
+
+async def test_client_errors_are_not_retried(cluster: LocalCluster) -> None:
+    data = np.random.default_rng(23).bytes(5000)
+    async with client_for(cluster) as client:
+        await all_alive(client, cluster)
+        cid = await client.put_chunk(data)
+        await client.commit("once/1", one_chunk_manifest(cid, len(data)))
+        client.stats.reset()
+        with pytest.raises(BadManifest) as bad:
+            await client.commit("once/2", {"format": 1})
+        assert bad.value.status == 400
+        with pytest.raises(BadRange) as out_of_range:
+            await client.get_chunk(cid, None, ByteRange(6000, 6010))
+        assert out_of_range.value.status == 416
+        with pytest.raises(ChecksumMismatch):
+            await client.put_chunk(b"these bytes", chunk_id_of(b"other bytes"))
+        with pytest.raises(Exists):
+            await client.commit("once/1", one_chunk_manifest(cid, len(data)))
+        with pytest.raises(CheckpointNotFound) as gone:
+            await client.delete("once/never-saved")
+        assert not gone.value.replayed  # no attempt was lost: it truly was not there
+        # One request each, no wait, no other node asked.
+        assert client.stats.requests == 5
+        assert client.stats.retries == 0 and client.stats.failovers == 0
+        with pytest.raises(BadRequest):
+            await client.commit("../etc", {})  # refused before any request
+        assert client.stats.requests == 5
+        assert await client.list("once/") != []
+
+
+async def test_get_tries_every_node_then_raises_not_found(cluster: LocalCluster) -> None:
+    never = chunk_id_of(b"never stored anywhere")
+    calls: list[tuple[str, str]] = []
+    async with traced_session(cluster.token, calls) as session:
+        client = client_for(cluster)
+        await client.open(session)
+        try:
+            await all_alive(client, cluster)
+            calls.clear()
+            holder = Holder("n2", cluster.url(2), "memory")
+            with pytest.raises(ChunkNotFound):
+                await client.get_chunk(never, holders=[holder])
+        finally:
+            await client.close()
+    gets = [url for method, url in calls if method == "GET"]
+    assert len(gets) == 4 and gets[0].startswith(cluster.url(2) + "/")
+    assert {url.rsplit("/v1/", 1)[0] for url in gets} == set(cluster.urls)  # each node once
+    assert all(url.endswith(f"/v1/chunks/{never}") for url in gets)
+
+
+async def test_get_reads_into_the_callers_buffer(cluster: LocalCluster) -> None:
+    data = np.random.default_rng(24).bytes(300_000)
+    async with client_for(cluster) as client:
+        await all_alive(client, cluster)
+        cid = await client.put_chunk(data)
+        out = bytearray(len(data) + 64)
+        view = await client.get_chunk(cid, out)
+        assert view.obj is out and len(view) == len(data) and bytes(view) == data
+        view = await client.get_chunk(cid, out, ByteRange(10, 20))
+        assert view.obj is out and bytes(view) == data[10:20] and bytes(out[:10]) == data[10:20]
+        view = await client.get_chunk(cid, None, ByteRange(1000, 250_000))
+        assert bytes(view) == data[1000:250_000]
+        view = await client.get_chunk(cid, None, ByteRange(299_990))
+        assert bytes(view) == data[299_990:]
+        # Into an array of another element type: the bytes land in its memory as they are.
+        floats = np.zeros(len(data) // 4, np.float32)
+        view = await client.get_chunk(cid, floats)
+        assert isinstance(view.obj, np.ndarray) and view.obj is floats
+        assert floats.tobytes() == data
+        tail = np.zeros(100, np.uint8)
+        await client.get_chunk(cid, tail, ByteRange(len(data) - 100, len(data)))
+        assert tail.tobytes() == data[-100:]
+        requests = client.stats.requests
+        with pytest.raises(ValueError, match="output buffer"):
+            await client.get_chunk(cid, bytearray(3), ByteRange(0, 10))
+        with pytest.raises(TypeError, match="read-only"):
+            await client.get_chunk(cid, memoryview(bytes(10)))
+        assert len(await client.get_chunk(cid, None, ByteRange(5, 5))) == 0
+        assert client.stats.requests == requests  # all three refused without asking
 
 
 async def test_client_needs_urls_and_hides_its_token() -> None:
