@@ -236,10 +236,12 @@ def _work(conn: Connection, job: Job) -> tuple[str, Any] | None:
         conn.send(("ready", None))
         if conn.recv() != "go":
             return None
-        cpu0, t0 = time.process_time(), time.monotonic()
+        times0, t0 = os.times(), time.monotonic()
         result = prepared.run()
-        t1, cpu1 = time.monotonic(), time.process_time()
-        result.update(t0=t0, t1=t1, cpu=cpu1 - cpu0)
+        t1, times1 = time.monotonic(), os.times()
+        # All threads of this process; system time shows page faults and reclaim.
+        user, system = times1.user - times0.user, times1.system - times0.system
+        result.update(t0=t0, t1=t1, cpu=user + system, cpu_sys=system)
         result.update(prepared.check())
         return ("done", result)
     finally:
@@ -717,6 +719,16 @@ class TracedClient(Client):
             _current_fetch.reset(token)
         self.log.get_latencies.append(time.monotonic() - fetch.start)
         return view
+
+
+def client_cpu(results: Sequence[Mapping[str, Any]], nbytes: int) -> dict[str, float | None]:
+    """CPU seconds per GB of the workers' timed windows, and the share spent in the kernel."""
+    total = sum(float(r["cpu"]) for r in results)
+    system = sum(float(r.get("cpu_sys", 0.0)) for r in results)
+    return {
+        "client_cpu_s_per_gb": round(total / (nbytes / GB), 4) if nbytes else None,
+        "client_cpu_sys_share": round(system / total, 3) if total > 0 else None,
+    }
 
 
 def summarize_latencies(latencies: Sequence[float]) -> dict[str, float | None]:

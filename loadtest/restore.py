@@ -69,6 +69,7 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    client_cpu,
     codec_rates,
     drop_page_cache,
     fmt,
@@ -403,7 +404,7 @@ def _row(kind: str, c: int, results: Sequence[dict[str, Any]], **extra: Any) -> 
         "gbps": round(gb / seconds, 4),
         "ttfb_ms": round(sum(ttfbs) / len(ttfbs) * 1e3, 3) if ttfbs else None,
         **summarize_latencies([x for r in results for x in r.get("latencies", [])]),
-        "client_cpu_s_per_gb": round(sum(float(r["cpu"]) for r in results) / gb, 4),
+        **client_cpu(results, nbytes),
         "verified": None if any(v is None for v in verified) else all(verified),
     }
     row.update(extra)

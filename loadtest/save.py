@@ -58,6 +58,7 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    client_cpu,
     codec_rates,
     fmt,
     git_commit,
@@ -408,7 +409,7 @@ def _rate_row(kind: str, c: int, results: Sequence[dict[str, Any]], **extra: Any
         "seconds": round(seconds, 4),
         "gbps": round(nbytes / GB / seconds, 4),
         **summarize_latencies(lats),
-        "client_cpu_s_per_gb": round(sum(r["cpu"] for r in results) / (nbytes / GB), 4),
+        **client_cpu(results, nbytes),
     }
     row.update(extra)
     return row
@@ -608,6 +609,8 @@ def _storaged_level(
         ack_s = max(r["acked_at"] for r in results) - start
         reached = {k: round(v - start, 3) for k, v in follow["reached"].items()}
         lats = [x for r in results for x in r["put_latencies"]]
+        backlog = sampler.totals()
+        drained = backlog_cleared(backlog, 1)
         row: dict[str, Any] = {
             "kind": "storaged",
             "concurrency": c,
@@ -620,23 +623,36 @@ def _storaged_level(
             "gbps": round(gb / ack_s, 4),
             **summarize_latencies(lats),
             "commit_s": round(commit_s, 4),
+            # Every copy drained (the nodes' drain backlogs back to 0 for good) ...
+            "drained_s": drained,
+            "nvme_gbps": round(gb / drained, 4) if drained else None,
+            # ... while the status says nvme only once a chunk's owner starts its encode.
             "nvme_s": reached.get("nvme"),
+            "encoded_s": backlog_cleared(backlog, 2),
             "cold_s": reached.get("cold"),
-            "nvme_gbps": round(gb / reached["nvme"], 4) if reached.get("nvme") else None,
             "cold_gbps": round(gb / reached["cold"], 4) if reached.get("cold") else None,
             "last_status": follow["last_status"],
-            "client_cpu_s_per_gb": round(sum(r["cpu"] for r in results) / gb, 4),
+            **client_cpu(results, nbytes),
             "node_cpu_s_per_gb": round((cpu["acked"] - cpu["start"]) / gb, 4) if pids else None,
             "node_cpu_to_cold_s_per_gb": round((cpu["end"] - cpu["start"]) / gb, 4)
             if pids
             else None,
-            "backlog": [[t, d, e] for t, d, e in sampler.totals()],
+            "backlog": [[t, d, e] for t, d, e in backlog],
         }
         return row
     finally:
         if cluster is not None:
             cluster.stop()
         remove_tree(root)
+
+
+def backlog_cleared(series: Sequence[tuple[float, float, float]], column: int) -> float | None:
+    """When ``column`` of the (t, drain, encode) samples went back to 0 for good: the time of
+    the first zero after the last non-zero sample. None if it never rose or never cleared."""
+    last = max((i for i, sample in enumerate(series) if sample[column] > 0), default=None)
+    if last is None or last + 1 >= len(series):
+        return None
+    return series[last + 1][0]
 
 
 async def _node_urls(urls: Sequence[str], token: str | None) -> list[str]:
