@@ -157,6 +157,42 @@ class LocalCluster:
         for i in range(self.nodes):
             self.start_node(i)
         self.wait_healthy(timeout=timeout)
+        self.wait_converged(timeout=timeout)
+
+    def wait_converged(self, timeout: float = 60.0) -> None:
+        """Wait until every running node sees exactly the running nodes as alive.
+
+        Right after start-up a node may still count a peer that was not listening yet as
+        down; a write then would find too few replicas.
+        """
+        import json
+
+        running = {self.node_id(i) for i in range(self.nodes) if self.alive(i)}
+        deadline = time.monotonic() + timeout
+        pending = set(running)
+        while pending:
+            for node in sorted(pending):
+                request = urllib.request.Request(
+                    self.url(int(node[1:])) + "/v1/cluster",
+                    headers={
+                        "Accept": "application/json",
+                        **({"Authorization": f"Bearer {self.token}"} if self.token else {}),
+                    },
+                )
+                try:
+                    with urllib.request.urlopen(
+                        request, timeout=2, context=self._health_ssl()
+                    ) as resp:
+                        doc = json.loads(resp.read())
+                except (urllib.error.URLError, OSError, ValueError):
+                    continue
+                seen = {n["id"] for n in doc["nodes"] if n["alive"]}
+                if seen == running:
+                    pending.discard(node)
+            if pending and time.monotonic() > deadline:
+                raise ClusterError(f"nodes {sorted(pending)} do not see {sorted(running)} alive")
+            if pending:
+                time.sleep(0.1)
 
     def start_node(self, i: int) -> subprocess.Popen[bytes]:
         node_dir = self.data / self.node_id(i)
@@ -232,6 +268,7 @@ class LocalCluster:
         self.kill(i, signal.SIGTERM)
         self.start_node(i)
         self.wait_healthy([i], timeout=timeout)
+        self.wait_converged(timeout=timeout)
 
     def alive(self, i: int) -> bool:
         proc = self.procs.get(i)
