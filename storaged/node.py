@@ -889,7 +889,6 @@ class Node:
             self._encode_pending.discard(cid)
             self.metrics.encode_backlog.set(len(self._encode_pending))
             try:
-                await self._quiet(self.config.encode_defer)
                 await self.advance(cid)
             except asyncio.CancelledError:
                 raise
@@ -916,6 +915,8 @@ class Node:
             *(self.call(h.node, "set_state", {"ids": [chunk_id], "state": NVME}) for h in hot),
             return_exceptions=True,
         )
+        # Durable now; the cold tier can wait for a pause in the PUTs (acks come first).
+        await self._quiet(self.config.encode_defer)
         async with self.local_copy(chunk_id) as local:
             data = local
             if data is None:
