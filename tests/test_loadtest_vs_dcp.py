@@ -22,6 +22,7 @@ pytest.importorskip("torch")
 from loadtest.vs_dcp import (
     Window,
     _size,
+    median_window,
     memory_per_node,
     split_keys,
     state_layout,
@@ -166,6 +167,13 @@ def test_split_keys_balances_bytes() -> None:
     loads = [sum(s.nbytes for s in g) for g in groups]
     assert sorted(s.key for g in groups for s in g) == sorted(s.key for s in specs)
     assert max(loads) - min(loads) <= max(s.nbytes for s in specs)
+
+
+def test_median_of_an_even_count_is_the_slower_middle() -> None:
+    windows = [Window(s, 0.0) for s in (3.0, 1.0, 2.0, 4.0)]
+    assert median_window(windows).seconds == 3.0
+    assert median_window(windows[:3]).seconds == 2.0
+    assert median_window(windows[:1]).seconds == 3.0
 
 
 def test_sizes_and_memory() -> None:
