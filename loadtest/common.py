@@ -390,6 +390,23 @@ def start_cluster(
     return cluster
 
 
+def wait_prefaulted(cluster: LocalCluster, timeout: float = 120.0) -> float:
+    """Wait until every node has mapped its RAM pool (its "pre-faulted" log line, which the
+    nodes write at INFO); the seconds that took. ``TimeoutError`` after ``timeout``."""
+    t0 = time.monotonic()
+    logs = [cluster.data / cluster.node_id(i) / "node.log" for i in range(cluster.nodes)]
+    while True:
+        done = 0
+        for log in logs:
+            with contextlib.suppress(OSError):
+                done += "pre-faulted" in log.read_text(errors="replace")
+        if done == len(logs):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{len(logs) - done} node(s) still mapping their RAM pool")
+        time.sleep(0.2)
+
+
 def scrape(url: str, timeout: float = 2.0) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """A node's ``/metrics``: sample name -> {sorted label pairs: value}."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:

@@ -889,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, help="saving ranks (default 4; quick 2)")
     parser.add_argument("--concurrency", type=_levels, help="restoring processes (1,2,4)")
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--memory", default="2GiB", help="memory tier capacity per node")
+    parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
     parser.add_argument("--client-concurrency", type=int, default=8,
                         help="requests in flight per process (Client max_concurrency)")  # fmt: skip
@@ -925,9 +925,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--size {size} GiB is too small: {exc}")
     command = "python -m loadtest restore " + " ".join(sys.argv[1:] if argv is None else argv)
+    memory = args.memory or ("256MiB" if args.quick else "2GiB")
     opts = Options(
         size=int(size * GiB), keys=keys, ranks=ranks, concurrency=conc, nodes=args.nodes,
-        memory=args.memory, chunk=chunk, client_concurrency=args.client_concurrency,
+        memory=memory, chunk=chunk, client_concurrency=args.client_concurrency,
         cold_timeout=args.cold_timeout, url=args.url, token=args.token, loop=args.loop,
         out=args.out, tmp=args.tmp, verify=not args.no_verify, quick=args.quick,
         command=command.rstrip(), baselines=not args.no_baselines,

@@ -73,6 +73,7 @@ from loadtest.common import (
     remove_tree,
     start_cluster,
     summarize_latencies,
+    wait_prefaulted,
     wall_seconds,
     write_json,
 )
@@ -433,6 +434,7 @@ class Options:
     quick: bool
     command: str
     baselines: bool = True
+    cold_pool: bool = False
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -484,6 +486,7 @@ def run(opts: Options) -> dict[str, Any]:
             "erasure": {"codec": "zfec", "k": k, "n": n},
             "client_concurrency": opts.client_concurrency,
             "cold_timeout": opts.cold_timeout,
+            "node_ram_pool": "unknown" if opts.url else ("cold" if opts.cold_pool else "warm"),
             "url": opts.url,
             "loop": opts.loop,
             "quick": opts.quick,
@@ -569,9 +572,17 @@ def _storaged_level(
     root = work / f"cluster-c{c}"
     try:
         if opts.url is None:
+            # A long-running node has its RAM pool mapped; a fresh one maps it in the
+            # background from start-up: map all of it, wait, then measure (--cold-pool: none).
+            settings: dict[str, Any] = {
+                "repair_interval": 3600.0,
+                "log_level": "INFO",
+                "prefault_fraction": 0.0 if opts.cold_pool else 1.0,
+            }
             cluster = start_cluster(root, opts.nodes, memory=opts.memory,
                                     max_chunk=max(opts.chunk, 16 * MiB),
-                                    settings={"repair_interval": 3600.0})  # fmt: skip
+                                    settings=settings)  # fmt: skip
+            pool_ready = None if opts.cold_pool else round(wait_prefaulted(cluster), 2)
             urls = cluster.urls
             token: str | None = TOKEN
             pids = [cluster.procs[i].pid for i in range(cluster.nodes)]
@@ -579,6 +590,7 @@ def _storaged_level(
             urls = [opts.url]
             token = opts.token
             pids = []
+            pool_ready = None
         with asyncio.Runner() as runner:
             urls = runner.run(_node_urls(urls, token))
         name = f"loadtest/save-{os.getpid()}-{int(time.time())}-c{c}"
@@ -614,6 +626,7 @@ def _storaged_level(
         row: dict[str, Any] = {
             "kind": "storaged",
             "concurrency": c,
+            "pool_mapped_s": pool_ready,
             "bytes": nbytes,
             "uploaded_bytes": sum(int(r["uploaded"]) for r in results),
             "retries": sum(int(r["retries"]) for r in results),
@@ -831,7 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
     parser.add_argument("--concurrency", type=_levels, help="saving ranks per level (1,2,4)")
     parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--memory", default="2GiB", help="memory tier capacity per node")
+    parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
     parser.add_argument("--client-concurrency", type=int, default=8,
                         help="requests in flight per rank (Client max_concurrency)")  # fmt: skip
@@ -845,6 +858,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
     )
+    parser.add_argument(
+        "--cold-pool", action="store_true",
+        help="nodes map no RAM ahead (a fresh node's first save); default: pool mapped first",
+    )  # fmt: skip
     parser.add_argument(
         "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
     )
@@ -862,12 +879,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--size {size} GiB is too small: {exc}")
     command = "python -m loadtest save " + " ".join(sys.argv[1:] if argv is None else argv)
+    memory = args.memory or ("256MiB" if args.quick else "2GiB")
     opts = Options(
         size=int(size * GiB), keys=keys, concurrency=conc, nodes=args.nodes,
-        memory=args.memory, chunk=chunk, client_concurrency=args.client_concurrency,
+        memory=memory, chunk=chunk, client_concurrency=args.client_concurrency,
         cold_timeout=args.cold_timeout or (60.0 if args.quick else 120.0), url=args.url,
         token=args.token, loop=args.loop, out=args.out, tmp=args.tmp, quick=args.quick,
-        command=command.rstrip(), baselines=not args.no_baselines,
+        command=command.rstrip(), baselines=not args.no_baselines, cold_pool=args.cold_pool,
     )  # fmt: skip
     print(f"# {opts.command}", flush=True)
     try:
