@@ -792,13 +792,13 @@ def render_plot(doc: dict[str, Any], path: Path) -> None:
     left.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, label="storaged ack (3 RAM copies)")
     left.plot(cs, [r["nvme_gbps"] or 0 for r in runs], "s-", label="storaged to nvme")
     left.plot(cs, [r["cold_gbps"] or 0 for r in runs], "^-", label="storaged to cold")
-    for kind, label, style in (("aiohttp_upload", "aiohttp 1-copy upload", "--"),
-                               ("disk_write", "raw write+fsync", ":"),
-                               ("dcp_save", "DCP save", "-."),
-                               ("raw_loopback", "raw loopback", (0, (1, 3)))):  # fmt: skip
+    for kind, label, color in (("aiohttp_upload", "aiohttp 1-copy upload", "tab:purple"),
+                               ("disk_write", "raw write+fsync, 1 copy", "tab:brown"),
+                               ("dcp_save", "DCP save", "tab:olive"),
+                               ("raw_loopback", "raw loopback", "tab:grey")):  # fmt: skip
         rows = base[kind]
         xs = [b["concurrency"] for b in rows]
-        left.plot(xs, [b["gbps"] for b in rows], linestyle=style, color="grey", label=label)
+        left.plot(xs, [b["gbps"] for b in rows], "--", color=color, label=label)
     if base["codec"]:
         left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
                  label="raw zfec encode, 1 thread")  # fmt: skip
