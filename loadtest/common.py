@@ -472,6 +472,10 @@ class MetricsSampler:
             self.samples.append((t - self.started, nodes))
             self._stop.wait(max(0.0, self.period - (time.monotonic() - t)))
 
+    def nodes_answering(self) -> int:
+        """The most nodes that answered in one round (0 before the first)."""
+        return max((len(nodes) for _, nodes in self.samples), default=0)
+
     def totals(self) -> list[tuple[float, float, float]]:
         """(t, drain backlog, encode backlog) summed over nodes, per sample."""
         return [
@@ -832,6 +836,17 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+#: why the DCP baselines are missing, when they are
+NO_TORCH = "torch is not installed (pip install 'storaged[torch]'): no DCP baseline"
+
+
+def torch_available() -> bool:
+    """Whether the DCP baselines can run (torch is an optional extra)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 def machine_info() -> dict[str, Any]:

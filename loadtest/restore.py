@@ -57,6 +57,7 @@ import numpy as np
 from loadtest.common import (
     GB,
     HOST,
+    NO_TORCH,
     RESULTS,
     ROW_BYTES,
     TIERS,
@@ -85,6 +86,7 @@ from loadtest.common import (
     remove_tree,
     start_cluster,
     summarize_latencies,
+    torch_available,
     wall_seconds,
     write_json,
 )
@@ -685,7 +687,13 @@ def _baselines(
     bar.begin("files for the disk and DCP baselines")
     disk, dcp = work / "disk", work / "dcp"
     pool.run([DiskWrite(str(disk), layout, r, opts.ranks, opts.chunk) for r in range(opts.ranks)])
-    pool.run([DcpSave(str(dcp / f"rank{r}"), layout, r, opts.ranks) for r in range(opts.ranks)])
+    with_dcp = torch_available()
+    if with_dcp:
+        pool.run([DcpSave(str(dcp / f"rank{r}"), layout, r, opts.ranks)
+                  for r in range(opts.ranks)])  # fmt: skip
+    else:
+        baselines["dcp_skipped"] = NO_TORCH
+        print(f"# {NO_TORCH}", file=sys.stderr)
     bar.done()
     baselines["disk_read"] = []
     baselines["dcp_load_cold"] = []
@@ -696,6 +704,9 @@ def _baselines(
         results = pool.run([DiskRestore(str(disk), layout, j, c, opts.verify) for j in range(c)])
         baselines["disk_read"].append(_row("disk_read", c, results, cache=cache))
         bar.done()
+        if not with_dcp:
+            bar.done()
+            continue
         dcp_jobs = [DcpLoad(str(dcp), layout, tuple(range(j, opts.ranks, c)), opts.ranks,
                             opts.verify) for j in range(c)]  # fmt: skip
         cache = drop_page_cache([dcp])
@@ -825,6 +836,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"run time {sum(steps.values()):.0f} s: "
             + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
         )
+    if doc["baselines"].get("dcp_skipped"):
+        lines.append(doc["baselines"]["dcp_skipped"] + ".")
     if "killed" in ev:
         lines.append(f"cold runs: node {ev['killed']['node']} SIGKILLed, seen down after "
                      f"{ev['killed']['seen_down_after_s']:.1f} s.")  # fmt: skip

