@@ -107,7 +107,7 @@ class CheckpointStore(Protocol):
         self,
         name: str,
         state: str = "memory",
-        timeout: float = 60.0,  # noqa: ASYNC109
+        timeout: float = 60.0,
     ) -> CheckpointStatus: ...
 
 
@@ -463,7 +463,7 @@ class SaveHandle:
     async def durable(
         self,
         state: str = "nvme",
-        timeout: float = 300.0,  # noqa: ASYNC109
+        timeout: float = 300.0,
     ) -> CheckpointStatus:
         """Wait for ``acked``, then until the checkpoint reaches ``state`` (``WaitTimeout``)."""
         if not self._commit:

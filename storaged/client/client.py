@@ -340,6 +340,8 @@ class Client:
         #: node id (or seed URL before the membership is known) -> base URL
         self._urls: dict[str, str] = {url: url for url in self._seeds}
         self._inflight: dict[str, int] = {}
+        #: headers every request carries when the session is the caller's
+        self._extra_headers: dict[str, str] = {}
         self._suspect_until: dict[str, float] = {}
         self._rotation = itertools.count()
         self._refresh_task: asyncio.Task[None] | None = None
@@ -362,14 +364,16 @@ class Client:
 
     async def open(self, session: aiohttp.ClientSession | None = None) -> None:
         """Open the HTTP session and learn the cluster; ``Unavailable`` if no URL answers."""
+        # Chunk bytes are incompressible: ask for every body as it is.
+        headers = {"Accept": MSGPACK, "Accept-Encoding": "identity"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
         if self._session is None:
             if session is not None:
+                # A caller's session has its own defaults: ours go with every request.
                 self._session, self._owns_session = session, False
+                self._extra_headers = headers
             else:
-                # Chunk bytes are incompressible: ask for every body as it is.
-                headers = {"Accept": MSGPACK, "Accept-Encoding": "identity"}
-                if self._token is not None:
-                    headers["Authorization"] = f"Bearer {self._token}"
                 self._session = aiohttp.ClientSession(
                     connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
                     headers=headers,
@@ -484,6 +488,7 @@ class Client:
         body: Callable[[], Any] | None = None,
         headers: Mapping[str, str] | None = None,
         next_node_on: tuple[type[StoragedError], ...] = (),
+        balance: int = 0,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -493,7 +498,9 @@ class Client:
         502/503/504 wait (``Retry-After`` honoured) and try again; an error in
         ``next_node_on`` moves to the next candidate and is raised once all gave it.
         Errors raised after an attempt that may have reached the server carry
-        ``replayed = True``.
+        ``replayed = True``. The first ``balance`` candidates are interchangeable (holders
+        of the same bytes): the least loaded of them is picked once a request slot is
+        free, not before (many fetches queued at once would otherwise all pick one node).
         """
         session = self._session
         if session is None:
@@ -516,13 +523,20 @@ class Client:
             self.stats.requests += 1
             try:
                 async with self._request_slots:
+                    if position == 0 and balance > 1:
+                        head = order[:balance]
+                        head.sort(key=lambda n: self._inflight.get(n, 0))
+                        order[:balance] = head
+                        node = order[0]
                     self._inflight[node] = self._inflight.get(node, 0) + 1
                     try:
                         async with session.request(
                             method,
                             self._url(node, path_query),
                             data=body() if body is not None else None,
-                            headers=headers,
+                            headers={**self._extra_headers, **(headers or {})}
+                            if self._extra_headers
+                            else headers,
                         ) as resp:
                             if resp.status >= 400:
                                 raise error_from_response(
@@ -736,15 +750,19 @@ class Client:
                 "HEAD",
                 f"/v1/chunks/{chunk_id}",
                 handle,
-                candidates=self._read_candidates(chunk_id, None),
+                candidates=self._read_candidates(chunk_id, None)[0],
                 next_node_on=(NotFound,),
             )
         except NotFound as exc:  # HEAD has no body: the status is all we get
             raise ChunkNotFound(message=f"chunk {chunk_id} not found", status=exc.status) from None
 
-    def _read_candidates(self, chunk_id: str, holders: Sequence[Holder | str] | None) -> list[str]:
-        """Holders (least loaded among the hot ones first), then the rest in placement order."""
+    def _read_candidates(
+        self, chunk_id: str, holders: Sequence[Holder | str] | None
+    ) -> tuple[list[str], int]:
+        """Holders (least loaded among the hot ones first), then the rest in placement order;
+        and how many leading candidates are interchangeable hot holders."""
         ordered: list[str] = []
+        balance = 0
         if holders:
             hot: list[str] = []
             cold: list[str] = []
@@ -755,10 +773,13 @@ class Client:
                 else:
                     hot.append(holder)
             ordered = [*self._by_load(list(dict.fromkeys(hot))), *self._by_load(cold)]
+            balance = len(dict.fromkeys(hot))
         placement = self.placement(chunk_id)
         first = self._by_load(placement[: self.cluster.replication]) if not holders else []
+        if not holders:
+            balance = len(first)
         rest = [n.id for n in self.cluster.nodes]
-        return list(dict.fromkeys([*ordered, *first, *placement, *rest]))
+        return list(dict.fromkeys([*ordered, *first, *placement, *rest])), balance
 
     async def get_chunk(
         self,
@@ -807,13 +828,15 @@ class Client:
                 raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
             return view
 
+        candidates, balance = self._read_candidates(chunk_id, holders)
         view = await self._call(
             "GET",
             f"/v1/chunks/{chunk_id}",
             handle,
-            candidates=self._read_candidates(chunk_id, holders),
+            candidates=candidates,
             headers=headers,
             next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
+            balance=balance,
         )
         self.stats.chunks_downloaded += 1
         self.stats.bytes_downloaded += len(view)
@@ -978,7 +1001,7 @@ class Client:
         name: str,
         state: str = "memory",
         # The issue's signature; asyncio.timeout around it would lose the last status.
-        timeout: float = 60.0,  # noqa: ASYNC109
+        timeout: float = 60.0,
     ) -> CheckpointStatus:
         """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s."""
         state_rank(state)

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -378,3 +379,33 @@ async def test_full_memory_is_backpressure_not_failure(cluster_factory: ClusterF
     async with client_for(cluster, max_concurrency=8) as client:
         await save_checkpoint(client, "full/1", states, chunk_size=1 << 20)
         await restored_boxes(client, "full/1", "g", g, split(g.shape, 0, [0, 2048]))
+
+
+async def test_restore_spreads_reads_over_the_holders(cluster: LocalCluster) -> None:
+    # Many fetches queued at once behind few request slots must not all pick one holder.
+    g = np.arange(48 * 65536, dtype=np.float32).reshape(48, 65536)  # 12 MiB
+    served: dict[str, int] = {}
+
+    async def on_request(session: Any, ctx: Any, params: aiohttp.TraceRequestStartParams) -> None:
+        if params.method == "GET" and "/v1/chunks/" in params.url.path:
+            served[f"{params.url.host}:{params.url.port}"] = (
+                served.get(f"{params.url.host}:{params.url.port}", 0) + 1
+            )
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_start.append(on_request)
+    async with client_for(cluster) as writer:
+        await save_checkpoint(writer, "spread/1", {0: {"g": g}}, chunk_size=256 << 10)
+    async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+        client = client_for(cluster, max_concurrency=4)
+        await client.open(session)
+        try:
+            dst = np.zeros_like(g)
+            await restore_checkpoint(client, "spread/1", {"g": dst})
+        finally:
+            await client.close()
+    assert dst.tobytes() == g.tobytes()
+    total = sum(served.values())
+    assert total >= 48, served
+    # Each chunk has 3 holders among 4 nodes: an even spread gives about a quarter each.
+    assert max(served.values()) <= total * 0.45, served
