@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from typing import Any
 
 import aiohttp
@@ -227,7 +228,7 @@ def test_random_round_trips(cluster: LocalCluster, layout: Any) -> None:
     g = (raw % 2 if dtype == "bool" else raw).view(dtype).reshape(shape)
     saved = split(shape, save_axis, [0, *save_cuts, shape[save_axis]])
     wanted = split(shape, load_axis, [0, *load_cuts, shape[load_axis]])
-    name = f"rt/{seed}-{len(saved)}-{len(wanted)}"
+    name = f"rt/{seed}-{len(saved)}-{len(wanted)}-{uuid.uuid4().hex[:8]}"  # examples may repeat
 
     async def run() -> None:
         async with client_for(cluster) as client:
