@@ -765,6 +765,24 @@ def summarize_latencies(latencies: Sequence[float]) -> dict[str, float | None]:
 # -- output ---------------------------------------------------------------------------------------
 
 
+def parse_levels(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4]; argparse's error for anything but positive integers."""
+    import argparse
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"want positive integers like 1,2,4, not {text!r}")
+    return values
+
+
+def by_concurrency(rows: Sequence[Mapping[str, Any]], c: int) -> dict[str, Any]:
+    """The row of ``rows`` measured at concurrency ``c`` ({} if none)."""
+    return next((dict(r) for r in rows if r["concurrency"] == c), {})
+
+
 def fmt(value: float | None, spec: str = ".2f", ratio: float | None = None) -> str:
     """``1.23`` or ``1.23 (0.45x)``; ``-`` for a missing value."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

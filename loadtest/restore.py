@@ -70,6 +70,7 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    by_concurrency,
     client_cpu,
     codec_rates,
     drop_page_cache,
@@ -79,6 +80,7 @@ from loadtest.common import (
     machine_info,
     markdown_table,
     new_loop,
+    parse_levels,
     pyplot,
     ratio,
     raw_loopback,
@@ -316,7 +318,6 @@ class _DiskReader:
     def run(self) -> dict[str, Any]:
         from tiers._durable import preadv_all
 
-        t0 = time.monotonic()
         latencies = []
         for path, offset, dest in self.reads:
             began = time.monotonic()
@@ -331,7 +332,6 @@ class _DiskReader:
             "bytes": sum(len(v) for _, _, v in self.reads),
             "ttfb": latencies[0] if latencies else None,
             "latencies": latencies,
-            "t_first": t0,
         }
 
     def check(self) -> dict[str, Any]:
@@ -728,10 +728,6 @@ BASELINE_OF = {
 }
 
 
-def _by_c(rows: Sequence[dict[str, Any]], c: int) -> dict[str, Any]:
-    return next((r for r in rows if r["concurrency"] == c), {})
-
-
 def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
     for row in runs:
         c = row["concurrency"]
@@ -739,9 +735,9 @@ def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
         if base_kind == "codec":
             base: dict[str, Any] = {"gbps": baselines["codec"].get("decode_raw_gbps")}
         else:
-            base = _by_c(baselines[base_kind], c)
-        raw = _by_c(baselines["raw_loopback"], c)
-        dcp = _by_c(baselines[dcp_kind], c)
+            base = by_concurrency(baselines[base_kind], c)
+        raw = by_concurrency(baselines["raw_loopback"], c)
+        dcp = by_concurrency(baselines[dcp_kind], c)
         row["baseline"] = base_kind
         row["ratios"] = {
             "gbps_x_baseline": ratio(row["gbps"], base.get("gbps")),
@@ -881,16 +877,6 @@ def render_plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"want positive integers like 1,2,4, not {text!r}")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest restore",
@@ -900,7 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
     parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
     parser.add_argument("--ranks", type=int, help="saving ranks (default 4; quick 2)")
-    parser.add_argument("--concurrency", type=_levels, help="restoring processes (1,2,4)")
+    parser.add_argument("--concurrency", type=parse_levels, help="restoring processes (1,2,4)")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)

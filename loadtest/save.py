@@ -59,6 +59,7 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    by_concurrency,
     client_cpu,
     codec_rates,
     fmt,
@@ -68,6 +69,7 @@ from loadtest.common import (
     markdown_table,
     new_loop,
     node_cpu,
+    parse_levels,
     pyplot,
     ratio,
     raw_loopback,
@@ -680,18 +682,14 @@ async def _node_urls(urls: Sequence[str], token: str | None) -> list[str]:
         return [node.url for node in client.cluster.nodes]
 
 
-def _by_c(rows: Sequence[dict[str, Any]], c: int) -> dict[str, Any] | None:
-    return next((r for r in rows if r["concurrency"] == c), None)
-
-
 def _add_ratios(runs: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
     encode = baselines["codec"].get("encode_raw_gbps")
     for row in runs:
         c = row["concurrency"]
-        up = _by_c(baselines["aiohttp_upload"], c) or {}
-        disk = _by_c(baselines["disk_write"], c) or {}
-        dcp = _by_c(baselines["dcp_save"], c) or {}
-        raw = _by_c(baselines["raw_loopback"], c) or {}
+        up = by_concurrency(baselines["aiohttp_upload"], c)
+        disk = by_concurrency(baselines["disk_write"], c)
+        dcp = by_concurrency(baselines["dcp_save"], c)
+        raw = by_concurrency(baselines["raw_loopback"], c)
         row["ratios"] = {
             "gbps_x_aiohttp_upload": ratio(row["gbps"], up.get("gbps")),
             "gbps_x_raw_loopback": ratio(row["gbps"], raw.get("gbps")),
@@ -833,16 +831,6 @@ def render_plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"want positive integers like 1,2,4, not {text!r}")
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest save",
@@ -851,7 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
     parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
-    parser.add_argument("--concurrency", type=_levels, help="saving ranks per level (1,2,4)")
+    parser.add_argument("--concurrency", type=parse_levels, help="saving ranks per level (1,2,4)")
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
     parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
