@@ -11,7 +11,7 @@ What a caller may rely on:
   once; each reports its own start and end on ``time.monotonic`` (CLOCK_MONOTONIC, the
   same clock in every process of the machine) and its CPU seconds (all its threads).
 - ``start_cluster``: a ``LocalCluster`` of node processes, stopped again if start-up fails.
-- ``MetricsSampler`` / ``read_bytes_by_tier``: the nodes' ``/metrics``, sampled in a thread.
+- ``MetricsSampler`` / ``read_bytes``: the nodes' ``/metrics``, sampled in a thread.
 - ``drop_page_cache``: what it could do about the page cache, said in its return value.
 - ``TracedClient``: a ``Client`` that times every chunk request (first byte, whole body,
   ack) and counts bytes by the ``X-Storaged-Tier`` header.
@@ -419,18 +419,34 @@ def scrape(url: str, timeout: float = 2.0) -> dict[str, dict[tuple[tuple[str, st
     return out
 
 
-def read_bytes_by_tier(urls: Iterable[str]) -> dict[str, float]:
-    """``storaged_read_bytes_total`` summed over the nodes that answer, by tier."""
-    totals = dict.fromkeys(TIERS, 0.0)
+def read_bytes(urls: Iterable[str]) -> dict[str, dict[str, float]]:
+    """``storaged_read_bytes_total`` of each node that answers: {url: {tier: bytes}}."""
+    out: dict[str, dict[str, float]] = {}
     for url in urls:
         try:
             samples = scrape(url).get("storaged_read_bytes_total", {})
         except (urllib.error.URLError, OSError, ValueError):
             continue  # a dead node: its counters died with it
+        tiers = out.setdefault(url, dict.fromkeys(TIERS, 0.0))
         for labels, value in samples.items():
             tier = dict(labels).get("tier", "?")
-            totals[tier] = totals.get(tier, 0.0) + value
-    return totals
+            tiers[tier] = tiers.get(tier, 0.0) + value
+    return out
+
+
+def read_bytes_delta(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes read between two ``read_bytes``: (by tier, by node url)."""
+    by_tier = dict.fromkeys(TIERS, 0)
+    by_node: dict[str, int] = {}
+    for url, tiers in after.items():
+        old = before.get(url, {})
+        for tier, value in tiers.items():
+            delta = int(value - old.get(tier, 0.0))
+            by_tier[tier] = by_tier.get(tier, 0) + delta
+            by_node[url] = by_node.get(url, 0) + delta
+    return by_tier, by_node
 
 
 class MetricsSampler:

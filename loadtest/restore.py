@@ -47,7 +47,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -84,7 +84,8 @@ from loadtest.common import (
     pyplot,
     ratio,
     raw_loopback,
-    read_bytes_by_tier,
+    read_bytes,
+    read_bytes_delta,
     remove_tree,
     start_cluster,
     summarize_latencies,
@@ -482,6 +483,8 @@ class _Cluster:
     urls: list[str]
     token: str | None
     cluster: LocalCluster | None
+    #: node URL -> node id
+    ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def pids(self) -> list[int]:
@@ -595,14 +598,16 @@ def run(opts: Options) -> dict[str, Any]:
 
 def _start(opts: Options, work: Path) -> _Cluster:
     if opts.url is not None:
-        urls = [url for _, url, alive in _nodes([opts.url], opts.token) if alive]
-        return _Cluster(urls, opts.token, None)
+        nodes = _nodes([opts.url], opts.token)
+        urls = [url for _, url, alive in nodes if alive]
+        return _Cluster(urls, opts.token, None, {url: node for node, url, _ in nodes})
     cluster = start_cluster(work / "cluster", opts.nodes, memory=opts.memory,
                             max_chunk=max(opts.chunk, 16 * MiB),
                             # Repair would move fragments around after the kill: the cold
                             # figure is meant to be the degraded read alone.
                             settings={"repair_interval": 3600.0})  # fmt: skip
-    return _Cluster(cluster.urls, TOKEN, cluster)
+    ids = {cluster.url(i): cluster.node_id(i) for i in range(cluster.nodes)}
+    return _Cluster(cluster.urls, TOKEN, cluster, ids)
 
 
 def _restore(
@@ -620,15 +625,16 @@ def _restore(
                             opts.client_concurrency, opts.loop, opts.verify)
             for j in range(c)]  # fmt: skip
     meter = CpuMeter(under_test.pids)
-    before: dict[str, float] = {}
+    before: dict[str, dict[str, float]] = {}
 
     def before_go() -> None:
-        before.update(read_bytes_by_tier(live))
+        before.update(read_bytes(live))
         meter.start()
 
     results = pool.run(jobs, before_go)
     node_seconds = meter.seconds()
-    after = read_bytes_by_tier(live)
+    by_tier, by_node = read_bytes_delta(before, read_bytes(live))
+    served = sum(by_node.values())
     client_tiers: dict[str, int] = {}
     for r in results:
         for t, v in r["tier_bytes"].items():
@@ -639,8 +645,11 @@ def _restore(
         cache=cache,
         node_cpu_s_per_gb=round(node_seconds / (row["bytes"] / GB), 4) if under_test.pids
         else None,
-        read_bytes_nodes={t: int(after.get(t, 0) - before.get(t, 0)) for t in after},
+        read_bytes_nodes=by_tier,
         read_bytes_client=client_tiers,
+        # How evenly the nodes served: 1/nodes is even, 1.0 is one node serving it all.
+        read_bytes_per_node={under_test.ids.get(u, u): v for u, v in by_node.items()},
+        busiest_node_share=round(max(by_node.values()) / served, 3) if served else None,
         retries=sum(int(r["retries"]) for r in results),
         failovers=sum(int(r["failovers"]) for r in results),
     )  # fmt: skip
@@ -771,13 +780,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
             fmt(r["p50_ms"], ".1f", x["p50_x_baseline"]),
             fmt(r["p99_ms"], ".1f", x["p99_x_baseline"]),
             _mib(r["read_bytes_nodes"]), _mib(r["read_bytes_client"]),
+            fmt(r.get("busiest_node_share")),
             fmt(r["client_cpu_s_per_gb"], ".2f", x["client_cpu_x_baseline"]),
             fmt(r["node_cpu_s_per_gb"], ".2f", x["node_cpu_x_baseline_server"]),
             r["cache"] or "-", "yes" if r["verified"] else str(r["verified"]),
         ])  # fmt: skip
     head = ["tier", "c", "baseline", "GB/s (x base)", "x raw loopback", "x DCP load",
             "TTFB ms (x base)", "p50 ms (x base)", "p99 ms (x base)",
-            "MiB read mem/nvme/cold (nodes)", "same (client headers)",
+            "MiB read mem/nvme/cold (nodes)", "same (client headers)", "busiest node share",
             "CPU s/GB clients (x base)", "CPU s/GB nodes (x base server)", "page cache",
             "bytes checked"]  # fmt: skip
     brows = []

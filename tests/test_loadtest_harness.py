@@ -120,6 +120,11 @@ def test_restore_quick_reports_every_tier_and_level(tmp_path: Path) -> None:
         # Every byte came from the tier under test: the evictions and the kill did their job.
         assert r["read_bytes_client"].get(r["tier"], 0) >= total, r["read_bytes_client"]
         assert r["read_bytes_nodes"][r["tier"]] >= total, r["read_bytes_nodes"]
+        per_node = r["read_bytes_per_node"]
+        assert sum(per_node.values()) == sum(r["read_bytes_nodes"].values())
+        assert set(per_node) == ({"n0", "n1", "n2"} if r["tier"] == "cold" else
+                                 {"n0", "n1", "n2", "n3"})  # fmt: skip
+        assert 0.25 <= r["busiest_node_share"] <= 1
         others = [t for t in settings["tiers"] if t != r["tier"]]
         assert all(r["read_bytes_client"].get(t, 0) == 0 for t in others)
         assert r["baseline"] == {"memory": "aiohttp_memory", "nvme": "disk_read",
@@ -143,6 +148,7 @@ def test_restore_quick_reports_every_tier_and_level(tmp_path: Path) -> None:
 
     head, rows = _table_rows(markdown, "tier")
     assert head[:6] == ["tier", "c", "baseline", "GB/s (x base)", "x raw loopback", "x DCP load"]
+    assert "busiest node share" in head
     assert [(row[0], row[1]) for row in rows] == [
         ("memory", "1"), ("memory", "2"), ("nvme", "1"), ("nvme", "2"), ("cold", "1"),
         ("cold", "2"),
