@@ -47,6 +47,8 @@ class _LoopWatchdog:
         self.loop = loop
         self.last = time.monotonic()
         self.thread_id: int | None = None
+        self.native_id: int | None = None
+        self._cpu_at_beat: tuple[float, float] = (0.0, 0.0)  # (beat time, thread CPU s)
         self._running_since: float | None = None
         self._reported_for = 0.0
         loop.call_soon(self._beat)
@@ -55,6 +57,7 @@ class _LoopWatchdog:
     def _beat(self) -> None:
         self.last = time.monotonic()
         self.thread_id = threading.get_ident()
+        self.native_id = threading.get_native_id()
         if not self.loop.is_closed():
             self.loop.call_later(0.05, self._beat)
 
@@ -69,10 +72,15 @@ class _LoopWatchdog:
                 self._running_since = now
                 continue
             since = max(self.last, self._running_since)
+            state, cpu = _thread_state(self.native_id)
+            if self._cpu_at_beat[0] != self.last:
+                self._cpu_at_beat = (self.last, cpu)
             if now - since > BLOCKING_LIMIT_S and self._reported_for != since:
                 frame = sys._current_frames().get(self.thread_id or -1)
                 if frame is None or _in_loop_machinery(frame):
                     continue  # the loop itself, starved of CPU by a busy machine: not a block
+                if state == "R" and cpu - self._cpu_at_beat[1] < 0.5 * (now - since):
+                    continue  # runnable but given little CPU: starved by other work, not ours
                 self._reported_for = since
                 where = "".join(traceback.format_stack(frame)[-6:])
                 _BLOCKED.append(f"loop blocked for over {BLOCKING_LIMIT_S}s at:\n{where}")
@@ -80,6 +88,21 @@ class _LoopWatchdog:
 
 _BLOCKED: list[str] = []
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _thread_state(native_id: int | None) -> tuple[str, float]:
+    """(scheduler state letter, CPU seconds used) of a thread of this process, from /proc."""
+    if native_id is None:
+        return "?", 0.0
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return "?", 0.0
+    return fields[0], (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _in_loop_machinery(frame: types.FrameType) -> bool:
