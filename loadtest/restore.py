@@ -650,6 +650,7 @@ def _restore(
         # How evenly the nodes served: 1/nodes is even, 1.0 is one node serving it all.
         read_bytes_per_node={under_test.ids.get(u, u): v for u, v in by_node.items()},
         busiest_node_share=round(max(by_node.values()) / served, 3) if served else None,
+        requests=sum(int(r["requests"]) for r in results),
         retries=sum(int(r["retries"]) for r in results),
         failovers=sum(int(r["failovers"]) for r in results),
     )  # fmt: skip
