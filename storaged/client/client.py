@@ -773,7 +773,8 @@ class Client:
                 else:
                     hot.append(holder)
             ordered = [*self._by_load(list(dict.fromkeys(hot))), *self._by_load(cold)]
-            balance = len(dict.fromkeys(hot))
+            # Any node rebuilds a cold-only chunk: then the cold holders are interchangeable.
+            balance = len(dict.fromkeys(hot)) or len(cold)
         placement = self.placement(chunk_id)
         first = self._by_load(placement[: self.cluster.replication]) if not holders else []
         if not holders:
