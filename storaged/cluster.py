@@ -210,7 +210,7 @@ class LocalCluster:
         env = {**os.environ, **self.env}
         out: Any = subprocess.DEVNULL
         if self.log_to_files:
-            out = open(node_dir / "node.log", "ab")
+            out = open(node_dir / "node.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             cmd,
             stdout=out,

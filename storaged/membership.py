@@ -51,10 +51,10 @@ class Membership(abc.ABC):
         """The last status a node reported in its heartbeat (usage figures), if any."""
         return {}
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027
         pass
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027
         pass
 
 

@@ -131,5 +131,5 @@ class Tier(abc.ABC):
     def usage(self) -> TierUsage:
         """Bytes used, capacity in bytes, number of values."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027
         """Release resources; the tier is unusable afterwards."""

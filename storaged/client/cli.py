@@ -587,7 +587,7 @@ def load_safetensors(path: Path) -> LoadedFile:
     try:
         with st.safe_open(str(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118
                 code = f.get_slice(key).get_dtype()
                 name = _SAFETENSORS_DTYPES.get(code)
                 if name is None:
@@ -741,7 +741,7 @@ def _writable_check(fmt: str, manifest: Manifest) -> None:
     """Refuse, before any download, what the format cannot hold."""
     values = [
         k
-        for k in manifest.keys()
+        for k in manifest.keys()  # noqa: SIM118
         if manifest.items_of(k)[0][1].dtype == MSGPACK_DTYPE
     ]
     if fmt == "safetensors" and values:
@@ -883,7 +883,7 @@ async def _restore(
         except LayoutError as exc:
             raise CommandError(f"checkpoint {name}: unreadable manifest: {exc}") from None
         _writable_check(fmt, manifest)
-        dtypes = {key: manifest.items_of(key)[0][1].dtype for key in manifest.keys()}
+        dtypes = {key: manifest.items_of(key)[0][1].dtype for key in manifest.keys()}  # noqa: SIM118
         total = sum(item.length for shard in manifest.shards for item in shard.items)
         stats = client.stats
         began = time.perf_counter()

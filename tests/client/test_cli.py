@@ -136,7 +136,7 @@ def test_safetensors_round_trip(cli: Any, tmp_path: Path) -> None:
 
             with safe_open(str(dst), framework="pt") as f:
                 assert f.metadata() == {"format": "pt", "step": "7"}
-                got = {key: f.get_tensor(key) for key in f.keys()}
+                got = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118
         else:
             got = torch.load(dst, weights_only=True)
         assert sorted(got) == sorted(tensors)

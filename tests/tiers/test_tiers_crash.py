@@ -82,7 +82,7 @@ async def reopen_and_read_all(root: Path, acked: set[str]) -> tuple[set[str], in
     """Reopen, read and check every chunk; the keys held and the temp files removed."""
     tier = await NvmeTier.open(root, 1 << 40)
     try:
-        keys = set([k async for k in tier.keys()])
+        keys = set([k async for k in tier.keys()])  # noqa: SIM118
         assert acked <= keys, "a put that returned must survive the crash"
         for key in keys:
             data = await tier.get(key)  # raises CorruptChunk if anything is half-written

@@ -97,7 +97,7 @@ async def test_full_disk_is_tier_full_leaves_nothing_half_written_and_recovers(
         await tier.close()
     tier = await tier_cls.open(root, 1 << 40)
     try:
-        assert sorted([k async for k in tier.keys()]) == sorted(stored)
+        assert sorted([k async for k in tier.keys()]) == sorted(stored)  # noqa: SIM118
         for k, v in stored.items():
             assert bytes(await tier.get(k)) == v
         assert tier.removed_temp_files == 0

@@ -272,7 +272,7 @@ class NvmeTierMachine(RuleBasedStateMachine):
 
 
 async def _keys(tier: MemoryTier | NvmeTier) -> list[str]:
-    return [k async for k in tier.keys()]
+    return [k async for k in tier.keys()]  # noqa: SIM118
 
 
 TestMemoryTierMachine = MemoryTierMachine.TestCase

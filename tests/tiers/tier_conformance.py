@@ -139,7 +139,7 @@ def no_blocking_io(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 
 async def all_keys(tier: Tier) -> list[str]:
-    return [key async for key in tier.keys()]
+    return [key async for key in tier.keys()]  # noqa: SIM118
 
 
 def random_bytes(rng: random.Random, size: int) -> bytes:
