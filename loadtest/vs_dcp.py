@@ -62,9 +62,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import blake3
 import numpy as np
 
+from loadtest import common
+from loadtest.common import TOKEN
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
-from storaged.cluster import LocalCluster, free_port_block
+from storaged.cluster import LocalCluster
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 GiB = 1 << 30
 GB = 1e9
-TOKEN = "loadtest-vs-dcp-token"
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES = os.cpu_count() or 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -431,27 +433,9 @@ def memory_per_node(total: int, nodes: int, chunk: int = DEFAULT_CHUNK_SIZE) -> 
 
 
 def start_cluster(root: Path, nodes: int, memory: int) -> LocalCluster:
-    settings: dict[str, Any] = {
-        "tiers": {"memory_capacity": f"{memory // MiB}MiB", "nvme_capacity": "256GiB",
-                  "cold_capacity": "256GiB"},
-        "log_level": "WARNING",
-    }  # fmt: skip
-    port = free_port_block(nodes * 2 + 1)
-    cluster = LocalCluster(
-        nodes=nodes,
-        data=root,
-        port=port,
-        peer_port=port + nodes,
-        token=TOKEN,
-        settings=settings,
-        env={"PYTHONASYNCIODEBUG": ""},
-    )
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    """The load tests' cluster (``loadtest.common``), with 64 MiB chunks allowed."""
+
+    return common.start_cluster(root, nodes, memory=f"{memory // MiB}MiB", max_chunk=64 * MiB)
 
 
 def node_log_tails(data: Path, nodes: int, lines: int = 20) -> str:
