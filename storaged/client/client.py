@@ -524,7 +524,10 @@ class Client:
             try:
                 async with self._request_slots:
                     if position == 0 and balance > 1:
-                        head = order[:balance]
+                        # Rotate, then a stable sort by load: equally loaded holders take
+                        # turns instead of the first one always winning the tie.
+                        shift = next(self._rotation) % balance
+                        head = [*order[shift:balance], *order[:shift]]
                         head.sort(key=lambda n: self._inflight.get(n, 0))
                         order[:balance] = head
                         node = order[0]
