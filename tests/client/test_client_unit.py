@@ -295,18 +295,9 @@ async def all_alive(client: Client, cluster: LocalCluster) -> None:
 async def settled(cluster: LocalCluster, dead: frozenset[str] = frozenset()) -> None:
     """Until every live node's membership has exactly the ``dead`` nodes down (right after
     start-up, or after a kill, the nodes' views differ for a moment)."""
-    live = [i for i in range(cluster.nodes) if cluster.node_id(i) not in dead]
-    headers = {"Authorization": f"Bearer {cluster.token}", "Accept": "application/msgpack"}
-    async with aiohttp.ClientSession(headers=headers) as session:
-        for i in live:
-            for _ in range(300):
-                async with session.get(cluster.url(i) + "/v1/cluster") as resp:
-                    doc = msgpack.unpackb(await resp.read())
-                if all(n["alive"] == (n["id"] not in dead) for n in doc["nodes"]):
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError(f"{cluster.node_id(i)} does not see exactly {dead} down")
+    stopped = {cluster.node_id(i) for i in range(cluster.nodes) if not cluster.alive(i)}
+    assert stopped == set(dead), f"expected {set(dead)} down, processes say {stopped}"
+    await asyncio.to_thread(cluster.wait_converged, 30.0)
 
 
 @dataclass(frozen=True)
