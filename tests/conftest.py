@@ -6,6 +6,7 @@ import asyncio
 import functools
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -115,6 +116,15 @@ def _guarded_loop() -> asyncio.AbstractEventLoop:
     loop = asyncio.new_event_loop()
     _LoopWatchdog(loop)
     return loop
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and an
+    # ignored signal stays ignored across exec: the Ctrl-C tests' children (demo, load
+    # test) would then never see the SIGINT the tests send them. A handled signal is reset
+    # to the default on exec, so handling it here gives every child a normal Ctrl-C.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_asyncio_loop_factories(
