@@ -16,6 +16,11 @@ What a caller may rely on:
 - ``TracedClient``: a ``Client`` that times every chunk request (first byte, whole body,
   ack) and counts bytes by the ``X-Storaged-Tier`` header.
 - ``markdown_table``, ``write_json``, ``progress``, ``interrupt_on_sigterm``.
+- The command line of both: ``add_workload_arguments``, ``add_cluster_arguments``,
+  ``add_output_arguments`` (the flags they share), ``resolve_workload`` (their ``--quick``
+  defaults and checks) and ``run_and_write`` (run, then write ``<name>.json/.md/.png``).
+- Their plots: ``figure`` (one PNG, closed on errors too), ``plot_baselines``,
+  ``finish_levels_axes``.
 
 Every process started here is stopped by its owner's ``close``/``stop`` in a ``finally``,
 on errors and on Ctrl-C alike (workers ignore SIGINT: the parent decides when they stop).
@@ -23,6 +28,7 @@ on errors and on Ctrl-C alike (workers ignore SIGINT: the parent decides when th
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -57,6 +63,7 @@ from tqdm import tqdm
 from loadtest.ack import percentile, proc_cpu_seconds
 from storaged.client import Client
 from storaged.client.client import Holder, WritableBuffer
+from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster, free_port_block
 from tiers.base import ByteRange
 
@@ -783,8 +790,6 @@ def summarize_latencies(latencies: Sequence[float]) -> dict[str, float | None]:
 
 def parse_levels(text: str) -> list[int]:
     """``"1,2,4"`` -> [1, 2, 4]; argparse's error for anything but positive integers."""
-    import argparse
-
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -834,6 +839,152 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+@contextlib.contextmanager
+def figure(path: Path, *args: Any, **kwargs: Any) -> Iterator[tuple[Any, Any]]:
+    """``plt.subplots(*args, **kwargs)`` as (figure, axes); written to ``path`` (PNG, 110 dpi,
+    parent directories made) when the block ends without an error, closed either way."""
+    plt = pyplot()
+    fig, axes = plt.subplots(*args, **kwargs)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_baselines(
+    ax: Any, baselines: Mapping[str, Any], lines: Iterable[tuple[str, str, str]]
+) -> None:
+    """A dashed line of GB/s against concurrency for each (kind, label, colour) of ``lines``:
+    the rows of ``baselines[kind]``."""
+    for kind, label, color in lines:
+        rows = baselines[kind]
+        xs = [b["concurrency"] for b in rows]
+        ax.plot(xs, [b["gbps"] for b in rows], "--", color=color, label=label)
+
+
+def finish_levels_axes(ax: Any, xlabel: str, levels: Sequence[int]) -> None:
+    """Concurrency levels on x, GB/s on a log scale, and the legend (after every line)."""
+    ax.set_xlabel(xlabel)
+    ax.set_xticks(levels)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+
+
+# -- command line of restore and save -------------------------------------------------------------
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, levels: str, per: str) -> None:
+    """``--size --keys --concurrency --nodes --memory --chunk-mib --client-concurrency``;
+    ``levels`` says what ``--concurrency`` counts, ``per`` what one ``Client`` serves."""
+    parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
+    parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
+    parser.add_argument("--concurrency", type=parse_levels, help=f"{levels} (1,2,4)")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
+    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
+    parser.add_argument("--client-concurrency", type=int, default=8,
+                        help=f"requests in flight per {per} (Client max_concurrency)")  # fmt: skip
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, *, url: str) -> None:
+    """``--url`` (its help: ``url``), ``--token`` (default ``$STORAGED_TOKEN``), ``--loop``."""
+    parser.add_argument("--url", help=url)
+    parser.add_argument("--token", default=os.environ.get("STORAGED_TOKEN"),
+                        help="client token for --url (default $STORAGED_TOKEN)")  # fmt: skip
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--no-baselines --out --tmp --quick``."""
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
+    parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What ``add_workload_arguments`` asked for, with the ``--quick`` defaults filled in."""
+
+    #: checkpoint bytes
+    size: int
+    keys: int
+    concurrency: list[int]
+    #: chunk bytes, a whole number of ``ROW_BYTES``
+    chunk: int
+    #: memory tier capacity per node, as the node takes it ("2GiB")
+    memory: str
+    #: the command line, as a reader of the results would type it
+    command: str
+
+
+def resolve_workload(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    *,
+    divides: Sequence[int] = (),
+) -> Workload:
+    """The workload of ``args`` (``parser.error`` if it cannot be laid out): the rows of
+    every tensor split evenly over each concurrency level and over each of ``divides``."""
+    size = args.size if args.size is not None else (1 / 16 if args.quick else 2.0)
+    keys = args.keys if args.keys is not None else (4 if args.quick else 16)
+    conc = args.concurrency or ([1, 2] if args.quick else [1, 2, 4])
+    chunk = int(args.chunk_mib * MiB)
+    if chunk < ROW_BYTES or chunk % ROW_BYTES:
+        parser.error(f"--chunk-mib must be a multiple of {ROW_BYTES >> 10} KiB")
+    try:
+        Layout.of_size(int(size * GiB), keys, multiple=math.lcm(*divides, *conc))
+    except ValueError as exc:
+        parser.error(f"--size {size} GiB is too small: {exc}")
+    command = f"{parser.prog} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return Workload(
+        size=int(size * GiB),
+        keys=keys,
+        concurrency=conc,
+        chunk=chunk,
+        memory=args.memory or ("256MiB" if args.quick else "2GiB"),
+        command=command.rstrip(),
+    )
+
+
+def run_and_write(
+    command: str,
+    run: Callable[[], dict[str, Any]],
+    out: Path,
+    stem: str,
+    render_markdown: Callable[[dict[str, Any]], str],
+    render_plot: Callable[[dict[str, Any], Path], None],
+) -> dict[str, Any] | None:
+    """Print ``command``, ``run()`` (SIGTERM interrupts it like Ctrl-C), then write
+    ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` in ``out`` (the doc records their paths
+    under ``files``) and print the markdown. The doc; None if interrupted (said on stderr)."""
+    print(f"# {command}", flush=True)
+    try:
+        with interrupt_on_sigterm():
+            doc = run()
+    except KeyboardInterrupt:
+        print("# interrupted: every process this run started is stopped", file=sys.stderr)
+        return None
+    md = render_markdown(doc)
+    paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md",
+             "png": out / f"{stem}.png"}  # fmt: skip
+    doc["files"] = {k: str(v) for k, v in paths.items()}
+    write_json(paths["json"], doc)
+    paths["markdown"].write_text(md)
+    render_plot(doc, paths["png"])
+    print(md)
+    print(f"# results: {', '.join(str(p) for p in paths.values())}")
+    return doc
 
 
 class Progress:

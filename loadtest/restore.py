@@ -58,7 +58,6 @@ from loadtest.common import (
     GB,
     HOST,
     NO_TORCH,
-    RESULTS,
     ROW_BYTES,
     TIERS,
     TOKEN,
@@ -70,28 +69,32 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    add_cluster_arguments,
+    add_output_arguments,
+    add_workload_arguments,
     by_concurrency,
     client_cpu,
     codec_rates,
     drop_page_cache,
+    figure,
+    finish_levels_axes,
     fmt,
     git_commit,
-    interrupt_on_sigterm,
     machine_info,
     markdown_table,
     new_loop,
-    parse_levels,
-    pyplot,
+    plot_baselines,
     ratio,
     raw_loopback,
     read_bytes,
     read_bytes_delta,
     remove_tree,
+    resolve_workload,
+    run_and_write,
     start_cluster,
     summarize_latencies,
     torch_available,
     wall_seconds,
-    write_json,
 )
 from loadtest.save import DcpSave, DiskWrite, dcp_warm_up, save_checkpoint_with
 from storaged.client import Client, Shard, restore_checkpoint
@@ -852,40 +855,29 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def render_plot(doc: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
     tiers = [t for t in TIERS if any(r["tier"] == t for r in doc["runs"])]
-    fig, axes = plt.subplots(1, len(tiers), figsize=(5 * len(tiers), 4.5), sharey=True)
     base = doc["baselines"]
-    for ax, tier in zip(np.atleast_1d(axes), tiers, strict=True):
-        runs = [r for r in doc["runs"] if r["tier"] == tier]
-        cs = [r["concurrency"] for r in runs]
-        ax.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, color="tab:blue",
-                label=f"storaged, {tier}")  # fmt: skip
-        lines = {
-            "memory": ["aiohttp_memory", "dcp_load_warm", "raw_loopback"],
-            "nvme": ["disk_read", "dcp_load_cold"],
-            "cold": ["dcp_load_cold"],
-        }[tier]
-        colors = {"aiohttp_memory": "tab:orange", "dcp_load_warm": "tab:green",
-                  "dcp_load_cold": "tab:green", "raw_loopback": "tab:grey",
-                  "disk_read": "tab:brown"}  # fmt: skip
-        for kind in lines:
-            rows = base[kind]
-            ax.plot([b["concurrency"] for b in rows], [b["gbps"] for b in rows], "--",
-                    color=colors[kind], label=kind.replace("_", " "))  # fmt: skip
-        if tier == "cold" and base["codec"]:
-            ax.axhline(base["codec"]["decode_raw_gbps"], color="tab:red", ls=":",
-                       label="raw zfec decode, 1 thread")  # fmt: skip
-        ax.set_title(tier + (" (one node killed)" if tier == "cold" else ""))
-        ax.set_xlabel("restoring processes")
-        ax.set_xticks(cs)
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-    np.atleast_1d(axes)[0].set_ylabel("GB/s")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    colors = {"aiohttp_memory": "tab:orange", "dcp_load_warm": "tab:green",
+              "dcp_load_cold": "tab:green", "raw_loopback": "tab:grey",
+              "disk_read": "tab:brown"}  # fmt: skip
+    with figure(path, 1, len(tiers), figsize=(5 * len(tiers), 4.5), sharey=True) as (_, axes):
+        for ax, tier in zip(np.atleast_1d(axes), tiers, strict=True):
+            runs = [r for r in doc["runs"] if r["tier"] == tier]
+            cs = [r["concurrency"] for r in runs]
+            ax.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, color="tab:blue",
+                    label=f"storaged, {tier}")  # fmt: skip
+            kinds = {
+                "memory": ["aiohttp_memory", "dcp_load_warm", "raw_loopback"],
+                "nvme": ["disk_read", "dcp_load_cold"],
+                "cold": ["dcp_load_cold"],
+            }[tier]
+            plot_baselines(ax, base, [(k, k.replace("_", " "), colors[k]) for k in kinds])
+            if tier == "cold" and base["codec"]:
+                ax.axhline(base["codec"]["decode_raw_gbps"], color="tab:red", ls=":",
+                           label="raw zfec decode, 1 thread")  # fmt: skip
+            ax.set_title(tier + (" (one node killed)" if tier == "cold" else ""))
+            finish_levels_axes(ax, "restoring processes", cs)
+        np.atleast_1d(axes)[0].set_ylabel("GB/s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -894,71 +886,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
-    parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
+    add_workload_arguments(parser, levels="restoring processes", per="process")
     parser.add_argument("--ranks", type=int, help="saving ranks (default 4; quick 2)")
-    parser.add_argument("--concurrency", type=parse_levels, help="restoring processes (1,2,4)")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
-    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
-    parser.add_argument("--client-concurrency", type=int, default=8,
-                        help="requests in flight per process (Client max_concurrency)")  # fmt: skip
     parser.add_argument("--cold-timeout", type=float, default=300.0,
                         help="seconds to wait for the checkpoint to be cold")  # fmt: skip
-    parser.add_argument("--url", help="use this cluster (no node is killed for the cold runs)")
-    parser.add_argument("--token", default=os.environ.get("STORAGED_TOKEN"),
-                        help="client token for --url (default $STORAGED_TOKEN)")  # fmt: skip
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    add_cluster_arguments(parser, url="use this cluster (no node is killed for the cold runs)")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte checks")
-    parser.add_argument(
-        "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
-    parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
-    parser.add_argument(
-        "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
-    )
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    size = args.size if args.size is not None else (1 / 16 if args.quick else 2.0)
-    keys = args.keys if args.keys is not None else (4 if args.quick else 16)
     ranks = args.ranks if args.ranks is not None else (2 if args.quick else 4)
-    conc = args.concurrency or ([1, 2] if args.quick else [1, 2, 4])
-    chunk = int(args.chunk_mib * MiB)
-    if chunk < ROW_BYTES or chunk % ROW_BYTES:
-        parser.error(f"--chunk-mib must be a multiple of {ROW_BYTES >> 10} KiB")
     if args.nodes < 4 and args.url is None:
         parser.error("--nodes must be >= 4 (three copies, and a node to kill)")
     if ranks < 1:
         parser.error("--ranks must be >= 1")
-    try:
-        Layout.of_size(int(size * GiB), keys, multiple=math.lcm(ranks, *conc))
-    except ValueError as exc:
-        parser.error(f"--size {size} GiB is too small: {exc}")
-    command = "python -m loadtest restore " + " ".join(sys.argv[1:] if argv is None else argv)
-    memory = args.memory or ("256MiB" if args.quick else "2GiB")
+    work = resolve_workload(parser, args, argv, divides=[ranks])
     opts = Options(
-        size=int(size * GiB), keys=keys, ranks=ranks, concurrency=conc, nodes=args.nodes,
-        memory=memory, chunk=chunk, client_concurrency=args.client_concurrency,
-        cold_timeout=args.cold_timeout, url=args.url, token=args.token, loop=args.loop,
-        out=args.out, tmp=args.tmp, verify=not args.no_verify, quick=args.quick,
-        command=command.rstrip(), baselines=not args.no_baselines,
+        size=work.size, keys=work.keys, ranks=ranks, concurrency=work.concurrency,
+        nodes=args.nodes, memory=work.memory, chunk=work.chunk,
+        client_concurrency=args.client_concurrency, cold_timeout=args.cold_timeout,
+        url=args.url, token=args.token, loop=args.loop, out=args.out, tmp=args.tmp,
+        verify=not args.no_verify, quick=args.quick, command=work.command,
+        baselines=not args.no_baselines,
     )  # fmt: skip
-    print(f"# {opts.command}", flush=True)
-    try:
-        with interrupt_on_sigterm():
-            doc = run(opts)
-    except KeyboardInterrupt:
-        print("# interrupted: every process this run started is stopped", file=sys.stderr)
+    doc = run_and_write(opts.command, lambda: run(opts), opts.out, "restore",
+                        render_markdown, render_plot)  # fmt: skip
+    if doc is None:
         return 130
-    md = render_markdown(doc)
-    paths = {"json": opts.out / "restore.json", "markdown": opts.out / "restore.md",
-             "png": opts.out / "restore.png"}  # fmt: skip
-    doc["files"] = {k: str(v) for k, v in paths.items()}
-    write_json(paths["json"], doc)
-    paths["markdown"].write_text(md)
-    render_plot(doc, paths["png"])
-    print(md)
-    print(f"# results: {', '.join(str(p) for p in paths.values())}")
     failed = [r for r in doc["runs"] if r["verified"] is False]
     for b in (b for rows in doc["baselines"].values() if isinstance(rows, list) for b in rows):
         if b.get("verified") is False:

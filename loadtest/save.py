@@ -47,7 +47,6 @@ from loadtest.common import (
     GB,
     HOST,
     NO_TORCH,
-    RESULTS,
     ROW_BYTES,
     TOKEN,
     CpuMeter,
@@ -59,27 +58,31 @@ from loadtest.common import (
     Progress,
     TracedClient,
     WorkerPool,
+    add_cluster_arguments,
+    add_output_arguments,
+    add_workload_arguments,
     by_concurrency,
     client_cpu,
     codec_rates,
+    figure,
+    finish_levels_axes,
     fmt,
     git_commit,
-    interrupt_on_sigterm,
     machine_info,
     markdown_table,
     new_loop,
     node_cpu,
-    parse_levels,
-    pyplot,
+    plot_baselines,
     ratio,
     raw_loopback,
     remove_tree,
+    resolve_workload,
+    run_and_write,
     start_cluster,
     summarize_latencies,
     torch_available,
     wait_prefaulted,
     wall_seconds,
-    write_json,
 )
 from storaged.client import AsyncSaver, Client, Shard, commit_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
@@ -791,44 +794,34 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def render_plot(doc: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     runs = doc["runs"]
     base = doc["baselines"]
     cs = [r["concurrency"] for r in runs]
-    left.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, label="storaged ack (3 RAM copies)")
-    left.plot(cs, [r["nvme_gbps"] or 0 for r in runs], "s-", label="storaged to nvme")
-    left.plot(cs, [r["cold_gbps"] or 0 for r in runs], "^-", label="storaged to cold")
-    for kind, label, color in (("aiohttp_upload", "aiohttp 1-copy upload", "tab:purple"),
-                               ("disk_write", "raw write+fsync, 1 copy", "tab:brown"),
-                               ("dcp_save", "DCP save", "tab:olive"),
-                               ("raw_loopback", "raw loopback", "tab:grey")):  # fmt: skip
-        rows = base[kind]
-        xs = [b["concurrency"] for b in rows]
-        left.plot(xs, [b["gbps"] for b in rows], "--", color=color, label=label)
-    if base["codec"]:
-        left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
-                 label="raw zfec encode, 1 thread")  # fmt: skip
-    left.set_xlabel("saving ranks (processes)")
-    left.set_ylabel("GB/s")
-    left.set_xticks(cs)
-    left.set_yscale("log")
-    left.set_title("save throughput")
-    left.legend(fontsize=7)
-    for r in runs:
-        series = r["backlog"]
-        ts = [p[0] for p in series]
-        line = right.plot(ts, [p[1] for p in series], label=f"drain backlog, c={r['concurrency']}")
-        right.plot(ts, [p[2] for p in series], ls="--", color=line[0].get_color(),
-                   label=f"encode backlog, c={r['concurrency']}")  # fmt: skip
-    right.set_xlabel("seconds since the save started")
-    right.set_ylabel("chunks (sum over nodes)")
-    right.set_title("background backlogs")
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(13, 5)) as (_, (left, right)):
+        left.plot(cs, [r["gbps"] for r in runs], "o-", lw=2, label="storaged ack (3 RAM copies)")
+        left.plot(cs, [r["nvme_gbps"] or 0 for r in runs], "s-", label="storaged to nvme")
+        left.plot(cs, [r["cold_gbps"] or 0 for r in runs], "^-", label="storaged to cold")
+        plot_baselines(left, base, [("aiohttp_upload", "aiohttp 1-copy upload", "tab:purple"),
+                                    ("disk_write", "raw write+fsync, 1 copy", "tab:brown"),
+                                    ("dcp_save", "DCP save", "tab:olive"),
+                                    ("raw_loopback", "raw loopback", "tab:grey")])  # fmt: skip
+        if base["codec"]:
+            left.axhline(base["codec"]["encode_raw_gbps"], color="tab:red", lw=0.8, ls="--",
+                         label="raw zfec encode, 1 thread")  # fmt: skip
+        left.set_ylabel("GB/s")
+        left.set_title("save throughput")
+        finish_levels_axes(left, "saving ranks (processes)", cs)
+        for r in runs:
+            series = r["backlog"]
+            ts = [p[0] for p in series]
+            line = right.plot(ts, [p[1] for p in series],
+                              label=f"drain backlog, c={r['concurrency']}")  # fmt: skip
+            right.plot(ts, [p[2] for p in series], ls="--", color=line[0].get_color(),
+                       label=f"encode backlog, c={r['concurrency']}")  # fmt: skip
+        right.set_xlabel("seconds since the save started")
+        right.set_ylabel("chunks (sum over nodes)")
+        right.set_title("background backlogs")
+        right.legend(fontsize=7)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -837,70 +830,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--size", type=float, help="checkpoint GiB (default 2; --quick 1/16)")
-    parser.add_argument("--keys", type=int, help="tensors in the checkpoint (default 16; quick 4)")
-    parser.add_argument("--concurrency", type=parse_levels, help="saving ranks per level (1,2,4)")
-    parser.add_argument("--nodes", type=int, default=4)
-    parser.add_argument("--memory", help="memory tier capacity per node (2GiB; quick 256MiB)")
-    parser.add_argument("--chunk-mib", type=float, default=DEFAULT_CHUNK_SIZE / MiB)
-    parser.add_argument("--client-concurrency", type=int, default=8,
-                        help="requests in flight per rank (Client max_concurrency)")  # fmt: skip
+    add_workload_arguments(parser, levels="saving ranks per level", per="rank")
     parser.add_argument("--cold-timeout", type=float, help="seconds to wait for cold (120)")
-    parser.add_argument("--url", help="use this cluster instead of starting local ones")
-    parser.add_argument("--token", default=os.environ.get("STORAGED_TOKEN"),
-                        help="client token for --url (default $STORAGED_TOKEN)")  # fmt: skip
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the results")
-    parser.add_argument("--tmp", type=Path, help="scratch directory (default: system temp)")
-    parser.add_argument(
-        "--no-baselines", action="store_true", help="storaged only: no baseline, no ratio"
-    )
+    add_cluster_arguments(parser, url="use this cluster instead of starting local ones")
     parser.add_argument(
         "--cold-pool", action="store_true",
         help="nodes map no RAM ahead (a fresh node's first save); default: pool mapped first",
     )  # fmt: skip
-    parser.add_argument(
-        "--quick", action="store_true", help="64 MiB, concurrency 1,2: the CI smoke test"
-    )
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
-    size = args.size if args.size is not None else (1 / 16 if args.quick else 2.0)
-    keys = args.keys if args.keys is not None else (4 if args.quick else 16)
-    conc = args.concurrency or ([1, 2] if args.quick else [1, 2, 4])
-    chunk = int(args.chunk_mib * MiB)
-    if chunk < ROW_BYTES or chunk % ROW_BYTES:
-        parser.error(f"--chunk-mib must be a multiple of {ROW_BYTES >> 10} KiB")
     if args.nodes < 3:
         parser.error("--nodes must be >= 3 (three RAM copies)")
-    try:
-        Layout.of_size(int(size * GiB), keys, multiple=math.lcm(*conc))
-    except ValueError as exc:
-        parser.error(f"--size {size} GiB is too small: {exc}")
-    command = "python -m loadtest save " + " ".join(sys.argv[1:] if argv is None else argv)
-    memory = args.memory or ("256MiB" if args.quick else "2GiB")
+    work = resolve_workload(parser, args, argv)
     opts = Options(
-        size=int(size * GiB), keys=keys, concurrency=conc, nodes=args.nodes,
-        memory=memory, chunk=chunk, client_concurrency=args.client_concurrency,
+        size=work.size, keys=work.keys, concurrency=work.concurrency, nodes=args.nodes,
+        memory=work.memory, chunk=work.chunk, client_concurrency=args.client_concurrency,
         cold_timeout=args.cold_timeout or (60.0 if args.quick else 120.0), url=args.url,
         token=args.token, loop=args.loop, out=args.out, tmp=args.tmp, quick=args.quick,
-        command=command.rstrip(), baselines=not args.no_baselines, cold_pool=args.cold_pool,
+        command=work.command, baselines=not args.no_baselines, cold_pool=args.cold_pool,
     )  # fmt: skip
-    print(f"# {opts.command}", flush=True)
-    try:
-        with interrupt_on_sigterm():
-            doc = run(opts)
-    except KeyboardInterrupt:
-        print("# interrupted: every process this run started is stopped", file=sys.stderr)
-        return 130
-    md = render_markdown(doc)
-    paths = {"json": opts.out / "save.json", "markdown": opts.out / "save.md",
-             "png": opts.out / "save.png"}  # fmt: skip
-    doc["files"] = {k: str(v) for k, v in paths.items()}
-    write_json(paths["json"], doc)
-    paths["markdown"].write_text(md)
-    render_plot(doc, paths["png"])
-    print(md)
-    print(f"# results: {', '.join(str(p) for p in paths.values())}")
-    return 0
+    doc = run_and_write(opts.command, lambda: run(opts), opts.out, "save",
+                        render_markdown, render_plot)  # fmt: skip
+    return 130 if doc is None else 0
 
 
 if __name__ == "__main__":
