@@ -165,7 +165,9 @@ class Upload:
 # -- servers for the baseline and the raw figure (child processes) --------------------------------
 
 
-def _serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) -> None:
+def serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) -> None:
+    """The one-copy baseline receiver (run it with ``spawn_server``): ``PUT /v1/chunks/<id>``
+    of at most ``chunk`` bytes, copied once into one of ``slots`` reused buffers, 201."""
     from aiohttp import web
 
     pool = [_prefaulted(chunk) for _ in range(slots)]
@@ -222,7 +224,10 @@ def _serve_raw(chunk: int, control: Connection) -> None:
         conn.sendall(b"k")
 
 
-def _child(target: Callable[..., None], *args: Any) -> tuple[BaseProcess, int]:
+def spawn_server(target: Callable[..., None], *args: Any) -> tuple[BaseProcess, int]:
+    """``target(*args, control)`` in a spawned daemon process, once it has sent its port on
+    ``control`` (60 s at most, else killed and RuntimeError): (process, port).
+    Stop it with ``stop_server``."""
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
@@ -234,7 +239,8 @@ def _child(target: Callable[..., None], *args: Any) -> tuple[BaseProcess, int]:
     return proc, port
 
 
-def _stop_child(proc: BaseProcess) -> None:
+def stop_server(proc: BaseProcess) -> None:
+    """SIGTERM, then SIGKILL if it is still alive after 10 s; joined."""
     if proc.is_alive():
         proc.terminate()
     proc.join(10)
@@ -316,7 +322,7 @@ class Measure:
 
 def raw_socket(corpus: Corpus, nbytes: int) -> Measure:
     """One blocking TCP stream over loopback into a reused buffer: the machine's ceiling."""
-    proc, port = _child(_serve_raw, corpus.chunk)
+    proc, port = spawn_server(_serve_raw, corpus.chunk)
     try:
         chunks = max(1, nbytes // corpus.chunk)
         with socket.create_connection((HOST, port)) as sock:
@@ -334,7 +340,7 @@ def raw_socket(corpus: Corpus, nbytes: int) -> Measure:
             client = time.process_time() - cpu0
             server = proc_cpu_seconds(proc.pid or 0) - srv0
     finally:
-        _stop_child(proc)
+        stop_server(proc)
     return Measure("raw loopback socket, 1 stream", "raw", 1, chunks,
                    chunks * corpus.chunk, seconds, server, client)  # fmt: skip
 
@@ -984,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = [raw.summary(None)]
     print(f"# raw loopback socket: {raw.gbps:.2f} GB/s", flush=True)
 
-    proc, port = _child(_serve_baseline, chunk, warm + 4, args.loop)
+    proc, port = spawn_server(serve_baseline, chunk, warm + 4, args.loop)
     tags = iter(range(1, 1 << 30))
     measures: dict[tuple[str, int], list[Measure]] = {}
     top = max(args.concurrency)
@@ -1019,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# round {rnd + 1}, c={top}, warm pool: storaged {store.gbps:.2f} GB/s",
                       flush=True)  # fmt: skip
     finally:
-        _stop_child(proc)
+        stop_server(proc)
 
     for conc in args.concurrency:
         base = _median(measures[("baseline", conc)])

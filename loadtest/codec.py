@@ -55,7 +55,9 @@ def _zfec_primaries(data: bytes, k: int) -> tuple[memoryview | bytes, ...]:
     return tuple(blocks)
 
 
-def _raw_zfec(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]:
+def raw_zfec_ops(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]:
+    """Raw zfec on ``data``: ``encode``, ``decode primaries``, ``decode missing #0`` as
+    callables, each doing the whole operation again when called."""
     encoder, decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
     primaries = _zfec_primaries(data, k)
     blocks = list(encoder.encode(primaries))
@@ -89,7 +91,8 @@ def _raw_pyeclib(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]
     }
 
 
-def _wrapped(codec: Codec, data: bytes) -> dict[str, Callable[[], object]]:
+def wrapper_ops(codec: Codec, data: bytes) -> dict[str, Callable[[], object]]:
+    """The same three operations as ``raw_zfec_ops``, through the ``erasure`` codec."""
     chunk_id = chunk_id_of(data)
     # Whole fragments as a reader gets them back from disk or the network.
     stored = [f.to_bytes() for f in codec.encode(chunk_id, data)]
@@ -138,8 +141,8 @@ def run(
         pairs: list[tuple[str, str, Measure, Measure]] = []
         extra: list[Measure] = []
         for name in codecs:
-            raw = _raw_zfec(data, k, n) if name == "zfec" else _raw_pyeclib(data, k, n)
-            wrapped = _wrapped(make_codec(name, k, n), data)
+            raw = raw_zfec_ops(data, k, n) if name == "zfec" else _raw_pyeclib(data, k, n)
+            wrapped = wrapper_ops(make_codec(name, k, n), data)
             for op in raw:
                 pairs.append((name, op, Measure(op, wrapped[op], []), Measure(op, raw[op], [])))
         for label, fn in _checks(data, k, n).items():

@@ -550,12 +550,12 @@ def raw_loopback(nbytes: int, chunk: int, streams: int, loop: str = "uvloop") ->
     The bytes flow from this process to the sink (the two directions cost the same on
     loopback). Returns gbps, seconds, bytes and CPU seconds per GB of both ends.
     """
-    from loadtest.peer import Plan, _Clients, _round, _serve
+    from loadtest.peer import Clients, Plan, run_round, serve
 
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(
-        target=_serve, args=("raw", loop, chunk, streams + 2, False, theirs), daemon=True
+        target=serve, args=("raw", loop, chunk, streams + 2, False, theirs), daemon=True
     )
     proc.start()
     theirs.close()
@@ -566,10 +566,10 @@ def raw_loopback(nbytes: int, chunk: int, streams: int, loop: str = "uvloop") ->
         plan = Plan(chunk, 256 << 10, max(1, nbytes // chunk // streams), streams, 1 << 20)
 
         async def measure() -> Any:
-            clients = _Clients(plan, {"raw": port}, os.urandom(chunk))
+            clients = Clients(plan, {"raw": port}, os.urandom(chunk))
             try:
-                await _round(clients, "raw", mine, 1)  # warm-up: connections, first touch
-                return await _round(clients, "raw", mine, plan.chunks_per_stream)
+                await run_round(clients, "raw", mine, 1)  # warm-up: connections, first touch
+                return await run_round(clients, "raw", mine, plan.chunks_per_stream)
             finally:
                 await clients.close()
 
@@ -601,10 +601,10 @@ def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
     reconstruction, what a degraded cold read does).
     """
     from erasure import make_codec
-    from loadtest.codec import _raw_zfec, _wrapped
+    from loadtest.codec import raw_zfec_ops, wrapper_ops
 
-    raw = _raw_zfec(data, k, n)
-    wrapped = _wrapped(make_codec("zfec", k, n), data)
+    raw = raw_zfec_ops(data, k, n)
+    wrapped = wrapper_ops(make_codec("zfec", k, n), data)
     out: dict[str, Any] = {"codec": "zfec", "k": k, "n": n, "chunk_bytes": len(data)}
     for label, op in (("encode", "encode"), ("decode", "decode missing #0")):
         for side, fns in (("raw", raw), ("wrapper", wrapped)):

@@ -176,9 +176,11 @@ async def _start_server(mode: str, chunk: int, slots: int, verify: bool) -> int:
     return port
 
 
-def _serve(
+def serve(
     mode: str, loop_name: str, chunk: int, slots: int, verify: bool, control: Connection
 ) -> None:
+    """A sink for ``mode`` (raw, peer or aiohttp) in this process: sends its port on ``control``,
+    then answers each ``"cpu"`` with its process CPU seconds; any other message stops it."""
     loop = _new_loop(loop_name)
     asyncio.set_event_loop(loop)
     port = loop.run_until_complete(_start_server(mode, chunk, slots, verify))
@@ -245,8 +247,10 @@ class Plan:
 Sender = Callable[[int], Awaitable[None]]
 
 
-class _Clients:
-    """One client per mode, kept across rounds (connections stay open, as in a node)."""
+class Clients:
+    """One client per mode, kept across rounds (connections stay open, as in a node).
+
+    ``ports``: mode -> port of its ``serve`` sink; ``close`` when done."""
 
     def __init__(self, plan: Plan, ports: dict[str, int], source: bytes) -> None:
         self.plan = plan
@@ -310,7 +314,9 @@ class Round:
     server_cpu: float
 
 
-async def _round(clients: _Clients, mode: str, control: Connection, chunks: int) -> Round:
+async def run_round(clients: Clients, mode: str, control: Connection, chunks: int) -> Round:
+    """``chunks`` chunks on each of the plan's streams to the ``mode`` sink (its ``control``
+    pipe gives the sink's CPU): wall seconds and CPU seconds of both ends."""
     send = clients.sender(mode)
     control.send("cpu")
     server0 = control.recv()
@@ -327,15 +333,15 @@ async def _run_all(
     plan: Plan, ports: dict[str, int], controls: dict[str, Connection], repeat: int
 ) -> dict[str, list[Round]]:
     source = os.urandom(plan.chunk)
-    clients = _Clients(plan, ports, source)
+    clients = Clients(plan, ports, source)
     rounds: dict[str, list[Round]] = {mode: [] for mode in ports}
     try:
         for mode in ports:  # warm-up: connections, pools, first-touch
-            await _round(clients, mode, controls[mode], 1)
+            await run_round(clients, mode, controls[mode], 1)
         for _ in range(repeat):
             for mode in ports:
                 rounds[mode].append(
-                    await _round(clients, mode, controls[mode], plan.chunks_per_stream)
+                    await run_round(clients, mode, controls[mode], plan.chunks_per_stream)
                 )
     finally:
         await clients.close()
@@ -380,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_serve,
+                target=serve,
                 args=(mode, args.loop, chunk, args.streams + 2, args.verify, theirs),
                 daemon=True,
             )

@@ -670,7 +670,7 @@ def _baselines(
     baselines: dict[str, Any],
     bar: Progress,
 ) -> None:
-    from loadtest.ack import _child, _stop_child
+    from loadtest.ack import spawn_server, stop_server
 
     conc = opts.concurrency
     bar.begin("raw loopback, codec")
@@ -683,7 +683,7 @@ def _baselines(
 
     bar.begin("aiohttp from memory")
     baselines["aiohttp_memory"] = []
-    proc, port = _child(serve_memory, layout, opts.loop)
+    proc, port = spawn_server(serve_memory, layout, opts.loop)
     try:
         for c in conc:
             jobs = [AiohttpRestore(port, layout, j, c, opts.client_concurrency, opts.chunk,
@@ -695,7 +695,7 @@ def _baselines(
             baselines["aiohttp_memory"].append(row)
             bar.done()
     finally:
-        _stop_child(proc)
+        stop_server(proc)
 
     bar.begin("files for the disk and DCP baselines")
     disk, dcp = work / "disk", work / "dcp"

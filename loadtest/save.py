@@ -517,7 +517,7 @@ def _baselines(
     baselines: dict[str, Any],
     bar: Progress,
 ) -> None:
-    from loadtest.ack import _child, _serve_baseline, _stop_child
+    from loadtest.ack import serve_baseline, spawn_server, stop_server
 
     conc = opts.concurrency
     bar.begin("raw loopback, raw encode")
@@ -535,7 +535,7 @@ def _baselines(
 
     for c in conc:
         bar.begin(f"aiohttp 1-copy upload c={c}")
-        proc, port = _child(_serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
+        proc, port = spawn_server(serve_baseline, opts.chunk, c * opts.client_concurrency + 4,
                             opts.loop)  # fmt: skip
         try:
             jobs = [AiohttpSave(port, layout, r, c, opts.client_concurrency, opts.chunk,
@@ -544,7 +544,7 @@ def _baselines(
             results = pool.run(jobs, meter.start)
             server = meter.seconds()
         finally:
-            _stop_child(proc)
+            stop_server(proc)
         row = _rate_row("aiohttp_upload", c, results)
         row["server_cpu_s_per_gb"] = round(server / (row["bytes"] / GB), 4)
         baselines["aiohttp_upload"].append(row)

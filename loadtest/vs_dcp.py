@@ -940,7 +940,9 @@ def _run_async(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
+    """``2GiB``, ``64MiB``, ``512k`` or a bare number of GiB -> bytes, rounded down to a
+    multiple of 4; argparse's error below 1 MiB or for anything else."""
     units = {"k": 1 << 10, "m": MiB, "g": GiB}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
@@ -968,8 +970,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m loadtest.vs_dcp", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--size", type=_size, help="state dict size, e.g. 2GiB (default; a bare "
-                        "number is GiB), 64MiB with --quick")  # fmt: skip
+    parser.add_argument("--size", type=parse_size,
+                        help="state dict size, e.g. 2GiB (default; a bare number is GiB), "
+                        "64MiB with --quick")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 64 MiB, 1 repeat, 1 steady save, no profile")  # fmt: skip
     parser.add_argument("--repeat", type=int, help="timed repeats of DCP runs and of restores "

@@ -21,9 +21,9 @@ pytest.importorskip("torch")
 
 from loadtest.vs_dcp import (
     Window,
-    _size,
     median_window,
     memory_per_node,
+    parse_size,
     split_keys,
     state_layout,
 )
@@ -179,11 +179,11 @@ def test_median_of_an_even_count_is_the_slower_middle() -> None:
 
 
 def test_sizes_and_memory() -> None:
-    assert _size("2GiB") == 2 << 30
-    assert _size("64MiB") == 64 * MiB
-    assert _size("0.5") == 1 << 29
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("64MiB") == 64 * MiB
+    assert parse_size("0.5") == 1 << 29
     with pytest.raises(argparse.ArgumentTypeError):
-        _size("-3")
+        parse_size("-3")
     # three copies spread over 4 nodes, with room for uneven placement
     assert memory_per_node(2 << 30, 4) >= 3 * (2 << 30) // 4
     assert Window(2.0, 1.0, [1.0, 2.0]).busy() == pytest.approx(4.0 / 2.0 / (os.cpu_count() or 1))
