@@ -357,10 +357,51 @@ async def _read_stream(
     return out
 
 
+# --------------------------------------------------------------------------- both sides
+
+
+class _ClusterCheckpoint:
+    """What ``StoragedWriter`` and ``StoragedReader`` share: the nodes they talk to, the
+    checkpoint they name, and how they name it to DCP (``checkpoint_id`` is the name)."""
+
+    urls: list[str]
+    name: str
+    rank: int
+
+    def _connect(
+        self,
+        url: str | Sequence[str],
+        name: str,
+        token: str | None,
+        client_options: Mapping[str, Any] | None,
+    ) -> None:
+        self.urls = [url] if isinstance(url, str) else list(url)
+        if not self.urls:
+            raise ValueError("need at least one node URL")
+        self.name = _check_name(name)
+        self._token = token
+        self._client_options = dict(client_options or {})
+        self.rank = 0
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"{type(self).__name__}({self.urls!r}, {self.name!r})"
+
+    def _client(self) -> Client:
+        return Client(self.urls, token=self._token, **self._client_options)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.name
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return is_checkpoint_name(os.fspath(checkpoint_id))
+
+
 # --------------------------------------------------------------------------- writer
 
 
-class StoragedWriter(StorageWriter):
+class StoragedWriter(_ClusterCheckpoint, StorageWriter):
     """A DCP ``StorageWriter`` that saves into checkpoint ``name`` of a storaged cluster.
 
     ``url``: one node URL or several; ``token``: the client token. Every rank makes
@@ -389,35 +430,15 @@ class StoragedWriter(StorageWriter):
         super().__init__()
         if chunk_size is not None and chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
-        self.urls: list[str] = [url] if isinstance(url, str) else list(url)
-        if not self.urls:
-            raise ValueError("need at least one node URL")
-        self.name = _check_name(name)
-        self._token = token
+        self._connect(url, name, token, client_options)
         self._chunk_size = chunk_size
         self._meta = dict(meta or {})
-        self._client_options = dict(client_options or {})
-        self.rank = 0
         self.is_coordinator = True
         self.save_id = uuid.uuid4().hex
         self.last_commit: CommitResult | None = None
         self.last_stats: ClientStats | None = None
 
-    def __repr__(self) -> str:  # never shows the token
-        return f"StoragedWriter({self.urls!r}, {self.name!r})"
-
-    def _client(self) -> Client:
-        return Client(self.urls, token=self._token, **self._client_options)
-
     # ------------------------------------------------------------------ DCP protocol
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.name
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return is_checkpoint_name(os.fspath(checkpoint_id))
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -583,7 +604,7 @@ def _planner_data_from_wire(value: Any) -> Any:
     return value
 
 
-class StoragedReader(StorageReader):
+class StoragedReader(_ClusterCheckpoint, StorageReader):
     """A DCP ``StorageReader`` that loads checkpoint ``name`` from a storaged cluster.
 
     Any number of ranks and any sharding may load what any number of ranks saved:
@@ -605,33 +626,13 @@ class StoragedReader(StorageReader):
         super().__init__()
         if coalesce_gap < 0:
             raise ValueError("coalesce_gap must be >= 0")
-        self.urls: list[str] = [url] if isinstance(url, str) else list(url)
-        if not self.urls:
-            raise ValueError("need at least one node URL")
-        self.name = _check_name(name)
-        self._token = token
+        self._connect(url, name, token, client_options)
         self._coalesce_gap = coalesce_gap
-        self._client_options = dict(client_options or {})
-        self.rank = 0
         self.load_id = uuid.uuid4().hex
         self._manifest: Manifest | None = None
         #: DCP storage index -> (shard position in the manifest, item)
         self._items: dict[MetadataIndex, tuple[int, Item]] = {}
         self.last_read: ReadStats | None = None
-
-    def __repr__(self) -> str:  # never shows the token
-        return f"StoragedReader({self.urls!r}, {self.name!r})"
-
-    def _client(self) -> Client:
-        return Client(self.urls, token=self._token, **self._client_options)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.name
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return is_checkpoint_name(os.fspath(checkpoint_id))
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:

@@ -466,3 +466,25 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+@pytest.mark.parametrize("cls", [StoragedWriter, StoragedReader])
+def test_writer_and_reader_name_their_cluster_and_checkpoint_alike(
+    cls: type[StoragedWriter] | type[StoragedReader],
+) -> None:
+    # No node is contacted: what both sides share is checked without a cluster.
+    one = cls("http://127.0.0.1:1", "runs/a", "secret-token", client_options={"max_concurrency": 2})
+    assert one.urls == ["http://127.0.0.1:1"] and one.checkpoint_id == "runs/a"
+    assert repr(one) == f"{cls.__name__}(['http://127.0.0.1:1'], 'runs/a')"  # no token
+    many = cls(["http://127.0.0.1:1", "http://127.0.0.1:2"], "runs/b")
+    assert many.urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert cls.validate_checkpoint_id(Path("runs/ok"))
+    assert not cls.validate_checkpoint_id("../escape")
+    one.reset("runs/c")
+    assert one.name == "runs/c" and one.checkpoint_id == "runs/c"
+    with pytest.raises(ValueError, match="node URL"):
+        cls([], "runs/a")
+    with pytest.raises(ValueError, match="invalid checkpoint name"):
+        cls("http://127.0.0.1:1", "../escape")
+    with pytest.raises(ValueError, match="invalid checkpoint name"):
+        one.reset("../escape")
