@@ -21,6 +21,8 @@ What a caller may rely on:
   defaults and checks) and ``run_and_write`` (run, then write ``<name>.json/.md/.png``).
 - Their plots: ``figure`` (one PNG, closed on errors too), ``plot_baselines``,
   ``finish_levels_axes``.
+- Their shared steps: ``traced_runner``, ``raw_baselines``, ``complete_baselines``,
+  ``run_notes``.
 
 Every process started here is stopped by its owner's ``close``/``stop`` in a ``finally``,
 on errors and on Ctrl-C alike (workers ignore SIGINT: the parent decides when they stop).
@@ -622,6 +624,25 @@ def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
 # -- the page cache -------------------------------------------------------------------------------
 
 
+def raw_baselines(
+    layout: Layout, chunk: int, levels: Sequence[int], loop: str, k: int, n: int
+) -> dict[str, Any]:
+    """``raw_loopback`` of the layout's bytes at each of ``levels`` streams, and ``codec_rates``
+    (zfec ``k``/``n``) of one chunk of the layout: ``{"raw_loopback": [...], "codec": {...}}``."""
+    loopback = [raw_loopback(layout.nbytes, chunk, c, loop) for c in levels]
+    sample = np.empty((chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
+    layout.fill(0, 0, sample)
+    return {"raw_loopback": loopback, "codec": codec_rates(sample.tobytes(), k, n)}
+
+
+def complete_baselines(baselines: dict[str, Any], kinds: Iterable[str]) -> None:
+    """Empty rows for each of ``kinds`` not measured (``--no-baselines``, no torch), and an
+    empty ``codec``: ratios and tables then read every kind alike."""
+    for kind in kinds:
+        baselines.setdefault(kind, [])
+    baselines.setdefault("codec", {})
+
+
 def drop_page_cache(paths: Iterable[Path] = ()) -> str:
     """Evict file pages so that reads hit the disk; returns what was done.
 
@@ -765,6 +786,21 @@ class TracedClient(Client):
         return view
 
 
+def traced_runner(
+    urls: Sequence[str], token: str | None, max_concurrency: int, loop: str
+) -> tuple[asyncio.Runner, TracedClient]:
+    """A runner on a fresh ``loop`` and a ``TracedClient`` already opened in it (the runner is
+    closed again if the client does not open). The caller closes the client, then the runner."""
+    runner = asyncio.Runner(loop_factory=lambda: new_loop(loop))
+    client = TracedClient(list(urls), token=token, max_concurrency=max_concurrency)
+    try:
+        runner.run(client.open_traced())
+    except BaseException:
+        runner.close()
+        raise
+    return runner, client
+
+
 def client_cpu(results: Sequence[Mapping[str, Any]], nbytes: int) -> dict[str, float | None]:
     """CPU seconds per GB of the workers' timed windows, and the share spent in the kernel."""
     total = sum(float(r["cpu"]) for r in results)
@@ -822,6 +858,21 @@ def markdown_table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def run_notes(doc: Mapping[str, Any]) -> list[str]:
+    """The markdown lines on how the run went: seconds per step, and why the DCP baselines are
+    missing if they are."""
+    lines = []
+    steps = doc.get("step_seconds", {})
+    if steps:
+        lines.append(
+            f"run time {sum(steps.values()):.0f} s: "
+            + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
+        )
+    if doc["baselines"].get("dcp_skipped"):
+        lines.append(doc["baselines"]["dcp_skipped"] + ".")
+    return lines
 
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:

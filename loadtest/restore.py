@@ -67,14 +67,13 @@ from loadtest.common import (
     MiB,
     Prepared,
     Progress,
-    TracedClient,
     WorkerPool,
     add_cluster_arguments,
     add_output_arguments,
     add_workload_arguments,
     by_concurrency,
     client_cpu,
-    codec_rates,
+    complete_baselines,
     drop_page_cache,
     figure,
     finish_levels_axes,
@@ -85,15 +84,17 @@ from loadtest.common import (
     new_loop,
     plot_baselines,
     ratio,
-    raw_loopback,
+    raw_baselines,
     read_bytes,
     read_bytes_delta,
     remove_tree,
     resolve_workload,
     run_and_write,
+    run_notes,
     start_cluster,
     summarize_latencies,
     torch_available,
+    traced_runner,
     wall_seconds,
 )
 from loadtest.save import DcpSave, DiskWrite, dcp_warm_up, save_checkpoint_with
@@ -137,15 +138,9 @@ class _StoragedRestorer:
         self.start, self.arrays = _targets(job.layout, job.rank, job.ranks)
         shape = job.layout.global_shape
         self.targets = {k: Shard(a, shape, (self.start, 0)) for k, a in self.arrays.items()}
-        self.runner = asyncio.Runner(loop_factory=lambda: new_loop(job.loop))
-        self.client = TracedClient(
-            list(job.urls), token=job.token, max_concurrency=job.client_concurrency
+        self.runner, self.client = traced_runner(
+            job.urls, job.token, job.client_concurrency, job.loop
         )
-        try:
-            self.runner.run(self.client.open_traced())
-        except BaseException:
-            self.runner.close()
-            raise
 
     def run(self) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -565,9 +560,7 @@ def run(opts: Options) -> dict[str, Any]:
             under_test.cluster.stop()
         remove_tree(work)
 
-    for kind in BASELINE_KINDS:
-        baselines.setdefault(kind, [])
-    baselines.setdefault("codec", {})
+    complete_baselines(baselines, BASELINE_KINDS)
     _add_ratios(runs, baselines)
     return {
         "kind": "restore",
@@ -674,11 +667,7 @@ def _baselines(
 
     conc = opts.concurrency
     bar.begin("raw loopback, codec")
-    baselines["raw_loopback"] = [raw_loopback(layout.nbytes, opts.chunk, c, opts.loop)
-                                 for c in conc]  # fmt: skip
-    sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
-    layout.fill(0, 0, sample)
-    baselines["codec"] = codec_rates(sample.tobytes(), k, n)
+    baselines.update(raw_baselines(layout, opts.chunk, conc, opts.loop, k, n))
     bar.done()
 
     bar.begin("aiohttp from memory")
@@ -840,14 +829,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"(wrapper {codec['decode_wrapper_gbps']:.2f}), one thread, "
             f"{codec['chunk_bytes'] / MiB:g} MiB chunk."
         )
-    steps = doc.get("step_seconds", {})
-    if steps:
-        lines.append(
-            f"run time {sum(steps.values()):.0f} s: "
-            + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
-        )
-    if doc["baselines"].get("dcp_skipped"):
-        lines.append(doc["baselines"]["dcp_skipped"] + ".")
+    lines += run_notes(doc)
     if "killed" in ev:
         lines.append(f"cold runs: node {ev['killed']['node']} SIGKILLed, seen down after "
                      f"{ev['killed']['seen_down_after_s']:.1f} s.")  # fmt: skip

@@ -56,14 +56,13 @@ from loadtest.common import (
     MiB,
     Prepared,
     Progress,
-    TracedClient,
     WorkerPool,
     add_cluster_arguments,
     add_output_arguments,
     add_workload_arguments,
     by_concurrency,
     client_cpu,
-    codec_rates,
+    complete_baselines,
     figure,
     finish_levels_axes,
     fmt,
@@ -74,13 +73,15 @@ from loadtest.common import (
     node_cpu,
     plot_baselines,
     ratio,
-    raw_loopback,
+    raw_baselines,
     remove_tree,
     resolve_workload,
     run_and_write,
+    run_notes,
     start_cluster,
     summarize_latencies,
     torch_available,
+    traced_runner,
     wait_prefaulted,
     wall_seconds,
 )
@@ -130,16 +131,10 @@ class _StoragedSaver:
         arrays = job.layout.make(job.rank, job.ranks)
         shape = job.layout.global_shape
         self.state = {key: Shard(a, shape, (start, 0)) for key, a in arrays.items()}
-        self.runner = asyncio.Runner(loop_factory=lambda: new_loop(job.loop))
-        self.client = TracedClient(
-            list(job.urls), token=job.token, max_concurrency=job.client_concurrency
+        self.runner, self.client = traced_runner(
+            job.urls, job.token, job.client_concurrency, job.loop
         )
         self.saver = AsyncSaver(self.client, chunk_size=job.chunk)
-        try:
-            self.runner.run(self.client.open_traced())
-        except BaseException:
-            self.runner.close()
-            raise
 
     def run(self) -> dict[str, Any]:
         return self.runner.run(self._run())
@@ -472,9 +467,7 @@ def run(opts: Options) -> dict[str, Any]:
             pool.close()
         remove_tree(work)
 
-    for kind in BASELINE_KINDS:
-        baselines.setdefault(kind, [])
-    baselines.setdefault("codec", {})
+    complete_baselines(baselines, BASELINE_KINDS)
     _add_ratios(runs, baselines)
     return {
         "kind": "save",
@@ -521,12 +514,7 @@ def _baselines(
 
     conc = opts.concurrency
     bar.begin("raw loopback, raw encode")
-    baselines["raw_loopback"] = [
-        raw_loopback(layout.nbytes, opts.chunk, c, opts.loop) for c in conc
-    ]
-    sample = np.empty((opts.chunk // ROW_BYTES, ROW_BYTES // 4), dtype=np.float32)
-    layout.fill(0, 0, sample)
-    baselines["codec"] = codec_rates(sample.tobytes(), k, n)
+    baselines.update(raw_baselines(layout, opts.chunk, conc, opts.loop, k, n))
     bar.done()
 
     baselines["aiohttp_upload"] = []
@@ -776,14 +764,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"{codec['encode_wrapper_gbps']:.2f}), one thread, {codec['chunk_bytes'] / MiB:g} "
             "MiB.",
         ]
-    steps = doc.get("step_seconds", {})
-    if steps:
-        lines.append(
-            f"run time {sum(steps.values()):.0f} s: "
-            + ", ".join(f"{label} {sec:.0f} s" for label, sec in steps.items())
-        )
-    if doc["baselines"].get("dcp_skipped"):
-        lines.append(doc["baselines"]["dcp_skipped"] + ".")
+    lines += run_notes(doc)
     for r in doc["runs"]:
         if r["cold_s"] is None:
             lines.append(
