@@ -61,6 +61,14 @@ from typing import Any
 import aiohttp
 import blake3
 
+from loadtest.common import (
+    new_loop,
+    percentile,
+    prefaulted,
+    proc_cpu_seconds,
+    proc_cpu_times,
+    serve_aiohttp,
+)
 from storaged.cluster import ClusterError, LocalCluster, free_port_block
 from storaged.placement import rendezvous_order
 
@@ -74,45 +82,9 @@ SEND_SLICE = 1 << 20
 #: bytes at the head of each chunk that make it distinct: (round tag, chunk index)
 STAMP = struct.Struct("!QQ")
 RESULTS = Path(__file__).resolve().parent / "results"
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
 #: py-spy samples per second: each sample stops the node briefly (--native needs that)
 PROFILE_HZ = 100
-
-
-def _new_loop(name: str) -> asyncio.AbstractEventLoop:
-    if name == "uvloop":
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        return loop
-    return asyncio.new_event_loop()
-
-
-def proc_cpu_times(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of process ``pid``, all its threads."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
-    return sum(proc_cpu_times(pid))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
-
-
-def _prefaulted(size: int) -> bytearray:
-    # bytearray * n fills with memset: every page is touched now, not during a transfer.
-    return bytearray(b"\x01") * size
 
 
 # -- the chunks -----------------------------------------------------------------------------------
@@ -170,7 +142,7 @@ def serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) 
     of at most ``chunk`` bytes, copied once into one of ``slots`` reused buffers, 201."""
     from aiohttp import web
 
-    pool = [_prefaulted(chunk) for _ in range(slots)]
+    pool = [prefaulted(chunk) for _ in range(slots)]
 
     async def put_chunk(request: web.Request) -> web.Response:
         size = request.content_length
@@ -189,20 +161,9 @@ def serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) 
             pool.append(buf)
         return web.Response(status=201, body=b"\x80")  # an empty msgpack map, like a node's
 
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_put("/v1/chunks/{id}", put_chunk)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, HOST, 0, backlog=1024).start()
-        return runner
-
-    loop = _new_loop(loop_name)
-    asyncio.set_event_loop(loop)
-    runner = loop.run_until_complete(start())
-    control.send(runner.addresses[0][1])
-    loop.add_signal_handler(signal.SIGTERM, loop.stop)
-    loop.run_forever()
+    app = web.Application()
+    app.router.add_put("/v1/chunks/{id}", put_chunk)
+    serve_aiohttp(app, loop_name, control)
 
 
 def _serve_raw(chunk: int, control: Connection) -> None:
@@ -215,7 +176,7 @@ def _serve_raw(chunk: int, control: Connection) -> None:
         while len(head) < 8:
             head += conn.recv(8 - len(head))
         (left,) = struct.unpack("!Q", head)
-        view = memoryview(_prefaulted(chunk))
+        view = memoryview(prefaulted(chunk))
         while left:
             n = conn.recv_into(view[: min(left, len(view))])
             if not n:
@@ -592,7 +553,7 @@ def run_storaged(
 
 
 def _run(coro: Any, loop_name: str) -> Measure:
-    with asyncio.Runner(loop_factory=lambda: _new_loop(loop_name)) as runner:
+    with asyncio.Runner(loop_factory=lambda: new_loop(loop_name)) as runner:
         result: Measure = runner.run(coro)
         return result
 
@@ -898,21 +859,22 @@ def _print_profile(profile: dict[str, Any], skipped: bool) -> None:
         perf = profile["perf"]
         print(f"# perf, all nodes ({perf['samples']} samples at {perf['hz']} Hz): "
               "where the CPU goes")  # fmt: skip
-        for name, share in perf["categories"].items():
-            print(f"#   {share * 100:5.1f} %  {name}")
-        print("# perf top symbols:")
-        for name, share in perf["top_symbols"][:10]:
-            print(f"#   {share * 100:5.1f} %  {name}")
+        _print_shares(perf["categories"], "# perf top symbols:", perf["top_symbols"])
     if "py-spy" in profile:
         spy = profile["py-spy"]
         print(f"# py-spy, node n0 ({spy['samples']} busy samples at {spy['hz']} Hz; "
               f"{spy['idle_samples']} idle, {spy['gil_wait_samples']} waiting for the GIL): "
               "where its threads work")  # fmt: skip
-        for name, share in spy["categories"].items():
-            print(f"#   {share * 100:5.1f} %  {name}")
-        print("# py-spy top Python lines:")
-        for name, share in spy["top_python_lines"][:10]:
-            print(f"#   {share * 100:5.1f} %  {name}")
+        _print_shares(spy["categories"], "# py-spy top Python lines:", spy["top_python_lines"])
+
+
+def _print_shares(categories: dict[str, float], heading: str, top: Sequence[Sequence[Any]]) -> None:
+    """Each category's share of the samples, then ``heading`` and the first 10 of ``top``."""
+    for name, share in categories.items():
+        print(f"#   {share * 100:5.1f} %  {name}")
+    print(heading)
+    for name, share in top[:10]:
+        print(f"#   {share * 100:5.1f} %  {name}")
 
 
 def _parse_concurrency(text: str) -> list[int]:

@@ -23,6 +23,9 @@ What a caller may rely on:
   ``finish_levels_axes``.
 - Their shared steps: ``traced_runner``, ``raw_baselines``, ``complete_baselines``,
   ``run_notes``.
+- For every load test (``ack``, ``peer`` and ``vs_dcp`` too, so this module imports none of
+  them at load time): ``new_loop``, ``prefaulted``, ``serve_aiohttp``, ``proc_cpu_times``,
+  ``proc_cpu_seconds``, ``percentile``.
 
 Every process started here is stopped by its owner's ``close``/``stop`` in a ``finally``,
 on errors and on Ctrl-C alike (workers ignore SIGINT: the parent decides when they stop).
@@ -58,11 +61,10 @@ from typing import Any, Protocol
 import aiohttp
 import blake3
 import numpy as np
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-# One implementation of these two for every load test: loadtest.ack has them already.
-from loadtest.ack import percentile, proc_cpu_seconds
 from storaged.client import Client
 from storaged.client.client import Holder, WritableBuffer
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
@@ -88,6 +90,55 @@ def new_loop(name: str = "uvloop") -> asyncio.AbstractEventLoop:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
         return loop
     return asyncio.new_event_loop()
+
+
+def prefaulted(size: int) -> bytearray:
+    """``size`` bytes, every page already touched (so not during a measured transfer)."""
+    # bytearray * n fills with memset: every page is touched now, not during a transfer.
+    return bytearray(b"\x01") * size
+
+
+def serve_aiohttp(app: web.Application, loop_name: str, control: Connection) -> None:
+    """Serve ``app`` on an ephemeral port of ``HOST`` (on a fresh ``loop_name`` loop) and send
+    the port on ``control``; returns once SIGTERM stops the loop. For baseline servers run
+    with ``loadtest.ack.spawn_server``."""
+
+    async def start() -> web.AppRunner:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, 0, backlog=1024).start()
+        return runner
+
+    loop = new_loop(loop_name)
+    asyncio.set_event_loop(loop)
+    runner = loop.run_until_complete(start())
+    control.send(runner.addresses[0][1])
+    loop.add_signal_handler(signal.SIGTERM, loop.stop)
+    loop.run_forever()
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, all its threads."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[11]) / _CLK_TCK, int(fields[12]) / _CLK_TCK
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    return sum(proc_cpu_times(pid))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sequence."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
 
 
 # -- the checkpoint's bytes -----------------------------------------------------------------------

@@ -38,6 +38,7 @@ from typing import Any
 
 import blake3
 
+from loadtest.common import new_loop, prefaulted
 from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
 
 MiB = 1 << 20
@@ -46,20 +47,6 @@ MODES = ("raw", "peer", "aiohttp")
 SECRET = b"loadtest-cluster-secret"
 HOST = "127.0.0.1"
 ROUND_TIMEOUT = 600  # seconds: a round that takes longer has hung
-
-
-def _new_loop(name: str) -> asyncio.AbstractEventLoop:
-    if name == "uvloop":
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        return loop
-    return asyncio.new_event_loop()
-
-
-def _prefaulted(size: int) -> bytearray:
-    # bytes * n fills with memset: every page is touched now, not during the transfer.
-    return bytearray(b"\x01") * size
 
 
 # -- servers (in the child process) -----------------------------------------------------------
@@ -117,7 +104,7 @@ class _PoolHandler(PeerHandler):
     """Lends pre-faulted chunk buffers, stores nothing."""
 
     def __init__(self, chunk: int, slots: int, verify: bool) -> None:
-        self._free = [_prefaulted(chunk) for _ in range(slots)]
+        self._free = [prefaulted(chunk) for _ in range(slots)]
         self._verify = verify
 
     async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
@@ -143,7 +130,7 @@ class _PoolHandler(PeerHandler):
 async def _start_server(mode: str, chunk: int, slots: int, verify: bool) -> int:
     loop = asyncio.get_running_loop()
     if mode == "raw":
-        sink_buffers = collections.deque(_prefaulted(chunk) for _ in range(slots))
+        sink_buffers = collections.deque(prefaulted(chunk) for _ in range(slots))
         server = await loop.create_server(lambda: _RawSink(sink_buffers), HOST, 0)
         port: int = server.sockets[0].getsockname()[1]
         return port
@@ -153,7 +140,7 @@ async def _start_server(mode: str, chunk: int, slots: int, verify: bool) -> int:
         return peer.port
     from aiohttp import web
 
-    pool = [_prefaulted(chunk) for _ in range(slots)]
+    pool = [prefaulted(chunk) for _ in range(slots)]
 
     async def put_chunk(request: web.Request) -> web.Response:
         buf = pool.pop()
@@ -181,7 +168,7 @@ def serve(
 ) -> None:
     """A sink for ``mode`` (raw, peer or aiohttp) in this process: sends its port on ``control``,
     then answers each ``"cpu"`` with its process CPU seconds; any other message stops it."""
-    loop = _new_loop(loop_name)
+    loop = new_loop(loop_name)
     asyncio.set_event_loop(loop)
     port = loop.run_until_complete(_start_server(mode, chunk, slots, verify))
 
@@ -396,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"{mode} server did not start")
             ports[mode] = mine.recv()
             controls[mode] = mine
-        with asyncio.Runner(loop_factory=lambda: _new_loop(args.loop)) as runner:
+        with asyncio.Runner(loop_factory=lambda: new_loop(args.loop)) as runner:
             rounds = runner.run(_run_all(plan, ports, controls, args.repeat))
     finally:
         for control in controls.values():

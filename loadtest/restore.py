@@ -41,7 +41,6 @@ import asyncio
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -91,6 +90,7 @@ from loadtest.common import (
     resolve_workload,
     run_and_write,
     run_notes,
+    serve_aiohttp,
     start_cluster,
     summarize_latencies,
     torch_available,
@@ -180,20 +180,9 @@ def serve_memory(layout: Layout, loop_name: str, control: Connection) -> None:
         # A view of the stored bytes: aiohttp writes it to the socket without a copy.
         return web.Response(body=view[start:end], content_type="application/octet-stream")
 
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_get("/items/{key}", get_item)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, HOST, 0, backlog=1024).start()
-        return runner
-
-    loop = new_loop(loop_name)
-    asyncio.set_event_loop(loop)
-    runner = loop.run_until_complete(start())
-    control.send(runner.addresses[0][1])
-    loop.add_signal_handler(signal.SIGTERM, loop.stop)
-    loop.run_forever()
+    app = web.Application()
+    app.router.add_get("/items/{key}", get_item)
+    serve_aiohttp(app, loop_name, control)
 
 
 @dataclass(frozen=True)

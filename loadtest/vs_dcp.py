@@ -63,7 +63,7 @@ import blake3
 import numpy as np
 
 from loadtest import common
-from loadtest.common import TOKEN
+from loadtest.common import TOKEN, proc_cpu_seconds
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster
@@ -77,7 +77,6 @@ GB = 1e9
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES = os.cpu_count() or 1
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: py-spy samples per second (--native stops the process for each sample)
 PROFILE_HZ = 50
 #: RAM tier per node: this much above an even share of three copies, for uneven placement
@@ -194,15 +193,6 @@ def digest_arrays(arrays: Sequence[np.ndarray[Any, Any]]) -> str:
 
 
 # -- measuring ------------------------------------------------------------------------------------
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def machine_jiffies() -> tuple[int, int, int]:

@@ -20,10 +20,10 @@ from loadtest.ack import (
     categorize,
     is_gil_wait,
     is_idle,
-    percentile,
     summarize_perf,
     summarize_profile,
 )
+from loadtest.common import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 
