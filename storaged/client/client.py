@@ -18,16 +18,18 @@ import itertools
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import msgpack
 import numpy as np
 
+from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
 from storaged.client.errors import (
     BadName,
     BadRange,
@@ -253,6 +255,34 @@ def range_header(byte_range: ByteRange) -> str:
     return f"bytes={byte_range.start}-{byte_range.end - 1}"
 
 
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(?:\d+|\*)")
+
+
+def check_content_range(value: str | None, start: int, length: int | None) -> None:
+    """``ProtocolError`` unless a 206's ``Content-Range`` starts at ``start`` and spans
+    ``length`` bytes (when the length is known)."""
+    match = _CONTENT_RANGE.fullmatch(value.strip()) if value else None
+    if match is None:
+        raise ProtocolError(message=f"206 answer with Content-Range {value!r}", status=206)
+    first, last = int(match[1]), int(match[2])
+    if first != start or last < first or (length is not None and last - first + 1 != length):
+        raise ProtocolError(
+            message=f"206 answer with Content-Range {value!r} for {length} bytes from {start}",
+            status=206,
+        )
+
+
+def _header_lines(headers: Mapping[str, str]) -> str:
+    """``headers`` as HTTP/1.1 head lines; ``ValueError`` for a name or value that would
+    break the head (a line break, or a name with a colon or space)."""
+    lines = []
+    for name, value in headers.items():
+        if any(c in name for c in ":\r\n ") or "\r" in value or "\n" in value:
+            raise ValueError(f"header {name!r} cannot be sent")
+        lines.append(f"{name}: {value}\r\n")
+    return "".join(lines)
+
+
 def writable_view(out: WritableBuffer) -> memoryview:
     """A flat, writable byte view of ``out``; ``TypeError`` if it is read-only or strided."""
     view = out.data if isinstance(out, np.ndarray) else memoryview(out)
@@ -298,6 +328,13 @@ class Client:
     ``max_concurrency`` bounds the requests in flight; ``retry`` says how failures are
     retried; ``request_timeout`` bounds each attempt (``connect_timeout`` its
     connection, ``read_timeout`` each wait for body bytes).
+
+    ``direct_reads``: chunk GETs to plain-http nodes read their bodies straight into
+    the destination buffer (``storaged.client.direct``) instead of through aiohttp;
+    anything that path does not read (https, chunked bodies) still goes through
+    aiohttp. ``None`` (the default) uses it with the client's own session and not
+    with a session given to ``open``, whose hooks, headers and proxy settings it would
+    bypass; ``True`` uses it with any session, ``False`` never.
     """
 
     def __init__(
@@ -314,6 +351,7 @@ class Client:
         hash_threads: int | None = None,
         suspect_seconds: float = 2.0,
         verify_reads: bool = False,
+        direct_reads: bool | None = None,
     ) -> None:
         seeds = [urls] if isinstance(urls, str) else list(urls)
         if not seeds:
@@ -331,6 +369,15 @@ class Client:
         self._hash_threads = hash_threads or max(1, os.cpu_count() or 1)
         self._suspect_seconds = suspect_seconds
         self._verify_reads = verify_reads
+        self._direct_reads = direct_reads
+        self._request_timeout = request_timeout
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        #: keep-alive connections of the direct read path; None when it is off
+        self.direct: DirectGets | None = None
+        #: node base URL -> ((host, port), path prefix, request head lines), or None: https
+        self._direct_targets: dict[str, tuple[tuple[str, int], str, str] | None] = {}
+        self._base_headers: dict[str, str] = {}
 
         self._session: aiohttp.ClientSession | None = None
         self._owns_session = True
@@ -368,6 +415,7 @@ class Client:
         headers = {"Accept": MSGPACK, "Accept-Encoding": "identity"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
+        self._base_headers = headers
         if self._session is None:
             if session is not None:
                 # A caller's session has its own defaults: ours go with every request.
@@ -380,6 +428,13 @@ class Client:
                     timeout=self._timeout,
                     auto_decompress=False,
                 )
+        use_direct = self._owns_session if self._direct_reads is None else self._direct_reads
+        if use_direct and self.direct is None:
+            self.direct = DirectGets(
+                connect_timeout=self._connect_timeout,
+                read_timeout=self._read_timeout,
+                pool_size=self._max_concurrency + 8,
+            )
         try:
             await self.refresh_cluster()
         except BaseException:
@@ -395,6 +450,9 @@ class Client:
         if self._session is not None and self._owns_session:
             await self._session.close()
         self._session = None
+        if self.direct is not None:
+            await self.direct.close()
+            self.direct = None
 
     @property
     def cluster(self) -> ClusterInfo:
@@ -489,6 +547,7 @@ class Client:
         headers: Mapping[str, str] | None = None,
         next_node_on: tuple[type[StoragedError], ...] = (),
         balance: int = 0,
+        direct: Callable[[str], Awaitable[T]] | None = None,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -501,6 +560,9 @@ class Client:
         ``replayed = True``. The first ``balance`` candidates are interchangeable (holders
         of the same bytes): the least loaded of them is picked once a request slot is
         free, not before (many fetches queued at once would otherwise all pick one node).
+        ``direct``, when given, makes an attempt on a node instead of aiohttp (same slots,
+        load counting and error handling); when it raises ``NotHandled`` the attempt is
+        made through aiohttp after all.
         """
         session = self._session
         if session is None:
@@ -533,6 +595,11 @@ class Client:
                         node = order[0]
                     self._inflight[node] = self._inflight.get(node, 0) + 1
                     try:
+                        if direct is not None:
+                            try:
+                                return await direct(node)
+                            except NotHandled:
+                                pass
                         async with session.request(
                             method,
                             self._url(node, path_query),
@@ -819,28 +886,77 @@ class Client:
         ranged = "Range" in headers
         skip = byte_range.start if byte_range is not None else 0
 
+        async def checked(view: memoryview) -> memoryview:
+            if self._verify_reads and not ranged and await chunk_id_of_async(view) != chunk_id:
+                raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
+            return view
+
         async def handle(resp: aiohttp.ClientResponse) -> memoryview:
             # A server that ignores Range answers 200 with the whole chunk: skip to the range.
             whole = ranged and resp.status == 200
             to_skip = skip if whole else 0
             length = resp.content_length
+            if ranged and resp.status == 206:
+                check_content_range(resp.headers.get("Content-Range"), skip, length)
             expected = (
                 want if want is not None else (length - to_skip if length is not None else None)
             )
-            view = await self._read_body(resp, target, expected, to_skip, whole)
-            if self._verify_reads and not ranged and await chunk_id_of_async(view) != chunk_id:
-                raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
-            return view
+            return await checked(await self._read_body(resp, target, expected, to_skip, whole))
+
+        def plan_body(head: ResponseHead) -> BodyPlan:
+            # The same decisions as handle() and _read_body, made before any body byte.
+            whole = ranged and head.status == 200
+            to_skip = skip if whole else 0
+            length = head.content_length
+            if ranged and head.status == 206:
+                check_content_range(head.headers.get("content-range"), skip, length)
+            body = length - to_skip
+            expected = want if want is not None else body
+            if body > expected and not whole:
+                raise ProtocolError(message=f"response longer than the {expected} bytes expected")
+            if body < expected:
+                short = max(body, 0)
+                raise ProtocolError(message=f"response of {short} bytes, expected {expected}")
+            if target is None:
+                return BodyPlan(memoryview(bytearray(expected)), to_skip)
+            if len(target) < expected:
+                raise ValueError(f"output buffer of {len(target)} bytes < {expected} to read")
+            return BodyPlan(target[:expected], to_skip)
+
+        path = f"/v1/chunks/{chunk_id}"
+        direct = self.direct
+        # The head lines this request adds to those every direct request carries.
+        extra_lines = _header_lines(
+            {k: v for k, v in headers.items() if self._base_headers.get(k) != v}
+        )
+
+        async def direct_get(node: str) -> memoryview:
+            where = self._direct_target(node)
+            if where is None or direct is None:
+                raise NotHandled(f"{node}: not a plain-http node")
+            addr, prefix, head_lines = where
+            request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}{extra_lines}\r\n"
+            async with asyncio.timeout(self._request_timeout):
+                head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
+            if head.status >= 400:
+                raise error_from_response(
+                    head.status,
+                    bytes(body),
+                    head.headers.get("content-type"),
+                    head.headers.get("retry-after"),
+                )
+            return await checked(body)
 
         candidates, balance = self._read_candidates(chunk_id, holders)
         view = await self._call(
             "GET",
-            f"/v1/chunks/{chunk_id}",
+            path,
             handle,
             candidates=candidates,
             headers=headers,
             next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
             balance=balance,
+            direct=direct_get if direct is not None else None,
         )
         self.stats.chunks_downloaded += 1
         self.stats.bytes_downloaded += len(view)
@@ -893,6 +1009,25 @@ class Client:
         if expected is not None and pos != expected:
             raise ProtocolError(message=f"response of {pos} bytes, expected {expected}")
         return out[:pos]
+
+    def _direct_target(self, node: str) -> tuple[tuple[str, int], str, str] | None:
+        """Where a direct GET to ``node`` goes: address, path prefix and the head lines
+        every request carries (Host, ours); None for a node the direct path does not reach."""
+        base = self._urls.get(node)
+        if base is None:
+            return None
+        try:
+            return self._direct_targets[base]
+        except KeyError:
+            pass
+        target: tuple[tuple[str, int], str, str] | None = None
+        parts = urlsplit(base)
+        if parts.scheme == "http" and parts.hostname and "@" not in parts.netloc:
+            port = parts.port or 80
+            lines = _header_lines({"Host": parts.netloc, **self._base_headers})
+            target = ((parts.hostname, port), parts.path.rstrip("/"), lines)
+        self._direct_targets[base] = target
+        return target
 
     @staticmethod
     def _check_chunk_id(chunk_id: str) -> None:

@@ -382,15 +382,18 @@ async def test_full_memory_is_backpressure_not_failure(cluster_factory: ClusterF
         await restored_boxes(client, "full/1", "g", g, split(g.shape, 0, [0, 2048]))
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["aiohttp", "direct"])
 @pytest.mark.parametrize("tier", ["memory", "cold"])
-async def test_restore_spreads_reads_over_the_holders(cluster: LocalCluster, tier: str) -> None:
+async def test_restore_spreads_reads_over_the_holders(
+    cluster: LocalCluster, tier: str, direct: bool
+) -> None:
     # Many fetches queued at once behind few request slots must not all pick one holder.
     # From RAM each chunk has its own 3 holders; cold-only, every node holds fragments of
     # every chunk, so the holder lists are identical and any tie bias shows at once (the
     # busiest node served 98 % of a cold restore before 52828fa).
     g = np.arange(48 * 65536, dtype=np.float32).reshape(48, 65536)  # 12 MiB
     g += {"memory": 0.0, "cold": 0.5}[tier]  # distinct chunks: no dedup across the cases
-    name = f"spread/{tier}"
+    name = f"spread/{tier}-{'direct' if direct else 'aiohttp'}"
     served: dict[str, int] = {}
 
     async def on_request(session: Any, ctx: Any, params: aiohttp.TraceRequestStartParams) -> None:
@@ -412,14 +415,20 @@ async def test_restore_spreads_reads_over_the_holders(cluster: LocalCluster, tie
                         assert r.status == 200, await r.text()
             plan = await writer.plan(name)
             assert plan and all(h.tier == "cold" for hs in plan.values() for h in hs), plan
-    async with aiohttp.ClientSession(trace_configs=[trace]) as session:
-        client = client_for(cluster, max_concurrency=4)
-        await client.open(session)
-        try:
-            dst = np.zeros_like(g)
+    dst = np.zeros_like(g)
+    if direct:  # the client's own session: chunk GETs go the direct way, counted there
+        async with client_for(cluster, max_concurrency=4) as client:
             await restore_checkpoint(client, name, {"g": dst})
-        finally:
-            await client.close()
+            assert client.direct is not None
+            served.update(client.direct.stats.by_addr)
+    else:  # a caller's traced session: every request goes through it
+        async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+            client = client_for(cluster, max_concurrency=4)
+            await client.open(session)
+            try:
+                await restore_checkpoint(client, name, {"g": dst})
+            finally:
+                await client.close()
     assert dst.tobytes() == g.tobytes()
     total = sum(served.values())
     assert total >= 48, served

@@ -532,6 +532,20 @@ async def test_get_tries_every_node_then_raises_not_found(cluster: LocalCluster)
     assert all(url.endswith(f"/v1/chunks/{never}") for url in gets)
 
 
+async def test_direct_get_tries_every_node_then_raises_not_found(cluster: LocalCluster) -> None:
+    never = chunk_id_of(b"never stored anywhere, directly")
+    async with client_for(cluster) as client:
+        await all_alive(client, cluster)
+        assert client.direct is not None
+        client.direct.stats.by_addr.clear()
+        holder = Holder("n2", cluster.url(2), "memory")
+        with pytest.raises(ChunkNotFound):
+            await client.get_chunk(never, holders=[holder])
+        asked = client.direct.stats.by_addr
+    assert asked == {url.removeprefix("http://"): 1 for url in cluster.urls}  # each node once
+    assert client.stats.failovers == 0 and client.stats.retries == 0
+
+
 async def test_get_reads_into_the_callers_buffer(cluster: LocalCluster) -> None:
     data = np.random.default_rng(24).bytes(300_000)
     async with client_for(cluster) as client:
