@@ -67,6 +67,7 @@ from tqdm import tqdm
 
 from storaged.client import Client
 from storaged.client.client import Holder, WritableBuffer
+from storaged.client.direct import ResponseHead
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster, free_port_block
 from tiers.base import ByteRange
@@ -765,10 +766,13 @@ class TracedClient(Client):
     """A ``Client`` whose session records every chunk request in ``self.log``.
 
     Open it with ``open_traced`` (it makes the session with the trace hooks and the
-    headers ``Client.open`` would use).
+    headers ``Client.open`` would use). Chunk GETs read directly, as with ``Client``'s
+    own session (``direct_reads=False`` to measure aiohttp's), are traced by the
+    client's ``_direct_*`` hooks.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("direct_reads", True)
         super().__init__(*args, **kwargs)
         self.log = RequestLog()
         self._own_session: aiohttp.ClientSession | None = None
@@ -818,6 +822,18 @@ class TracedClient(Client):
         tier = resp.headers.get("X-Storaged-Tier", "?")
         size = resp.content_length or 0
         self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + size
+
+    def _direct_sent(self, node: str) -> None:
+        fetch = _current_fetch.get()
+        if fetch is not None:
+            fetch.start = time.monotonic()  # a retry or failover restarts the clock
+
+    def _direct_answered(self, head: ResponseHead) -> None:
+        now = time.monotonic()
+        if self.log.first_byte is None or now < self.log.first_byte:
+            self.log.first_byte = now
+        tier = head.headers.get("x-storaged-tier", "?")
+        self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + head.content_length
 
     async def get_chunk(
         self,

@@ -110,6 +110,7 @@ class Relay:
         self.upstream = upstream
         self.limit = limit
         self.holding = asyncio.Event()
+        self._cut = asyncio.Event()
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
 
@@ -128,6 +129,7 @@ class Relay:
         return f"http://127.0.0.1:{self._port}"
 
     def cut(self) -> None:
+        self._cut.set()
         for writer in self._writers:
             writer.transport.abort()
 
@@ -150,6 +152,7 @@ class Relay:
                 writer.write(piece)
                 sent += len(piece)
             self.holding.set()
+            await self._cut.wait()  # the client's connection stays open until then
         finally:
             task.cancel()
             up_writer.close()
