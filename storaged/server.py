@@ -217,9 +217,9 @@ async def _send_body(
     copying it: ``web.Response`` hands the head and body to aiohttp's ``_writelines``,
     which on Python < 3.12.9 joins them into one new bytes object (a copy of the whole
     chunk, plus its allocation's page faults, per GET). Here the head goes out on
-    ``prepare`` and the body as the view itself, which uvloop sends with the head in one
-    ``writev`` and keeps (not a copy) for what the socket does not take at once: the
-    memory tier's ``get`` detaches the buffer for that reason."""
+    ``prepare`` (a small write of its own) and the body as the view itself, which uvloop
+    sends without a copy and keeps (still not a copy) for what the socket does not take at
+    once: the memory tier's ``get`` detaches the buffer for that reason."""
     resp = web.StreamResponse(status=status, headers=headers)
     resp.content_type = "application/octet-stream"
     resp.content_length = len(body)
