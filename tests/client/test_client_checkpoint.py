@@ -44,6 +44,7 @@ from storaged.client.layout import KeyNotSaved, RegionNotCovered
 from storaged.client.retry import RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,19 +66,10 @@ def fragile() -> Iterator[LocalCluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
-    return Client(cluster.urls, token=cluster.token, **kwargs)
-
-
 async def all_alive(client: Client, cluster: LocalCluster) -> None:
     """Until every node sees every other alive, and so does the client's view."""
     await every_node_sees_all_alive(cluster)
-    for _ in range(300):
-        info = await client.refresh_cluster()
-        if all(n.alive for n in info.nodes):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"nodes not all alive: {client.cluster}")
+    await client_sees_all_alive(client)
 
 
 @asynccontextmanager

@@ -28,7 +28,6 @@ from storaged.client import (
     ChecksumMismatch,
     ChunkNotFound,
     Client,
-    ClusterInfo,
     Exists,
     MissingChunks,
     Shard,
@@ -41,13 +40,10 @@ from storaged.client.errors import Unauthorized
 from storaged.client.retry import RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
-    return Client(cluster.urls, token=cluster.token, **kwargs)
 
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -90,26 +86,13 @@ async def restored_boxes(
     await asyncio.gather(*(one(o, e) for o, e in boxes))
 
 
-async def all_alive(client: Client) -> ClusterInfo:
-    """The cluster view once every node is alive in it (right after start-up the nodes
-    may not have heard each other yet)."""
-    info = client.cluster
-    for _ in range(100):
-        if all(n.alive for n in info.nodes):
-            break
-        await asyncio.sleep(0.1)
-        info = await client.refresh_cluster()
-    assert all(n.alive for n in info.nodes), info
-    return info
-
-
 # --------------------------------------------------------------------------- API
 
 
 async def test_client_learns_the_cluster_from_one_url(cluster: LocalCluster) -> None:
     async with Client(cluster.urls[2], token=cluster.token) as client:
         assert sorted(n.id for n in client.cluster.nodes) == [cluster.node_id(i) for i in range(4)]
-        info = await all_alive(client)
+        info = await client_sees_all_alive(client)
         assert info.replication == 3
         assert info.max_chunk_size == 16 << 20 and info.erasure is not None
     with pytest.raises(Unauthorized):
@@ -120,7 +103,7 @@ async def test_client_learns_the_cluster_from_one_url(cluster: LocalCluster) -> 
 async def test_chunk_api(cluster: LocalCluster) -> None:
     data = np.random.default_rng(1).bytes(300_000)
     async with client_for(cluster) as client:
-        await all_alive(client)
+        await client_sees_all_alive(client)
         result = await client.put_chunk_result(data)
         cid = chunk_id_of(data)
         assert result.chunk == cid and result.size == len(data)

@@ -28,13 +28,10 @@ from storaged.client.errors import (
 from storaged.client.retry import NO_RETRY, RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from tests.client.helpers import client_for
 from tests.conftest import ClusterFactory
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:
-    return Client(cluster.urls, token=cluster.token, **kwargs)
 
 
 def pool(client: Client) -> DirectGets:
