@@ -742,6 +742,31 @@ class Client:
             )
         return missing
 
+    async def evict(self, name: str, tier: str) -> dict[str, int]:
+        """Admin (``POST /v1/admin/evict``, docs/OPERATIONS.md): push checkpoint ``name``'s
+        chunks out of RAM (``tier="memory"``) or off nvme (``"nvme"``) wherever a colder
+        durable copy exists; dirty RAM and not-yet-cold nvme copies stay. Returns the copies
+        dropped per tier. ``ValueError`` for another tier, ``CheckpointNotFound``."""
+        if tier not in ("memory", "nvme"):
+            raise ValueError(f"tier must be 'memory' or 'nvme', not {tier!r}")
+        self._checkpoint_path(name)  # BadName before any request
+        payload: bytes = msgpack.packb({"checkpoint": name, "tier": tier})
+
+        async def handle(resp: aiohttp.ClientResponse) -> dict[str, int]:
+            doc = await self._decoded(resp)
+            try:
+                return {str(k): int(v) for k, v in doc["evicted"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ProtocolError(message=f"malformed evict answer: {exc!r}") from exc
+
+        return await self._call(
+            "POST",
+            "/v1/admin/evict",
+            handle,
+            body=lambda: payload,
+            headers={"Content-Type": MSGPACK},
+        )
+
     async def chunk_ids(self, chunks: Sequence[BytesLike]) -> list[str]:
         """BLAKE3 ids of ``chunks``, hashed in threads (at most ``hash_threads`` at a time)."""
 
