@@ -19,8 +19,9 @@ import pytest
 
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.placement import rendezvous_order
 from tests.conftest import TOKEN, ClusterFactory
-from tests.service.http import Api, random_chunk
+from tests.service.http import Api, manifest_for, random_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -102,6 +103,45 @@ async def test_same_answer_as_web_response(
     assert head.startswith(b"HTTP/1.1 206 ") and body == data[10:20]
     head, body = await asyncio.to_thread(_exchange, cluster.port, requests[0])
     assert head.startswith(b"HTTP/1.1 200 ") and body == data
+
+
+async def test_same_answer_from_nvme(
+    cluster_factory: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The nvme tier's bytes (read and BLAKE3-checked per GET) go through the same send.
+    # A chunk node 0 owns: it keeps the nvme copy once the chunk is cold (retention).
+    data = next(
+        d
+        for d in (random_chunk(2 * 2**20 + 11) for _ in range(64))
+        if rendezvous_order(chunk_id_of(d), ["n0", "n1"])[0] == "n0"
+    )
+    cid = chunk_id_of(data)
+    clusters = {}
+    for mode in ("stream", "response"):
+        monkeypatch.setenv("STORAGED_GET_SEND", mode)
+        clusters[mode] = await cluster_factory.start(2, replication=2, k=1, n=2)
+    async with aiohttp.ClientSession() as session:
+        for c in clusters.values():
+            a = Api(session, c.urls[0], TOKEN)
+            assert (await a.put_chunk(data)).status == 201
+            assert (await a.commit("send/nvme", manifest_for([data]))).status == 201
+            await a.wait_state("send/nvme", "cold", timeout=60)
+            for _ in range(100):  # until node 0 has dropped its RAM copy (drained by now)
+                r = await a.request(
+                    "POST", "/v1/admin/evict", doc={"checkpoint": "send/nvme", "tier": "memory"}
+                )
+                assert r.status == 200
+                if (await a.get_chunk(cid)).headers["X-Storaged-Tier"] == "nvme":
+                    break
+                await asyncio.sleep(0.1)
+    requests = [_get(cid), _get(cid, "Range: bytes=10-19\r\n"), _get(cid, "Range: bytes=-5\r\n")]
+    for request in requests:
+        new_head, new_body = await asyncio.to_thread(_exchange, clusters["stream"].port, request)
+        old_head, old_body = await asyncio.to_thread(_exchange, clusters["response"].port, request)
+        assert b"x-storaged-tier: nvme" in new_head.lower(), new_head
+        assert _head_lines(new_head) == _head_lines(old_head), request
+        assert new_body == old_body, request
+    assert new_body == data[-5:]
 
 
 def _walk_away(port: int, cid: str, reset: bool, at: int) -> int:
