@@ -122,6 +122,10 @@ class Config:
     #: a PUT body that delivers no byte for this long is abandoned (nothing is kept)
     body_timeout: float = 30.0
     max_manifest_size: int = 64 * 2**20
+    #: where this node dials its peers, when not at their advertised ``peer`` address:
+    #: ``"n1=127.0.0.1:9101,n2=127.0.0.1:9102"``. For fault-injection proxies on the peer
+    #: links (tests/nemesis) and for NAT; empty: dial every peer where the cluster file says.
+    peer_routes: str = ""
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -136,6 +140,14 @@ class Config:
     @property
     def data_dir(self) -> Path:
         return Path(self.data or self.node.data)
+
+    def dial_addr(self, spec: NodeSpec) -> tuple[str, int]:
+        """The address this node connects to for peer calls to ``spec``."""
+        for route in filter(None, (r.strip() for r in self.peer_routes.split(","))):
+            node_id, _, addr = route.partition("=")
+            if node_id.strip() == spec.id:
+                return NodeSpec(spec.id, spec.url, addr.strip()).peer_addr
+        return spec.peer_addr
 
     def validate(self) -> Config:
         if not self.cluster_secret:
@@ -169,6 +181,12 @@ class Config:
             )
         if self.max_chunk_size <= 0 or self.max_chunk_size > self.memory_capacity:
             raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
+        for route in filter(None, (r.strip() for r in self.peer_routes.split(","))):
+            node_id, eq, addr = route.partition("=")
+            if not eq or not re.fullmatch(r"\S+:\d+", addr.strip()):
+                raise ConfigError(
+                    f"peer_routes entry {route!r}: write node=host:port, e.g. n1=127.0.0.1:9101"
+                )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
         return self

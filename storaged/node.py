@@ -356,7 +356,7 @@ class Node:
         if node_id == self.id:
             reply, out = await self.call_local(method, args, memoryview(body) if body else None)
             return reply, (bytes(out) if isinstance(out, bytearray) else out)
-        addr = self.spec(node_id).peer_addr
+        addr = self.config.dial_addr(self.spec(node_id))
         try:
             if method in _DOC_METHODS:
                 # Arguments and reply travel as msgpack bodies: a manifest or a batch of
@@ -370,7 +370,7 @@ class Node:
             raise
 
     async def _ping(self, spec: NodeSpec) -> dict[str, Any]:
-        reply, _ = await self.peers.call(spec.peer_addr, "ping", {}, timeout=2.0)
+        reply, _ = await self.peers.call(self.config.dial_addr(spec), "ping", {}, timeout=2.0)
         return reply
 
     async def holdings(self, node_ids: Iterable[str], ids: list[str]) -> dict[str, list[Holding]]:
@@ -702,7 +702,7 @@ class Node:
         async def open_one(node_id: str) -> None:
             try:
                 streams[node_id] = await self.peers.open_put(
-                    self.spec(node_id).peer_addr, chunk_id, size
+                    self.config.dial_addr(self.spec(node_id)), chunk_id, size
                 )
             except PeerUnavailable:
                 self.membership.report_failure(node_id)
@@ -816,7 +816,9 @@ class Node:
 
     async def push_copy(self, node_id: str, chunk_id: str, data: memoryview) -> dict[str, Any]:
         """Send a whole copy of a chunk to ``node_id``'s RAM."""
-        stream = await self.peers.open_put(self.spec(node_id).peer_addr, chunk_id, len(data))
+        stream = await self.peers.open_put(
+            self.config.dial_addr(self.spec(node_id)), chunk_id, len(data)
+        )
         try:
             await stream.write(data)
             return await stream.finish()

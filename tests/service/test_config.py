@@ -84,3 +84,13 @@ def test_parse_size() -> None:
     for bad in ("", "12 parsecs", True, "-1"):
         with pytest.raises(ConfigError):
             parse_size(bad)
+
+
+def test_peer_routes_redirect_dialing_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path)
+    cfg = load_config(path, "n0", environ={"STORAGED_PEER_ROUTES": "n1=127.0.0.1:9101"})
+    n1, n2 = cfg.nodes[1], cfg.nodes[2]
+    assert cfg.dial_addr(n1) == ("127.0.0.1", 9101)
+    assert cfg.dial_addr(n2) == n2.peer_addr
+    with pytest.raises(ConfigError, match="node=host:port"):
+        load_config(path, "n0", environ={"STORAGED_PEER_ROUTES": "n1"})
