@@ -122,6 +122,12 @@ class Config:
     #: a PUT body that delivers no byte for this long is abandoned (nothing is kept)
     body_timeout: float = 30.0
     max_manifest_size: int = 64 * 2**20
+    #: a graceful stop (SIGTERM) waits this long at most for PUTs in flight and for the
+    #: drain of RAM-only chunks to disk before the node exits
+    stop_timeout: float = 120.0
+    #: a commit's catalogue writes must end within this many seconds of its chunk check;
+    #: the chunks it names are kept at least this long past the check (see pipeline/gc.py)
+    commit_window: float = 30.0
     #: where this node dials its peers, when not at their advertised ``peer`` address:
     #: ``"n1=127.0.0.1:9101,n2=127.0.0.1:9102"``. For fault-injection proxies on the peer
     #: links (tests/nemesis) and for NAT; empty: dial every peer where the cluster file says.
@@ -182,7 +188,7 @@ class Config:
         if self.max_chunk_size <= 0 or self.max_chunk_size > self.memory_capacity:
             raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
         for route in filter(None, (r.strip() for r in self.peer_routes.split(","))):
-            node_id, eq, addr = route.partition("=")
+            _, eq, addr = route.partition("=")
             if not eq or not re.fullmatch(r"\S+:\d+", addr.strip()):
                 raise ConfigError(
                     f"peer_routes entry {route!r}: write node=host:port, e.g. n1=127.0.0.1:9101"

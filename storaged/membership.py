@@ -125,6 +125,10 @@ class StaticMembership(Membership):
             info = await asyncio.wait_for(self._ping(peer), timeout=max(self._interval * 2, 1.0))
         except Exception:
             return
+        if info.get("stopping"):
+            # A node on its way out takes no new placements (its PUTs are refused anyway).
+            self.report_failure(peer.id)
+            return
         if peer.id in self._failed:
             log.info("peer %s is back", peer.id)
             self._failed.discard(peer.id)

@@ -303,8 +303,7 @@ async def missing_chunks(request: web.Request) -> web.Response:
     ids = doc.get("chunks") if isinstance(doc, dict) else None
     if not isinstance(ids, list) or not all(is_chunk_id(c) for c in ids):
         raise bad_request('body must be {"chunks": [chunk id, ...]}')
-    states = await node.chunk_states(list(dict.fromkeys(ids)))
-    return reply(request, {"missing": [c for c in ids if c not in states]})
+    return reply(request, {"missing": await node.missing(ids)})
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
@@ -406,19 +405,7 @@ async def evict(request: web.Request) -> web.Response:
     name = doc.get("checkpoint")
     if not is_checkpoint_name(name):
         raise ApiError(400, "bad_name", f"{name!r} is not a valid checkpoint name")
-    record = await node.get_checkpoint(str(name))
-    results = await asyncio.gather(
-        *(
-            node.call(n, "evict", {"ids": record.chunks, "nvme": doc["tier"] == "nvme"})
-            for n in node.membership.alive_ids()
-        ),
-        return_exceptions=True,
-    )
-    totals = {"memory": 0, "nvme": 0}
-    for r in results:
-        if not isinstance(r, BaseException):
-            for k in totals:
-                totals[k] += int(r[0].get(k, 0))
+    totals = await node.evict(str(name), nvme=doc["tier"] == "nvme")
     return reply(request, {"evicted": totals})
 
 
@@ -429,7 +416,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    node._update_gauges()
+    node.update_gauges()
     return web.Response(body=node.metrics.render(), content_type="text/plain")
 
 
@@ -481,7 +468,15 @@ async def serve(node: Node, stop: asyncio.Event) -> None:
     log.info("node %s serving %s (peer %s)", node.id, node.config.node.url, node.config.node.peer)
     try:
         await stop.wait()
-    finally:
+    except BaseException:
         with contextlib.suppress(Exception):
             await runner.cleanup()
         await node.close()
+        raise
+    # Graceful stop (I5): reads go on being served while RAM-only chunks drain to disk;
+    # PUTs are refused from here on.
+    try:
+        await node.shutdown()
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.cleanup()

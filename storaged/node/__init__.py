@@ -1,0 +1,25 @@
+"""A storaged node; ``core.Node`` ties the stages of a chunk's life together."""
+
+from storaged.node.core import Node
+from storaged.node.index import (
+    COLD,
+    MEMORY,
+    NVME,
+    STATES,
+    ChunkInfo,
+    Holding,
+    state_name,
+    state_rank,
+)
+
+__all__ = [
+    "COLD",
+    "MEMORY",
+    "NVME",
+    "STATES",
+    "ChunkInfo",
+    "Holding",
+    "Node",
+    "state_name",
+    "state_rank",
+]

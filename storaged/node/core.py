@@ -1,0 +1,484 @@
+"""One storaged node: its tiers, its chunk index, and the stages of a chunk's life.
+
+The stages live one module each, and each says which invariants it relies on and which
+it upholds (``docs/RELIABILITY.md`` has the whole list):
+
+==========================  ==========================================================
+``write.py``                the PUT path: RAM here and on the other holders, the ack
+``read.py``                 the GET path: fastest local tier, a peer, or fragments
+``checkpoints.py``          commits, the catalogue quorum, status and restore plans
+``pipeline/drain.py``       RAM -> nvme on every holder
+``pipeline/encode.py``      nvme -> cold fragments, by the chunk's owner
+``pipeline/repair.py``      missing copies, fragments and catalogue records
+``pipeline/gc.py``          unreferenced chunks after the grace period, retention
+``pipeline/scrub.py``       re-reads stored bytes
+``rpc.py``                  the peer calls other nodes make on this one
+==========================  ==========================================================
+
+This module holds what they share: configuration, tiers, the index, placement, and the
+peer-call plumbing. The HTTP layer (``storaged.server``) calls the ``Node`` methods below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
+
+import msgpack
+
+from erasure import make_codec, parse_fragment_key
+from erasure.base import Codec
+from storaged.catalog import Catalog, CatalogRecord
+from storaged.config import Config, NodeSpec
+from storaged.manifest import CheckedManifest
+from storaged.membership import Membership, StaticMembership
+from storaged.metrics import NodeMetrics
+from storaged.node.checkpoints import Checkpoints
+from storaged.node.index import (
+    COLD,
+    MEMORY,
+    NVME,
+    ChunkInfo,
+    ChunkLocks,
+    Holding,
+    StateLog,
+)
+from storaged.node.pipeline.drain import Drain
+from storaged.node.pipeline.encode import Encoder
+from storaged.node.pipeline.gc import Collector
+from storaged.node.pipeline.repair import Repair
+from storaged.node.pipeline.scrub import Scrubber
+from storaged.node.read import ReadPath
+from storaged.node.rpc import DOC_METHODS, PeerRpc
+from storaged.node.write import BodyPieces, WritePath
+from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
+from storaged.placement import rendezvous_order
+from tiers import ByteRange
+from tiers.cold import ColdTier
+from tiers.memory import MemoryTier
+from tiers.nvme import NvmeTier
+
+log = logging.getLogger("storaged.node")
+
+#: chunk ids per chunk_info call
+_INFO_BATCH = 4096
+
+
+class Node:
+    """A storaged node. Create with ``await Node.open(config)``, stop with ``await
+    shutdown()`` (graceful: drains RAM-only data first) or ``await close()`` (at once)."""
+
+    def __init__(
+        self,
+        config: Config,
+        memory: MemoryTier,
+        nvme: NvmeTier,
+        cold: ColdTier,
+        codec: Codec,
+        catalog: Catalog,
+        state_log: StateLog,
+        index: dict[str, ChunkInfo],
+    ) -> None:
+        self.config = config
+        self.id = config.node_id
+        self.memory = memory
+        self.nvme = nvme
+        self.cold = cold
+        self.codec = codec
+        self.catalog = catalog
+        self.state_log = state_log
+        self.index = index
+        self.fragments: dict[str, set[int]] = {}
+        self.locks = ChunkLocks()
+        #: chunks whose collection has been decided and is under way: held by no one
+        self.collecting: set[str] = set()
+        self.metrics = NodeMetrics()
+        secret = config.cluster_secret.encode()
+        self.rpc = PeerRpc(self)
+        self.peers = PeerClient(self.id, secret)
+        self.peer_server = PeerServer(self.id, secret, self.rpc.handler)
+        self.membership: Membership = StaticMembership(
+            self.id,
+            config.nodes,
+            self._ping,
+            interval=config.heartbeat_interval,
+            down_after=config.down_after,
+        )
+        self.writes = WritePath(self)
+        self.reads = ReadPath(self)
+        self.checkpoints = Checkpoints(self)
+        self.drainer = Drain(self)
+        self.encoder = Encoder(self)
+        self.repairer = Repair(self)
+        self.collector = Collector(self)
+        self.scrubber = Scrubber(self)
+        self._tasks: list[asyncio.Task[None]] = []
+        #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
+        self.stopping = False
+        self.started = time.time()
+
+    # ---- life cycle ----------------------------------------------------------------------
+    @classmethod
+    async def open(cls, config: Config) -> Node:
+        data = config.data_dir
+        await asyncio.to_thread(lambda: data.mkdir(parents=True, exist_ok=True))
+        memory = MemoryTier(config.memory_capacity, put_timeout=config.put_wait)
+        nvme = await NvmeTier.open(data / "nvme", config.nvme_capacity)
+        cold = await ColdTier.open(data / "cold", config.cold_capacity)
+        catalog = await Catalog.open(data / "catalog")
+        state_log = StateLog(data / "chunks.state")
+        index = await asyncio.to_thread(state_log.load)
+        codec = make_codec(config.codec, config.k, config.n)
+        node = cls(config, memory, nvme, cold, codec, catalog, state_log, index)
+        await node._rebuild_index()
+        return node
+
+    async def _rebuild_index(self) -> None:
+        """Join the state log with what the disks hold; what no disk holds is forgotten."""
+        now = time.time()
+        on_nvme: dict[str, int] = {}
+        async for key in self.nvme.keys():
+            on_nvme[key] = (await self.nvme.stat(key)).size
+        async for key in self.cold.keys():
+            cid, index = parse_fragment_key(key)
+            self.fragments.setdefault(cid, set()).add(index)
+        for cid, size in on_nvme.items():
+            info = self.index.get(cid)
+            if info is None:
+                self.index[cid] = ChunkInfo(size, NVME, now)
+            else:
+                info.state = max(info.state, NVME)
+        for cid in self.fragments:
+            if cid not in self.index:
+                # Fragments only: the state log was lost; a fragment is only written when the
+                # chunk was fully on nvme, so "nvme" is a safe lower bound.
+                self.index[cid] = ChunkInfo(-1, NVME, now)
+        gone = [cid for cid in self.index if cid not in on_nvme and cid not in self.fragments]
+        for cid in gone:
+            del self.index[cid]
+        # Uses before the restart were not recorded: count everything as used now (this
+        # only delays collections by one grace period).
+        for info in self.index.values():
+            info.last_use = now
+        log.info(
+            "node %s: index rebuilt: %d chunks on nvme, %d with fragments, %d forgotten",
+            self.id,
+            len(on_nvme),
+            len(self.fragments),
+            len(gone),
+        )
+
+    async def start(self) -> None:
+        host, port = self.config.node.peer_addr
+        await self.peer_server.start(host, port)
+        await self.membership.start()
+        self.drainer.start()
+        self.encoder.start()
+        self._spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
+        self._spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
+        self._spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
+        self._spawn(self._prefault(), "prefault")
+        # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
+        for cid, info in self.index.items():
+            if info.state < COLD:
+                self.encoder.offer(cid)
+
+    async def _prefault(self) -> None:
+        """Map part of the RAM tier ahead of the first PUTs (8 MiB, the client's chunk size)."""
+        size = min(8 * 2**20, self.config.max_chunk_size)
+        count = int(self.config.memory_capacity * self.config.prefault_fraction) // size
+        if count > 0:
+            added = await self.memory.prefault(size, count)
+            log.info("pre-faulted %d RAM buffers of %d bytes", added, size)
+
+    def spawn(self, coro: Awaitable[None], name: str) -> None:
+        """Run ``coro`` as a background task of this node (cancelled by ``close``)."""
+        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+
+    _spawn = spawn
+
+    async def shutdown(self, timeout: float | None = None) -> bool:
+        """Graceful stop (I5): refuse new PUTs, let those in flight finish, drain every
+        RAM-only chunk to nvme, then close. Bounded by ``timeout`` (default
+        ``config.stop_timeout``); returns whether everything acknowledged got to disk."""
+        limit = self.config.stop_timeout if timeout is None else timeout
+        self.stopping = True
+        deadline = time.monotonic() + limit
+        log.info("node %s stopping: refusing new PUTs, draining RAM-only chunks", self.id)
+        while self.writes.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = await self.drainer.drain_all(deadline)
+        if left:
+            log.error(
+                "node %s: %d RAM-only chunk(s) not on disk after %.0f s: %s",
+                self.id,
+                len(left),
+                limit,
+                ", ".join(left[:8]),
+            )
+        else:
+            log.info("node %s: every RAM-only chunk is on disk", self.id)
+        await self.close()
+        return not left
+
+    async def close(self) -> None:
+        """Stop at once (what a crash leaves behind, minus the torn files)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.drainer.close()
+        await self.encoder.close()
+        await self.membership.close()
+        await self.peer_server.close()
+        await self.peers.close()
+        await self.memory.close()
+        await self.nvme.close()
+        await self.cold.close()
+        self.state_log.close()
+
+    async def _periodic(self, interval: float, job: Callable[[], Awaitable[Any]]) -> None:
+        # Jitter spreads the nodes' passes apart.
+        await asyncio.sleep(interval * random.uniform(0.5, 1.0))
+        while True:
+            try:
+                await job()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background pass %s failed", getattr(job, "__name__", job))
+            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+
+    # ---- placement -------------------------------------------------------------------------
+    def live_order(self, key: str) -> list[str]:
+        """Live node ids in the rendezvous order of ``key`` (a chunk id)."""
+        return rendezvous_order(key, self.membership.alive_ids())
+
+    def hot_targets(self, chunk_id: str) -> list[str]:
+        return self.live_order(chunk_id)[: self.config.replication]
+
+    def owner(self, chunk_id: str) -> str:
+        return self.live_order(chunk_id)[0]
+
+    def fragment_targets(self, chunk_id: str) -> list[str]:
+        """Node of fragment ``i`` at position ``i``: a second ordering, wrapped over live nodes."""
+        order = rendezvous_order("fragments/" + chunk_id, self.membership.alive_ids())
+        return [order[i % len(order)] for i in range(self.config.n)]
+
+    def name_targets(self, name: str) -> list[str]:
+        return rendezvous_order("checkpoint/" + name, self.membership.alive_ids())[
+            : self.config.replication
+        ]
+
+    def spec(self, node_id: str) -> NodeSpec:
+        return self.membership.node(node_id)
+
+    # ---- peer calls ------------------------------------------------------------------------
+    async def call(
+        self,
+        node_id: str,
+        method: str,
+        args: dict[str, Any],
+        body: bytes | bytearray | memoryview | None = None,
+        timeout: float = 30.0,
+    ) -> tuple[dict[str, Any], bytes | memoryview | None]:
+        """``method`` on ``node_id`` (locally without a socket when it is this node)."""
+        if node_id == self.id:
+            reply, out = await self.rpc.call_local(method, args, memoryview(body) if body else None)
+            return reply, (bytes(out) if isinstance(out, bytearray) else out)
+        addr = self.config.dial_addr(self.spec(node_id))
+        try:
+            if method in DOC_METHODS:
+                # Arguments and reply travel as msgpack bodies: a manifest or a batch of
+                # thousands of chunk ids is far over the peer protocol's header limit.
+                packed = msgpack.packb(args, use_bin_type=True)
+                _, out = await self.peers.call(addr, method, {"doc": True}, packed, timeout=timeout)
+                return msgpack.unpackb(out, raw=False) if out is not None else {}, None
+            return await self.peers.call(addr, method, args, body, timeout=timeout)
+        except PeerUnavailable:
+            self.membership.report_failure(node_id)
+            raise
+
+    async def _ping(self, spec: NodeSpec) -> dict[str, Any]:
+        reply, _ = await self.peers.call(self.config.dial_addr(spec), "ping", {}, timeout=2.0)
+        return reply
+
+    async def holdings(
+        self, node_ids: Iterable[str], ids: list[str], *, touch: float | None = None
+    ) -> dict[str, list[Holding]]:
+        """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
+
+        With ``touch``, every node that reports a chunk held also records that a request
+        relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
+        touch are one step on that node, so GC cannot collect what was just reported held.
+        """
+        out: dict[str, list[Holding]] = {cid: [] for cid in ids}
+        args_extra = {} if touch is None else {"touch": touch}
+
+        async def ask(node_id: str, batch: list[str]) -> None:
+            try:
+                reply, _ = await self.call(
+                    node_id, "chunk_info", {"ids": batch, **args_extra}, timeout=30.0
+                )
+            except PeerError:
+                return
+            for cid, (mem, nvme, frags, state, size) in reply["info"].items():
+                if cid in out:
+                    out[cid].append(Holding(node_id, mem, nvme, tuple(frags), state, size))
+
+        # Batches keep each call's message small for checkpoints of many chunks.
+        batches = [ids[i : i + _INFO_BATCH] for i in range(0, len(ids), _INFO_BATCH)]
+        await asyncio.gather(*(ask(n, b) for n in node_ids for b in batches))
+        return out
+
+    async def chunk_states(
+        self, ids: list[str], *, touch: float | None = None
+    ) -> dict[str, tuple[int, int]]:
+        """Cluster-wide (state, size) of each held chunk; absent ids are not held anywhere.
+
+        Held: a hot copy on some live node, or at least ``k`` distinct fragments."""
+        alive = self.membership.alive_ids()
+        held = await self.holdings(alive, ids, touch=touch)
+        out: dict[str, tuple[int, int]] = {}
+        for cid, answers in held.items():
+            if not answers:
+                continue
+            state = max(h.state for h in answers)
+            frags = {i for h in answers for i in h.fragments}
+            if len(frags) >= self.config.n:
+                state = COLD
+            size = max(h.size for h in answers)
+            hot = sum(1 for h in answers if h.hot)
+            if hot == 0 and len(frags) < self.config.k:
+                continue  # neither a copy nor enough fragments: not held
+            out[cid] = (state, size)
+        return out
+
+    # ---- local holdings ------------------------------------------------------------------
+    def memory_has(self, chunk_id: str) -> bool:
+        return self.memory.has(chunk_id)
+
+    def nvme_has(self, chunk_id: str) -> bool:
+        return self.nvme.has(chunk_id)
+
+    def holds_hot(self, chunk_id: str) -> bool:
+        return self.memory_has(chunk_id) or self.nvme_has(chunk_id)
+
+    def is_cold(self, chunk_id: str) -> bool:
+        info = self.index.get(chunk_id)
+        return info is not None and info.state >= COLD
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for tier in (self.memory, self.nvme, self.cold):
+            u = tier.usage()
+            out[tier.name] = {"used": u.used, "capacity": u.capacity, "count": u.count}
+        return out
+
+    def note_stored(self, chunk_id: str, size: int) -> None:
+        """A verified copy of ``chunk_id`` is now here (RAM): index it, counted as used now."""
+        now = time.time()
+        info = self.index.get(chunk_id)
+        if info is None:
+            self.index[chunk_id] = ChunkInfo(size, MEMORY, now, now)
+        else:
+            if info.size < 0:
+                info.size = size
+            info.touch(now)
+
+    async def record_state(self, ids: Iterable[str], state: int) -> None:
+        records = []
+        for cid in ids:
+            info = self.index.get(cid)
+            if info is not None and info.state < state:
+                info.state = state
+                records.append((cid, state, info.size, info.stored_at))
+        await self.state_log.append(records, sync=True)
+
+    def forget_fragment(self, key: str) -> None:
+        cid, index = parse_fragment_key(key)
+        held = self.fragments.get(cid)
+        if held is not None:
+            held.discard(index)
+            if not held:
+                del self.fragments[cid]
+
+    def update_gauges(self) -> None:
+        for tier in (self.memory, self.nvme, self.cold):
+            u = tier.usage()
+            self.metrics.tier_bytes.labels(tier.name).set(u.used)
+            self.metrics.tier_chunks.labels(tier.name).set(u.count)
+            self.metrics.tier_capacity.labels(tier.name).set(u.capacity)
+
+    _update_gauges = update_gauges
+
+    # ---- what the HTTP layer calls -------------------------------------------------------
+    async def put_chunk(
+        self, chunk_id: str, size: int, body: BodyPieces
+    ) -> tuple[int, dict[str, Any]]:
+        return await self.writes.put_chunk(chunk_id, size, body)
+
+    async def read_chunk(
+        self, chunk_id: str, rng: ByteRange | None = None
+    ) -> tuple[bytes | memoryview, str]:
+        return await self.reads.read_chunk(chunk_id, rng)
+
+    async def missing(self, ids: list[str]) -> list[str]:
+        """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
+        states = await self.chunk_states(list(dict.fromkeys(ids)), touch=time.time())
+        return [c for c in ids if c not in states]
+
+    async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
+        return await self.checkpoints.commit(name, checked)
+
+    async def get_checkpoint(self, name: str) -> CatalogRecord:
+        return await self.checkpoints.get(name)
+
+    async def list_checkpoints(self, prefix: str) -> list[CatalogRecord]:
+        return await self.checkpoints.list(prefix)
+
+    async def delete_checkpoint(self, name: str) -> None:
+        await self.checkpoints.delete(name)
+
+    async def checkpoint_status(self, name: str) -> dict[str, Any]:
+        return await self.checkpoints.status(name)
+
+    async def restore_plan(self, name: str) -> dict[str, Any]:
+        return await self.checkpoints.restore_plan(name)
+
+    async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
+        record = await self.checkpoints.get(name)
+        results = await asyncio.gather(
+            *(
+                self.call(n, "evict", {"ids": record.chunks, "nvme": nvme})
+                for n in self.membership.alive_ids()
+            ),
+            return_exceptions=True,
+        )
+        totals = {"memory": 0, "nvme": 0}
+        for r in results:
+            if not isinstance(r, BaseException):
+                for k in totals:
+                    totals[k] += int(r[0].get(k, 0))
+        return totals
+
+    # ---- background passes (also called directly by tests) ----------------------------------
+    async def gc_pass(self) -> None:
+        await self.collector.gc_pass()
+
+    async def repair_pass(self) -> None:
+        await self.repairer.repair_pass()
+
+    async def scrub_pass(self) -> None:
+        await self.scrubber.scrub_pass()
+
+    @contextlib.asynccontextmanager
+    async def local_copy(self, chunk_id: str) -> AsyncIterator[bytes | memoryview | None]:
+        async with self.reads.local_copy(chunk_id) as data:
+            yield data

@@ -1,0 +1,140 @@
+"""Drain: every holder writes its RAM copy to nvme (temp file, fsync, rename, dir fsync).
+
+Upholds:
+
+- After ``drain`` returns, the chunk is on this node's disk and its RAM copy is clean
+  (evictable); until then the RAM copy is dirty and never evicted.
+- **I6 progress**: a failed drain (full disk, an I/O error, anything but the chunk having
+  been collected) is retried with a growing delay; no chunk stays RAM-only forever while
+  the node runs.
+- **I5 stops**: ``drain_all`` writes every dirty chunk before a graceful stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from storaged.peer import PeerError
+from tiers import ChunkNotFound
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.drain")
+
+#: retry delays of a failing drain grow up to this
+_MAX_BACKOFF = 30.0
+
+
+class Drain:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._retries: dict[str, float] = {}  # chunk id -> its next delay
+        self._workers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for i in range(self.node.config.drain_workers):
+            self._workers.append(asyncio.create_task(self._worker(), name=f"drain-{i}"))
+
+    async def close(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers.clear()
+
+    def offer(self, chunk_id: str) -> None:
+        self._queue.put_nowait(chunk_id)
+        self.node.metrics.drain_backlog.inc()
+
+    def _ram_pressed(self) -> bool:
+        u = self.node.memory.usage()
+        return u.used > u.capacity // 2
+
+    async def quiet(self, longest: float, *, unless_ram_pressed: bool = False) -> None:
+        """Wait (at most ``longest`` s) until no PUT is in flight: acks come first."""
+        writes = self.node.writes
+        deadline = time.monotonic() + longest
+        while writes.inflight and time.monotonic() < deadline and not self.node.stopping:
+            if unless_ram_pressed and self._ram_pressed():
+                return
+            await asyncio.sleep(0.02)
+
+    async def _worker(self) -> None:
+        node = self.node
+        while True:
+            cid = await self._queue.get()
+            node.metrics.drain_backlog.dec()
+            try:
+                await self.quiet(node.config.drain_defer, unless_ram_pressed=True)
+                await self.drain(cid)
+                self._retries.pop(cid, None)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = self._retries.get(cid, 0.5)
+                self._retries[cid] = min(delay * 2, _MAX_BACKOFF)
+                log.warning(
+                    "drain of %s failed (%s: %s); retrying in %.1f s",
+                    cid,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                )
+                node.spawn(self._retry_later(cid, delay), f"drain-retry-{cid[:8]}")
+
+    async def _retry_later(self, chunk_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.offer(chunk_id)
+
+    async def drain(self, chunk_id: str) -> None:
+        """RAM copy -> nvme file (durable), then the RAM copy is clean (evictable)."""
+        node = self.node
+        if not node.nvme_has(chunk_id):
+            try:
+                async with node.memory.lease(chunk_id) as view:
+                    await node.nvme.put(chunk_id, view, verified=True)
+            except ChunkNotFound:
+                return  # collected meanwhile: nothing left to drain
+        node.memory.mark_clean(chunk_id)
+        node.metrics.drained.inc()
+        owner = node.owner(chunk_id)
+        if owner == node.id:
+            node.encoder.offer(chunk_id)
+        else:
+            with contextlib.suppress(PeerError):
+                await node.call(owner, "drained", {"id": chunk_id})
+
+    async def drain_all(self, deadline: float) -> list[str]:
+        """Drain every dirty RAM chunk (for a graceful stop), retrying failures until
+        ``deadline`` (monotonic). Returns the chunks still RAM-only."""
+        node = self.node
+        left = node.memory.dirty_keys()
+        attempt = 0
+        while left and time.monotonic() < deadline:
+            failed = []
+            for cid in left:
+                if time.monotonic() >= deadline:
+                    failed.append(cid)
+                    continue
+                try:
+                    async with node.memory.lease(cid) as view:
+                        if not node.nvme_has(cid):
+                            await node.nvme.put(cid, view, verified=True)
+                    node.memory.mark_clean(cid)
+                except ChunkNotFound:
+                    continue
+                except Exception as exc:
+                    log.warning("stop: drain of %s failed: %s", cid, exc)
+                    failed.append(cid)
+            left = [c for c in failed if node.memory.is_dirty(c)]
+            attempt += 1
+            if left:
+                await asyncio.sleep(min(0.2 * attempt, 2.0))
+        return left

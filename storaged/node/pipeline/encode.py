@@ -1,0 +1,151 @@
+"""Encode: the chunk's owner turns it into ``n`` fragments on ``n`` placements.
+
+Relies on: the drain (every hot holder reports ``drained``), the codec's checks.
+
+Upholds:
+
+- A chunk is marked ``nvme`` only once every hot holder has it on disk, and ``cold`` only
+  once all ``n`` fragments are stored durably; only then do the extra nvme copies go
+  (the owner keeps its copy while retention wants it).
+- **I6 progress**: an encode that fails leaves the chunk as it was; the repair pass offers
+  it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from erasure import fragment_key
+from storaged.node.index import COLD, NVME
+from storaged.peer import PeerError
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.encode")
+
+
+class Encoder:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._pending: set[str] = set()
+        self._workers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for i in range(self.node.config.encode_workers):
+            self._workers.append(asyncio.create_task(self._worker(), name=f"encode-{i}"))
+
+    async def close(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers.clear()
+
+    def offer(self, chunk_id: str) -> None:
+        if chunk_id not in self._pending:
+            self._pending.add(chunk_id)
+            self._queue.put_nowait(chunk_id)
+            self.node.metrics.encode_backlog.set(len(self._pending))
+
+    @property
+    def backlog(self) -> int:
+        return len(self._pending)
+
+    async def _worker(self) -> None:
+        node = self.node
+        while True:
+            cid = await self._queue.get()
+            self._pending.discard(cid)
+            node.metrics.encode_backlog.set(len(self._pending))
+            try:
+                await self.advance(cid)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("encode of %s failed; repair will retry", cid)
+
+    async def advance(self, chunk_id: str) -> None:
+        """As the owner: nvme once every hot holder drained, then encode, then trim copies."""
+        node = self.node
+        if node.owner(chunk_id) != node.id or node.is_cold(chunk_id):
+            return
+        rf = node.config.replication
+        order = node.live_order(chunk_id)
+        ask = order[: rf + 2]
+        held = (await node.holdings(ask, [chunk_id]))[chunk_id]
+        if sum(1 for h in held if h.hot) < rf:
+            # Placed while membership was changing: copies may sit further down the order.
+            held += (await node.holdings(order[len(ask) :], [chunk_id]))[chunk_id]
+        hot = [h for h in held if h.hot]
+        if max((h.state for h in held), default=0) >= COLD:
+            await node.record_state([chunk_id], COLD)
+            return
+        if len(hot) < rf or any(not h.nvme for h in hot):
+            return  # not yet drained everywhere (the last holder's "drained" brings us back)
+        await asyncio.gather(
+            *(node.call(h.node, "set_state", {"ids": [chunk_id], "state": NVME}) for h in hot),
+            return_exceptions=True,
+        )
+        # Durable now; the cold tier can wait for a pause in the PUTs (acks come first).
+        await node.drainer.quiet(node.config.encode_defer)
+        async with node.reads.local_copy(chunk_id) as local:
+            data = local
+            if data is None:
+                # Placed while this node was thought down: the owner holds no copy itself.
+                data = await node.reads.whole_copy(chunk_id)
+                if data is None:
+                    log.warning("cannot encode %s: no holder serves it", chunk_id)
+                    return
+            if not await self.encode_and_spread(chunk_id, data):
+                return
+        holders = [h.node for h in hot]
+        await asyncio.gather(
+            *(node.call(n, "set_state", {"ids": [chunk_id], "state": COLD}) for n in holders),
+            return_exceptions=True,
+        )
+        node.metrics.encoded.inc()
+        # Retention: the owner keeps its nvme copy (the GC pass drops it unless the chunk
+        # belongs to a newest checkpoint); the other holders' nvme copies go now.
+        others = [n for n in holders if n != node.id]
+        await asyncio.gather(
+            *(node.call(n, "drop_nvme", {"ids": [chunk_id]}) for n in others),
+            return_exceptions=True,
+        )
+
+    async def encode_and_spread(
+        self, chunk_id: str, data: bytes | memoryview, only: Iterable[int] | None = None
+    ) -> bool:
+        """Encode and store fragments (all, or the indexes in ``only``) durably on their nodes."""
+        node = self.node
+        targets = node.fragment_targets(chunk_id)
+        per_node = math.ceil(node.config.n / len(set(targets)))
+        if per_node > node.config.n - node.config.k:
+            log.info(
+                "not encoding %s: too few live nodes to spread %d fragments", chunk_id, len(targets)
+            )
+            return False  # repair offers it again once enough nodes are back
+        fragments = await node.codec.encode_async(chunk_id, data)
+        wanted = set(range(node.config.n)) if only is None else set(only)
+
+        async def store(index: int) -> bool:
+            key = fragment_key(chunk_id, index)
+            blob = fragments[index].to_bytes()  # one joined copy: the peer call takes one body
+            try:
+                await node.call(
+                    targets[index], "put_fragment", {"key": key, "size": len(data)}, blob
+                )
+            except PeerError as exc:
+                log.warning("fragment %s to %s failed: %s", key, targets[index], exc)
+                return False
+            return True
+
+        results = await asyncio.gather(*(store(i) for i in sorted(wanted)))
+        return all(results)

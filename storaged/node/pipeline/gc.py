@@ -1,0 +1,150 @@
+"""GC: unreferenced chunks go after the grace period; retention trims cold chunks' nvme copies.
+
+Relies on: the catalogue gather (``Checkpoints.gather_catalog``) hearing from all but
+``replication - 1`` nodes (so every committed record, durable on ``replication`` holders,
+is seen); every use of a copy touching it (``ChunkInfo.last_use``: acks, ``/missing``
+answers, commits — the commit's touch reaches past its commit window); the per-chunk locks.
+
+Upholds **I3 referenced means kept**: a chunk is collected here only if no checkpoint
+named it in a catalogue snapshot taken at ``S``, its last use here is older than the grace
+``G``, and the collection happens before ``S + G/2``. A commit that names the chunk
+touched it at ``T`` (until ``T + W``, ``W`` its commit window) before writing its record,
+which is everywhere by ``T + W``. Collecting needs ``now > T + W + G`` and ``now < S + G/2``,
+so ``S > T + W``: the snapshot was taken after the record was written, and names the chunk.
+The check and the mark (``Node.collecting``) are one step under the chunk's lock, so a
+touch or a store lands either before (and wins) or after (and sees the chunk gone).
+
+Retention: a cold chunk's nvme copy goes only while all ``n`` of its fragments are held.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from erasure import fragment_key
+from storaged.catalog import CatalogRecord
+from storaged.node.index import COLD
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.gc")
+
+
+def newest_per_prefix(records: list[CatalogRecord], keep: int) -> set[str]:
+    """Chunk ids of the ``keep`` newest checkpoints under each prefix (the name's parent)."""
+    groups: dict[str, list[CatalogRecord]] = {}
+    for r in records:
+        groups.setdefault(r.name.rpartition("/")[0], []).append(r)
+    out: set[str] = set()
+    for group in groups.values():
+        group.sort(key=lambda r: (r.created, r.committed), reverse=True)
+        for r in group[:keep]:
+            out.update(r.chunks)
+    return out
+
+
+class Collector:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        #: chunks named by a live checkpoint, as of the last complete catalogue snapshot
+        self.referenced: set[str] | None = None
+
+    def is_garbage(self, chunk_id: str) -> bool:
+        """Unreferenced at the last snapshot and unused for the grace period (what GC takes:
+        repair leaves it alone rather than undo the collection)."""
+        info = self.node.index.get(chunk_id)
+        return (
+            info is not None
+            and self.referenced is not None
+            and chunk_id not in self.referenced
+            and time.time() - info.last_use > self.node.config.gc_grace
+        )
+
+    async def gc_pass(self) -> None:
+        node = self.node
+        cfg = node.config
+        snapshot_at = time.time()
+        catalog = await node.checkpoints.gather_catalog(with_chunks=True)
+        nodes = len(node.membership.all_ids())
+        if node.checkpoints.last_replies < nodes - (cfg.replication - 1):
+            return  # a manifest could be out of reach: freeing now could lose data
+        # Tombstones seen anywhere are applied everywhere.
+        for record in catalog.values():
+            local = node.catalog.raw(record.name)
+            if record.deleted is not None and local is not None and local.deleted is None:
+                await node.catalog.store(record)
+        live = [r for r in catalog.values() if r.deleted is None]
+        referenced: set[str] = set()
+        for r in live:
+            referenced.update(r.chunks)
+        self.referenced = referenced
+        protected = newest_per_prefix(live, cfg.retain_newest)
+        deadline = snapshot_at + cfg.gc_grace / 2
+        freed = 0
+        trim: list[str] = []
+        for cid in list(node.index):
+            if time.time() > deadline:
+                log.info("GC pass stopped: its catalogue snapshot is too old to act on")
+                break
+            info = node.index.get(cid)
+            if info is None:
+                continue
+            if cid not in referenced:
+                if await self.collect(cid, referenced, deadline):
+                    freed += 1
+                continue
+            keep = node.owner(cid) == node.id and cid in protected
+            if info.state >= COLD and node.nvme_has(cid) and not keep:
+                trim.append(cid)
+        if trim:
+            await self._trim_nvme(trim)
+        node.metrics.gc_freed.inc(freed)
+        node.update_gauges()
+
+    async def collect(self, chunk_id: str, referenced: set[str], deadline: float) -> bool:
+        """Remove every copy and fragment of ``chunk_id`` here if it is still garbage."""
+        node = self.node
+
+        def garbage() -> bool:
+            info = node.index.get(chunk_id)
+            now = time.time()
+            return (
+                info is not None
+                and chunk_id not in referenced
+                and now - info.last_use > node.config.gc_grace
+                and now <= deadline
+            )
+
+        if not garbage():
+            return False
+        async with node.locks.hold(chunk_id):
+            if not garbage():
+                return False
+            node.collecting.add(chunk_id)  # same step as the check: held by no one from now
+            try:
+                await self._delete_local(chunk_id)
+            finally:
+                node.collecting.discard(chunk_id)
+        return True
+
+    async def _delete_local(self, chunk_id: str) -> None:
+        node = self.node
+        await node.memory.delete(chunk_id)
+        await node.nvme.delete(chunk_id)
+        for index in list(node.fragments.get(chunk_id, ())):
+            await node.cold.delete(fragment_key(chunk_id, index))
+        node.fragments.pop(chunk_id, None)
+        if node.index.pop(chunk_id, None) is not None:
+            await node.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
+
+    async def _trim_nvme(self, ids: list[str]) -> None:
+        """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now."""
+        node = self.node
+        held = await node.holdings(node.membership.alive_ids(), ids)
+        for cid in ids:
+            frags = {i for h in held[cid] for i in h.fragments}
+            if len(frags) >= node.config.n and node.is_cold(cid) and cid not in node.collecting:
+                await node.nvme.delete(cid)

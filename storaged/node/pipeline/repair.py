@@ -1,0 +1,100 @@
+"""Repair: missing hot copies, missing fragments, and catalogue records short of holders.
+
+Relies on: GC's view of garbage (repair leaves it alone), the read path to find a whole
+copy anywhere (a peer, or a decode from fragments).
+
+Upholds **I6 progress**: every pass looks at every chunk this node knows of; the node that
+leads a chunk's repair (the first in placement order holding a hot copy, or, without any,
+the first holding fragments) brings it back to ``replication`` hot copies (not yet cold)
+or ``n`` fragments (cold), getting the bytes from wherever they are. An under-replicated
+chunk thus never waits on a node that cannot act (one holding only fragments).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from storaged.node.index import COLD, Holding
+from storaged.peer import PeerError
+from tiers import TierFull
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.repair")
+
+
+class Repair:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def repair_pass(self) -> None:
+        node = self.node
+        try:
+            await node.checkpoints.replicate_records()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("catalogue repair failed")
+        ids = list(node.index)
+        for start in range(0, len(ids), 256):
+            batch = ids[start : start + 256]
+            held = await node.holdings(node.membership.alive_ids(), batch)
+            for cid in batch:
+                try:
+                    await self.repair_one(cid, held[cid])
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("repair of %s failed", cid)
+
+    async def repair_one(self, chunk_id: str, held: list[Holding]) -> None:
+        node = self.node
+        cfg = node.config
+        if node.collector.is_garbage(chunk_id):
+            return  # garbage waiting for GC: copying it back would undo the collection
+        order = node.live_order(chunk_id)
+        hot = {h.node for h in held if h.hot}
+        with_fragments = {h.node for h in held if h.fragments}
+        leader = next((n for n in order if n in (hot or with_fragments)), None)
+        if leader != node.id:
+            return
+        state = max((h.state for h in held), default=0)
+        frags = {i for h in held for i in h.fragments}
+        if state >= COLD or len(frags) >= cfg.n:
+            missing = set(range(cfg.n)) - frags
+            if missing:
+                async with node.reads.local_copy(chunk_id) as local:
+                    data = local if local is not None else await node.reads.rebuild(chunk_id)
+                    if data is not None and await node.encoder.encode_and_spread(
+                        chunk_id, data, missing
+                    ):
+                        node.metrics.repaired.labels("fragment").inc(len(missing))
+            return
+        targets = order[: cfg.replication]
+        lacking = [n for n in targets if n not in hot]
+        if len(hot) >= cfg.replication or not lacking:
+            if all(h.nvme for h in held if h.hot):
+                node.encoder.offer(chunk_id)  # owner side: encode when ready
+                if node.owner(chunk_id) != node.id:
+                    with contextlib.suppress(PeerError):
+                        await node.call(node.owner(chunk_id), "drained", {"id": chunk_id})
+            return
+        async with node.reads.local_copy(chunk_id) as local:
+            data = local if local is not None else await node.reads.whole_copy(chunk_id)
+            if data is None:
+                log.warning("repair of %s: no copy and too few fragments to read", chunk_id)
+                return
+            view = memoryview(data)
+            for target in lacking[: cfg.replication - len(hot)]:
+                try:
+                    if target == node.id:
+                        await node.writes.keep_copy(chunk_id, view)
+                    else:
+                        await node.writes.push_copy(target, chunk_id, view)
+                    node.metrics.repaired.labels("copy").inc()
+                except (PeerError, TierFull) as exc:
+                    log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)

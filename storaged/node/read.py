@@ -1,0 +1,151 @@
+"""The read path: the fastest tier that has the bytes, here, on a peer, or from fragments.
+
+Upholds **I7 bytes**: nothing is returned that was not checked against the chunk id on
+the way (the tiers verify on every read; a peer's copy is hashed again here; a decode is
+checked with BLAKE3 by the codec). A copy that fails its check is quarantined by its tier
+and never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from erasure import fragment_key
+from erasure.base import ErasureError
+from storaged.ids import chunk_id_of_async
+from storaged.peer import PeerError
+from tiers import ByteRange, ChunkNotFound, CorruptChunk
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.read")
+
+
+def _slice(data: bytes | memoryview, rng: ByteRange | None) -> bytes | memoryview:
+    if rng is None:
+        return data
+    start, end = rng.resolve(len(data))
+    return memoryview(data)[start:end]
+
+
+class ReadPath:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def read_hot(
+        self, chunk_id: str, rng: ByteRange | None = None
+    ) -> tuple[bytes | memoryview | None, str]:
+        """The bytes from this node's RAM or nvme, verified; (None, "") when not held hot."""
+        node = self.node
+        if node.memory_has(chunk_id):
+            try:
+                data = await node.memory.get(chunk_id, rng)
+                return data, "memory"
+            except ChunkNotFound:
+                pass
+        if node.nvme_has(chunk_id):
+            try:
+                data = await node.nvme.get(chunk_id, rng)
+                return data, "nvme"
+            except CorruptChunk:
+                node.metrics.corrupt.labels("nvme").inc()
+                log.error("corrupt nvme copy of %s quarantined", chunk_id)
+            except ChunkNotFound:
+                pass
+        return None, ""
+
+    @contextlib.asynccontextmanager
+    async def local_copy(self, chunk_id: str) -> AsyncIterator[bytes | memoryview | None]:
+        """The chunk from this node's RAM (leased: valid inside the block only, and the pooled
+        buffer stays in the pool) or nvme (verified); None when neither holds it."""
+        async with contextlib.AsyncExitStack() as stack:
+            view: memoryview | None
+            try:
+                view = await stack.enter_async_context(self.node.memory.lease(chunk_id))
+            except ChunkNotFound:
+                view = None
+            if view is not None:
+                yield view
+            else:
+                data, _ = await self.read_hot(chunk_id)
+                yield data
+
+    async def read_chunk(
+        self, chunk_id: str, rng: ByteRange | None = None
+    ) -> tuple[bytes | memoryview, str]:
+        """The chunk (or a range of it) from the fastest source: here, a peer, or fragments."""
+        node = self.node
+        data, tier = await self.read_hot(chunk_id, rng)
+        if data is not None:
+            return data, tier
+        for node_id in node.live_order(chunk_id):
+            if node_id == node.id:
+                continue
+            try:
+                # Whole chunk from the peer, so that it can be checked against the id here.
+                reply, body = await node.call(node_id, "get_chunk", {"id": chunk_id})
+            except PeerError:
+                continue
+            body = b"" if body is None else body  # an empty chunk travels without a body
+            if await chunk_id_of_async(body) != chunk_id:
+                log.error("peer %s served bytes that fail the id of %s", node_id, chunk_id)
+                continue
+            return _slice(body, rng), str(reply.get("tier", "memory"))
+        whole = await self.rebuild(chunk_id)
+        if whole is None:
+            raise ChunkNotFound(chunk_id)
+        return _slice(whole, rng), "cold"
+
+    async def whole_copy(self, chunk_id: str) -> bytes | memoryview | None:
+        """The whole chunk from wherever it can be had (for repair and encode), or None."""
+        try:
+            data, _ = await self.read_chunk(chunk_id)
+        except ChunkNotFound:
+            return None
+        return data
+
+    async def rebuild(self, chunk_id: str) -> bytes | None:
+        """Decode a chunk from any ``k`` good fragments found on the live nodes."""
+        node = self.node
+        alive = node.membership.alive_ids()
+        held = (await node.holdings(alive, [chunk_id]))[chunk_id]
+        sources = [(h.node, i) for h in held for i in h.fragments]
+        if not sources:
+            return None
+        fragments: dict[int, bytes | memoryview] = {}
+        random.shuffle(sources)
+
+        async def fetch(node_id: str, index: int) -> None:
+            try:
+                _, body = await node.call(
+                    node_id, "get_fragment", {"key": fragment_key(chunk_id, index)}
+                )
+            except PeerError:
+                return
+            if body is not None:
+                fragments[index] = body
+
+        # Ask for k first, then the rest only if some were bad or missing.
+        seen: set[int] = set()
+        first = []
+        for node_id, index in sources:
+            if index not in seen:
+                seen.add(index)
+                first.append((node_id, index))
+        k = node.config.k
+        await asyncio.gather(*(fetch(n, i) for n, i in first[:k]))
+        try:
+            return await node.codec.decode_async(chunk_id, dict(fragments))
+        except ErasureError:
+            await asyncio.gather(*(fetch(n, i) for n, i in first[k:]))
+            try:
+                return await node.codec.decode_async(chunk_id, dict(fragments))
+            except ErasureError as exc:
+                log.error("cannot rebuild %s: %s", chunk_id, exc)
+                return None

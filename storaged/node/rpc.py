@@ -1,0 +1,208 @@
+"""The peer calls other nodes make on this one (``rpc_*``), and the peer server's handler.
+
+Chunk receives go to the write path; ``chunk_info`` answers for the index and, with
+``touch``, records the use in the same step (see ``index.ChunkInfo.last_use``). There is
+no call that deletes a chunk on request: collections are this node's own GC's decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from erasure import parse_fragment_key
+from storaged.catalog import CatalogRecord
+from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo
+from storaged.peer import PeerError, PeerHandler
+from tiers import ByteRange, ChunkNotFound, CorruptChunk, TierFull
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+#: peer calls whose arguments and replies can be large: sent as msgpack bodies
+DOC_METHODS = frozenset(
+    {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "set_state", "drop_nvme",
+     "evict"}
+)  # fmt: skip
+
+Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
+Method = Callable[[dict[str, Any], memoryview | None], Awaitable[Reply]]
+
+
+class PeerRpc:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.handler = _PeerHandler(self)
+
+    async def call_local(self, method: str, args: dict[str, Any], body: memoryview | None) -> Reply:
+        handler: Method | None = getattr(self, f"rpc_{method}", None)
+        if handler is None:
+            raise PeerError("bad_request", f"unknown method {method!r}")
+        return await handler(args, body)
+
+    async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        node = self.node
+        return {"id": node.id, "usage": node.usage(), "stopping": node.stopping}, None
+
+    async def rpc_chunk_info(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        node = self.node
+        touch = args.get("touch")
+        until = float(touch) if touch is not None else None
+        info: dict[str, list[Any]] = {}
+        for cid in args["ids"]:
+            if cid in node.collecting:
+                continue  # being collected: held by no one from the moment it was decided
+            mem = node.memory_has(cid)
+            nvme = node.nvme_has(cid)
+            frags = sorted(node.fragments.get(cid, ()))
+            known = node.index.get(cid)
+            if mem or nvme or frags:
+                if known is not None and until is not None:
+                    known.touch(until)
+                state = known.state if known else MEMORY
+                size = known.size if known else -1
+                info[cid] = [mem, nvme, frags, state, size]
+        return {"info": info}, None
+
+    async def rpc_get_chunk(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        cid = args["id"]
+        rng = ByteRange(args.get("start", 0), args.get("end"))
+        data, tier = await self.node.reads.read_hot(cid, rng)
+        if data is None:
+            raise PeerError("chunk_not_found", f"{cid} is not held hot here")
+        return {"tier": tier}, data
+
+    async def rpc_put_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        node = self.node
+        if body is None:
+            raise PeerError("bad_request", "put_fragment needs a body")
+        key = args["key"]
+        cid, index = parse_fragment_key(key)
+        async with node.locks.hold(cid):
+            try:
+                await node.cold.put(key, body)
+            except CorruptChunk as exc:
+                raise PeerError("checksum_mismatch", str(exc)) from exc
+            except TierFull as exc:
+                raise PeerError("cold_full", str(exc)) from exc
+            node.fragments.setdefault(cid, set()).add(index)
+            now = time.time()
+            info = node.index.get(cid)
+            if info is None:
+                node.index[cid] = ChunkInfo(int(args.get("size", -1)), NVME, now, now)
+            else:
+                info.touch(now)
+        return {}, None
+
+    async def rpc_get_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        node = self.node
+        key = args["key"]
+        try:
+            data = await node.cold.get(key)
+        except CorruptChunk as exc:
+            node.metrics.corrupt.labels("cold").inc()
+            node.forget_fragment(key)
+            raise PeerError("corrupt", str(exc)) from exc
+        except ChunkNotFound as exc:
+            node.forget_fragment(key)
+            raise PeerError("chunk_not_found", str(exc)) from exc
+        return {}, data
+
+    async def rpc_set_state(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        await self.node.record_state(args["ids"], int(args["state"]))
+        return {}, None
+
+    async def rpc_drained(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        self.node.encoder.offer(args["id"])
+        return {}, None
+
+    async def rpc_drop_nvme(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        node = self.node
+        for cid in args["ids"]:
+            # Only a cold chunk's nvme copy may go: it is what makes a chunk durable before.
+            if node.is_cold(cid):
+                await node.nvme.delete(cid)
+        return {}, None
+
+    async def rpc_evict(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """Admin: push chunks out of RAM (and, with ``nvme``, off nvme) where a colder copy
+        exists."""
+        node = self.node
+        evicted = {"memory": 0, "nvme": 0}
+        for cid in args["ids"]:
+            info = node.index.get(cid)
+            if info is None:
+                continue
+            colder = node.nvme_has(cid) or info.state >= COLD
+            if node.memory_has(cid) and colder and not node.memory.is_dirty(cid):
+                await node.memory.delete(cid)
+                evicted["memory"] += 1
+            nvme_goes = args.get("nvme") and info.state >= COLD and node.nvme_has(cid)
+            if nvme_goes and not node.memory_has(cid):
+                await node.nvme.delete(cid)
+                evicted["nvme"] += 1
+        return evicted, None
+
+    async def rpc_catalog_put(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        record = CatalogRecord.from_wire(args["record"])
+        ok = await self.node.catalog.store(record)
+        return {"stored": ok}, None
+
+    async def rpc_catalog_get(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        record = self.node.catalog.raw(args["name"])
+        return {"record": record.to_wire() if record else None}, None
+
+    async def rpc_catalog_dump(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        prefix = args.get("prefix", "")
+        with_chunks = bool(args.get("chunks"))
+        records = []
+        for r in self.node.catalog.records(prefix, tombstones=True):
+            wire = r.to_wire()
+            wire["manifest"] = None
+            if not with_chunks:
+                wire["chunks"] = []
+            records.append(wire)
+        return {"records": records}, None
+
+
+class _PeerHandler(PeerHandler):
+    """What the peer server calls: chunk receives go to the write path, calls to ``rpc_*``.
+
+    The peer server may hand back a new view of the buffer it was given; the memory tier
+    knows its allocations by the view it returned, so map back by the underlying object.
+    """
+
+    def __init__(self, rpc: PeerRpc) -> None:
+        self.rpc = rpc
+        self._given: dict[int, memoryview] = {}
+
+    def _original(self, buf: memoryview) -> memoryview:
+        return self._given.pop(id(buf.obj), buf)
+
+    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+        view = await self.rpc.node.writes.receive_chunk(chunk_id, size)
+        self._given[id(view.obj)] = view
+        return view
+
+    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+        return await self.rpc.node.writes.chunk_received(chunk_id, self._original(buf))
+
+    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+        self.rpc.node.writes.chunk_aborted(chunk_id, self._original(buf))
+
+    async def call(
+        self, method: str, args: dict[str, Any], body: memoryview | None
+    ) -> tuple[dict[str, Any], bytes | bytearray | memoryview | None]:
+        if args.get("doc") and method in DOC_METHODS:
+            if body is None:
+                raise PeerError("bad_request", f"{method} needs its arguments as a body")
+            try:
+                doc = msgpack.unpackb(body, raw=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise PeerError("bad_request", f"{method}: arguments are not msgpack") from exc
+            reply, _ = await self.rpc.call_local(method, doc, None)
+            return {"doc": True}, msgpack.packb(reply, use_bin_type=True)
+        return await self.rpc.call_local(method, args, body)

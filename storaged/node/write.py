@@ -1,0 +1,351 @@
+"""The write path: a PUT streams into RAM here and on the other holders; the ack.
+
+Relies on: the memory tier's buffer ownership (every buffer from ``allocate`` goes back
+through exactly one of ``put`` or ``release``), and the per-chunk locks of ``index``.
+
+Upholds:
+
+- **I1 ack**: a 201 or 200 means that at that moment ``replication`` distinct live nodes
+  hold a copy checked against the id, or the cluster holds all ``n`` fragments. The
+  "already stored" 200 asks the holders (and counts only what they report) first.
+- **I2 no collateral damage**: a failed or cancelled PUT deletes nothing anywhere. The
+  copies it left on other nodes are orphans like any unreferenced chunk: GC collects them
+  once their last use is older than the grace period. A copy another PUT counted is
+  touched (``last_use``) by that PUT, so it outlives the grace.
+- A replica that sees bytes that fail the id (damage between nodes: this node checked
+  its own copy) gets the chunk again from the checked local copy; only a client body
+  that fails the id is the client's 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from storaged.errors import ApiError, unavailable
+from storaged.ids import chunk_id_of_async
+from storaged.node.index import state_name
+from storaged.peer import PeerError, PeerUnavailable, PutStream
+from tiers import TierFull
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.node.write")
+
+BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
+
+#: sends of one copy to one replica that saw damaged bytes, before it counts as failed
+_RESENDS = 2
+
+
+class WritePath:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        #: PUTs in flight on this node (drain and encode give way to them)
+        self.inflight = 0
+
+    # ---- entry node ----------------------------------------------------------------------
+    async def put_chunk(
+        self, chunk_id: str, size: int, body: BodyPieces
+    ) -> tuple[int, dict[str, Any]]:
+        """Stream a chunk into RAM here and on the other replica holders; (status, reply)."""
+        node = self.node
+        if node.stopping:
+            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+        started = time.perf_counter()
+        targets = node.hot_targets(chunk_id)
+        if len(targets) < node.config.replication:
+            raise unavailable(
+                "insufficient_replicas",
+                f"{len(targets)} live node(s), replication needs {node.config.replication}",
+                retry_after=node.config.down_after,
+            )
+        if chunk_id in node.index:
+            held = await self.already_held(chunk_id)
+            if held is not None:
+                return 200, held
+        self.inflight += 1
+        try:
+            return await self._put_new(chunk_id, size, body, targets, started)
+        finally:
+            self.inflight -= 1
+
+    async def already_held(self, chunk_id: str) -> dict[str, Any] | None:
+        """The 200 reply if the cluster holds ``chunk_id`` as an ack promises (``replication``
+        hot copies or all ``n`` fragments), as the holders report it now; else None. Every
+        copy counted is touched, so GC keeps it for another grace period."""
+        node = self.node
+        answers = (await node.holdings(node.membership.alive_ids(), [chunk_id], touch=time.time()))[
+            chunk_id
+        ]
+        hot = [h.node for h in answers if h.hot]
+        frags = {i for h in answers for i in h.fragments}
+        size = max((h.size for h in answers), default=-1)
+        state = max((h.state for h in answers), default=0)
+        if len(hot) >= node.config.replication:
+            rank = {n: i for i, n in enumerate(node.live_order(chunk_id))}
+            replicas = sorted(hot, key=lambda n: rank.get(n, len(rank)))
+        elif len(frags) >= node.config.n:
+            replicas = sorted({h.node for h in answers if h.fragments})
+            state = max(state, 3)
+        else:
+            return None
+        return {
+            "chunk": chunk_id,
+            "size": size,
+            "replicas": replicas,
+            "state": state_name(max(state, 1)),
+        }
+
+    async def _put_new(
+        self, chunk_id: str, size: int, body: BodyPieces, targets: list[str], started: float
+    ) -> tuple[int, dict[str, Any]]:
+        node = self.node
+        try:
+            buf = await node.memory.allocate(size, timeout=node.config.put_wait)
+        except TierFull as exc:
+            raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+        streams: dict[str, PutStream] = {}
+        try:
+            remote = [t for t in targets if t != node.id]
+            streams = await self._open_streams(chunk_id, size, remote)
+            refused: list[PeerError] = []
+            received = await self._receive(body, buf, streams, refused)
+            if received < size:
+                raise ApiError(400, "truncated", f"body ended after {received} of {size} bytes")
+            if await chunk_id_of_async(buf) != chunk_id:
+                raise ApiError(400, "checksum_mismatch", "the body's BLAKE3-256 is not the id")
+            holders, created = await self._finish_streams(chunk_id, buf, streams, targets, refused)
+        except BaseException:
+            # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
+            for stream in streams.values():
+                stream.abort()
+            node.memory.release(buf)
+            raise
+        if node.id in holders:
+            if await self.store_local(chunk_id, buf):
+                created.append(node.id)
+        else:
+            node.memory.release(buf)
+        node.metrics.ack_latency.observe(time.perf_counter() - started)
+        if not created:
+            return 200, self._reply(chunk_id, size, holders)
+        node.metrics.put_bytes.inc(size)
+        return 201, {"chunk": chunk_id, "size": size, "replicas": holders, "state": "memory"}
+
+    def _reply(self, chunk_id: str, size: int, holders: list[str]) -> dict[str, Any]:
+        info = self.node.index.get(chunk_id)
+        state = state_name(info.state) if info else "memory"
+        return {"chunk": chunk_id, "size": size, "replicas": holders, "state": state}
+
+    async def _open_streams(
+        self, chunk_id: str, size: int, remote: list[str]
+    ) -> dict[str, PutStream]:
+        node = self.node
+        streams: dict[str, PutStream] = {}
+
+        async def open_one(node_id: str) -> None:
+            try:
+                streams[node_id] = await node.peers.open_put(
+                    node.config.dial_addr(node.spec(node_id)), chunk_id, size
+                )
+            except PeerUnavailable:
+                node.membership.report_failure(node_id)
+
+        await asyncio.gather(*(open_one(n) for n in remote))
+        return streams
+
+    async def _receive(
+        self,
+        body: BodyPieces,
+        buf: memoryview,
+        streams: dict[str, PutStream],
+        refused: list[PeerError],
+    ) -> int:
+        """Copy pieces into ``buf`` and forward them to every open stream as they arrive.
+
+        A peer that fails or refuses (e.g. memory_full) mid-body leaves ``streams``; its
+        refusal goes into ``refused``.
+        """
+        node = self.node
+        pos = 0
+        size = len(buf)
+        async for piece in body:
+            n = len(piece)
+            if pos + n > size:
+                raise ApiError(400, "bad_request", "body longer than its Content-Length")
+            buf[pos : pos + n] = piece  # the one copy into this node's RAM copy
+            if streams:
+                view = buf[pos : pos + n]
+                dropped = []
+                for node_id, stream in streams.items():
+                    try:
+                        await stream.write(view)
+                    except PeerUnavailable:
+                        node.membership.report_failure(node_id)
+                        dropped.append(node_id)
+                    except PeerError as exc:
+                        refused.append(exc)
+                        dropped.append(node_id)
+                for node_id in dropped:
+                    streams.pop(node_id).abort()
+            pos += n
+        return pos
+
+    async def _finish_streams(
+        self,
+        chunk_id: str,
+        buf: memoryview,
+        streams: dict[str, PutStream],
+        targets: list[str],
+        refused: list[PeerError],
+    ) -> tuple[list[str], list[str]]:
+        """Collect the peers' verdicts; replace failed holders from our own (checked) copy.
+
+        Returns (the holders in placement order, the remote ones that did not have it before).
+        """
+        node = self.node
+        holders: list[str] = [node.id] if node.id in targets else []
+        created: list[str] = []
+        damaged: list[str] = []
+
+        async def finish(node_id: str, stream: PutStream) -> None:
+            try:
+                reply = await stream.finish()
+            except PeerUnavailable as exc:
+                log.warning("replica %s of %s unavailable: %s", node_id, chunk_id, exc)
+                node.membership.report_failure(node_id)
+                return
+            except PeerError as exc:
+                if exc.code == "checksum_mismatch":
+                    damaged.append(node_id)
+                else:
+                    log.warning("replica %s refused %s: %s", node_id, chunk_id, exc)
+                    refused.append(exc)
+                return
+            holders.append(node_id)
+            if reply.get("new"):
+                created.append(node_id)
+
+        await asyncio.gather(*(finish(n, s) for n, s in streams.items()))
+        # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
+        # way. Send it our copy again rather than failing the client's good upload.
+        for node_id in damaged:
+            log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
+            reply = await self._push_with_resends(node_id, chunk_id, buf, refused)
+            if reply is not None:
+                holders.append(node_id)
+                if reply.get("new"):
+                    created.append(node_id)
+        # Fill the gaps (a dead or full peer) with the next live nodes of the order.
+        tried = set(targets)
+        for candidate in node.live_order(chunk_id):
+            if len(holders) >= node.config.replication:
+                break
+            if candidate in tried or candidate in holders:
+                continue
+            tried.add(candidate)
+            if candidate == node.id:
+                holders.append(node.id)
+                continue
+            reply = await self._push_with_resends(candidate, chunk_id, buf, refused)
+            if reply is None:
+                continue
+            holders.append(candidate)
+            if reply.get("new"):
+                created.append(candidate)
+        if len(holders) < node.config.replication:
+            if node.stopping:
+                raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+            if any(e.code == "memory_full" for e in refused):
+                raise unavailable("memory_full", "a replica holder is out of RAM", retry_after=1.0)
+            raise unavailable(
+                "insufficient_replicas",
+                f"only {len(holders)} node(s) could take the chunk; need {node.config.replication}",
+                retry_after=node.config.down_after,
+            )
+        rank = {n: i for i, n in enumerate(node.live_order(chunk_id))}
+        return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
+
+    async def _push_with_resends(
+        self, node_id: str, chunk_id: str, data: memoryview, refused: list[PeerError]
+    ) -> dict[str, Any] | None:
+        for _ in range(_RESENDS):
+            try:
+                return await self.push_copy(node_id, chunk_id, data)
+            except PeerUnavailable:
+                return None
+            except PeerError as exc:
+                if exc.code != "checksum_mismatch":
+                    refused.append(exc)
+                    return None
+                log.warning("replica %s saw damaged bytes of %s again", node_id, chunk_id)
+        return None
+
+    async def push_copy(self, node_id: str, chunk_id: str, data: memoryview) -> dict[str, Any]:
+        """Send a whole copy of a chunk to ``node_id``'s RAM."""
+        node = self.node
+        stream = await node.peers.open_put(
+            node.config.dial_addr(node.spec(node_id)), chunk_id, len(data)
+        )
+        try:
+            await stream.write(data)
+            return await stream.finish()
+        except BaseException:
+            stream.abort()
+            raise
+
+    # ---- any holder ------------------------------------------------------------------------
+    async def store_local(self, chunk_id: str, buf: memoryview) -> bool:
+        """Keep ``buf`` (a checked copy from ``memory.allocate``) as this node's RAM copy, or
+        release it when a copy is already here; either way this node now holds the chunk and
+        it counts as used now. True if the copy is new. Under the chunk's lock, so a
+        collection of an older copy is either finished (we store anew) or not begun (it will
+        see the fresh use and keep the copy)."""
+        node = self.node
+        async with node.locks.hold(chunk_id):
+            if node.holds_hot(chunk_id):
+                node.memory.release(buf)
+                node.note_stored(chunk_id, len(buf))
+                return False
+            await node.memory.put(chunk_id, buf, verified=True)
+            node.note_stored(chunk_id, len(buf))
+        node.drainer.offer(chunk_id)
+        return True
+
+    async def keep_copy(self, chunk_id: str, data: memoryview) -> bool:
+        """Store a copy of checked bytes read from elsewhere (repair) as this node's own."""
+        node = self.node
+        buf = await node.memory.allocate(len(data), timeout=node.config.put_wait)
+        try:
+            buf[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
+        except BaseException:
+            node.memory.release(buf)
+            raise
+        return await self.store_local(chunk_id, buf)
+
+    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+        """Peer side: a buffer for a copy another node sends."""
+        node = self.node
+        if node.stopping:
+            raise PeerError("shutting_down", f"node {node.id} is stopping")
+        if size > node.config.max_chunk_size:
+            raise PeerError("too_large", f"{size} bytes is over the max chunk size")
+        try:
+            return await node.memory.allocate(size, timeout=node.config.put_wait)
+        except TierFull as exc:
+            raise PeerError("memory_full", str(exc)) from exc
+
+    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+        """Peer side: verify a received copy against the id and keep it."""
+        if await chunk_id_of_async(buf) != chunk_id:
+            self.node.memory.release(buf)
+            raise PeerError("checksum_mismatch", "the body does not hash to the chunk id")
+        return {"new": await self.store_local(chunk_id, buf)}
+
+    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+        self.node.memory.release(buf)
