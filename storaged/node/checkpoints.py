@@ -1,16 +1,15 @@
 """Checkpoints: commits, the catalogue quorum, listings, status and restore plans.
 
-A checkpoint's record lives on the ``replication`` nodes its name's placement picks
-(``Node.name_targets``); the first of them is its *primary*.
+The records themselves are the catalogue's (``storaged.catalogue``, injected into the
+node); this module checks what a commit names and answers for checkpoints.
 
 Upholds:
 
-- **I4 commits**: a 201 or 200 commit is durable on ``replication`` catalogue holders.
-  A retry of a commit whose writes reached only some holders writes the rest before it
-  answers 200. Of two concurrent commits of different manifests under one name, the
-  primary's create-if-absent picks the one that wins; the other writes nothing and gets
-  409. (With a split membership view two primaries can exist: the embedded catalogue
-  does not solve consensus; the etcd coordinator does.)
+- **I4 commits**: a 201 or 200 commit is durable in the catalogue (for the embedded one:
+  on ``replication`` holders). A retry of a commit whose writes reached only some holders
+  completes them before it answers 200. Of two concurrent commits of different manifests
+  under one name, the catalogue's create-if-absent picks the one that wins; the other
+  writes nothing and gets 409.
 - **I3, the commit's part**: the chunks a commit names are checked held *and touched*
   (``ChunkInfo.last_use``) until the end of the commit window plus a margin; the
   catalogue writes must finish inside the window, so a GC pass whose catalogue snapshot
@@ -28,12 +27,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from storaged.catalog import CatalogRecord
+from storaged.catalog import CatalogRecord, CheckpointNotFound
+from storaged.catalogue import CatalogueUnavailable, CommitConflict
 from storaged.errors import ApiError, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
 from storaged.node.index import STATES
-from storaged.peer import PeerError
-from storaged.placement import rendezvous_order
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -41,63 +39,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("storaged.node.checkpoints")
 
 
-def newer(a: CatalogRecord, b: CatalogRecord) -> bool:
-    """Whether record ``a`` supersedes ``b`` (a later event: commit or delete)."""
-    return (a.deleted or a.committed) > (b.deleted or b.committed)
-
-
-def _version(record: CatalogRecord) -> tuple[str, float | None]:
-    return record.digest, record.deleted
-
-
 class Checkpoints:
     def __init__(self, node: Node) -> None:
         self.node = node
-        #: how many nodes answered the last full catalogue gather
-        self.last_replies = 0
-        #: (name -> (version, nodes known to hold that version)) for catalogue repair
-        self._confirmed: dict[str, tuple[tuple[str, float | None], set[str]]] = {}
 
     # ---- commit ----------------------------------------------------------------------------
     async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
         node = self.node
-        targets = node.name_targets(name)
-        if len(targets) < node.config.replication:
-            raise unavailable(
-                "insufficient_replicas",
-                f"{len(targets)} live node(s), replication needs {node.config.replication}",
-                retry_after=node.config.down_after,
-            )
-        existing = await self.find_record(name)
-        live = existing is not None and existing.deleted is None
-        if existing is not None and live and existing.digest != checked.digest:
+        existing = await node.catalogue.find(name)
+        if existing is not None and existing.deleted is None and existing.digest != checked.digest:
             raise ApiError(409, "exists", f"checkpoint {name!r} exists with other contents")
         checked_at = time.monotonic()
         await self._check_chunks(checked)
-        if existing is not None and live:
-            record, status = existing, 200  # a retry: complete the writes before answering
-        else:
-            record = CatalogRecord(
-                name=name,
-                digest=checked.digest,
-                created=float(checked.manifest["created"]),
-                committed=time.time(),
-                total_bytes=checked.total_bytes,
-                chunks=list(checked.chunks),
-                manifest=checked.encoded,
-            )
-            status = 201
+        record = CatalogRecord(
+            name=name,
+            digest=checked.digest,
+            created=float(checked.manifest["created"]),
+            committed=time.time(),
+            total_bytes=checked.total_bytes,
+            chunks=list(checked.chunks),
+            manifest=checked.encoded,
+        )
         left = node.config.commit_window - (time.monotonic() - checked_at)
         try:
             async with asyncio.timeout(max(left, 0.0)):
-                await self._store(record, targets)
+                created = await node.catalogue.commit(record)
+        except CommitConflict as exc:
+            raise ApiError(409, "exists", str(exc)) from exc
+        except CatalogueUnavailable as exc:
+            raise unavailable("insufficient_replicas", str(exc), retry_after=1.0) from exc
         except TimeoutError:
             raise unavailable(
                 "insufficient_replicas",
-                f"the manifest was not stored on {len(targets)} nodes in time",
+                "the manifest was not stored durably within the commit window; retry",
                 retry_after=1.0,
             ) from None
-        return status, {"name": name, "chunks": list(checked.chunks), "bytes": checked.total_bytes}
+        reply = {"name": name, "chunks": list(checked.chunks), "bytes": checked.total_bytes}
+        return (201 if created else 200), reply
 
     async def _check_chunks(self, checked: CheckedManifest) -> None:
         """Every chunk held, with the declared size; the holders' copies touched until past
@@ -126,110 +104,21 @@ class Checkpoints:
             err.extra["mismatched"] = wrong
             raise err
 
-    async def _store(self, record: CatalogRecord, targets: list[str]) -> None:
-        """The record on every target: the primary first (its create-if-absent decides
-        between concurrent commits), then the others."""
-        node = self.node
-        primary, others = targets[0], targets[1:]
-        try:
-            reply, _ = await node.call(primary, "catalog_put", {"record": record.to_wire()})
-        except PeerError as exc:
-            raise unavailable(
-                "insufficient_replicas",
-                f"the checkpoint's primary catalogue holder {primary} is unreachable: {exc}",
-                retry_after=1.0,
-            ) from exc
-        if not reply["stored"]:
-            raise ApiError(
-                409, "exists", f"checkpoint {record.name!r} was committed or deleted concurrently"
-            )
-        results = await asyncio.gather(
-            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in others),
-            return_exceptions=True,
-        )
-        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
-        if stored < len(targets):
-            raise unavailable(
-                "insufficient_replicas",
-                f"the manifest reached {stored} of {len(targets)} nodes; retry completes it",
-                retry_after=1.0,
-            )
-        self._confirmed[record.name] = (_version(record), set(targets))
-
     # ---- reads -------------------------------------------------------------------------
-    async def find_record(self, name: str) -> CatalogRecord | None:
-        """The newest record or tombstone of ``name`` among the nodes that should hold it."""
-        node = self.node
-        alive = node.membership.alive_ids()
-        order = rendezvous_order("checkpoint/" + name, alive)
-        best: CatalogRecord | None = None
-
-        async def ask(node_id: str) -> CatalogRecord | None:
-            try:
-                reply, _ = await node.call(node_id, "catalog_get", {"name": name})
-            except PeerError:
-                return None
-            wire = reply.get("record")
-            return CatalogRecord.from_wire(wire) if wire else None
-
-        # Its placement first; the rest only if none of those has it (membership changed).
-        rf = node.config.replication
-        for group in (order[: rf + 1], order[rf + 1 :]):
-            for record in await asyncio.gather(*(ask(n) for n in group)):
-                if record is not None and (best is None or newer(record, best)):
-                    best = record
-            if best is not None:
-                break
-        return best
-
     async def get(self, name: str) -> CatalogRecord:
-        record = await self.find_record(name)
-        if record is None or record.deleted is not None or record.manifest is None:
-            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}")
-        return record
+        try:
+            return await self.node.catalogue.get(name)
+        except CheckpointNotFound:
+            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}") from None
 
     async def list(self, prefix: str) -> list[CatalogRecord]:
-        merged = await self.gather_catalog(prefix, with_chunks=False)
-        return sorted((r for r in merged.values() if r.deleted is None), key=lambda r: r.name)
-
-    async def gather_catalog(
-        self, prefix: str = "", *, with_chunks: bool
-    ) -> dict[str, CatalogRecord]:
-        """Every record and tombstone under ``prefix`` that a live node has, the newest of
-        each name. ``last_replies`` says how many nodes answered."""
-        node = self.node
-        alive = node.membership.alive_ids()
-        merged: dict[str, CatalogRecord] = {}
-        replies = await asyncio.gather(
-            *(
-                node.call(n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks})
-                for n in alive
-            ),
-            return_exceptions=True,
-        )
-        self.last_replies = sum(1 for r in replies if not isinstance(r, BaseException))
-        for reply in replies:
-            if isinstance(reply, BaseException):
-                continue
-            for wire in reply[0]["records"]:
-                record = CatalogRecord.from_wire(wire)
-                current = merged.get(record.name)
-                if current is None or newer(record, current):
-                    merged[record.name] = record
-        return merged
+        return await self.node.catalogue.list(prefix)
 
     async def delete(self, name: str) -> None:
-        node = self.node
-        record = await self.find_record(name)
-        if record is None or record.deleted is not None:
-            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}")
-        record.deleted = time.time()
-        record.manifest = None
-        holders = set(node.name_targets(name)) | set(node.membership.alive_ids())
-        await asyncio.gather(
-            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
-            return_exceptions=True,
-        )
+        try:
+            await self.node.catalogue.delete(name)
+        except CheckpointNotFound:
+            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}") from None
 
     async def status(self, name: str) -> dict[str, Any]:
         """How many distinct chunks reached at least each state; ``lost``: held by no live
@@ -286,28 +175,3 @@ class Checkpoints:
             # Any node rebuilds from fragments; list those that hold some.
             plan[cid] = sources + frag_nodes
         return {"chunks": plan}
-
-    # ---- repair of the catalogue (I4, I6) ------------------------------------------------
-    async def replicate_records(self) -> int:
-        """Push every record and tombstone held here to the name's targets that are not
-        known to hold it (a commit that reached only some, a membership change). Returns
-        how many copies were written."""
-        node = self.node
-        written = 0
-        for record in node.catalog.records(tombstones=True):
-            version = _version(record)
-            known = self._confirmed.get(record.name)
-            confirmed = known[1] if known is not None and known[0] == version else {node.id}
-            for target in node.name_targets(record.name):
-                if target in confirmed:
-                    continue
-                try:
-                    reply, _ = await node.call(target, "catalog_put", {"record": record.to_wire()})
-                except PeerError:
-                    continue
-                # Not stored: the target has something newer; it will reach us by GC's
-                # tombstone sharing or a later pass. Either way, nothing to push.
-                confirmed.add(target)
-                written += int(bool(reply["stored"]))
-            self._confirmed[record.name] = (version, confirmed)
-        return written

@@ -34,6 +34,7 @@ import msgpack
 from erasure import make_codec, parse_fragment_key
 from erasure.base import Codec
 from storaged.catalog import Catalog, CatalogRecord
+from storaged.catalogue import Catalogue, EmbeddedCatalogue
 from storaged.config import Config, NodeSpec
 from storaged.manifest import CheckedManifest
 from storaged.membership import Membership, StaticMembership
@@ -83,6 +84,9 @@ class Node:
         catalog: Catalog,
         state_log: StateLog,
         index: dict[str, ChunkInfo],
+        *,
+        membership: Membership | None = None,
+        catalogue: Catalogue | None = None,
     ) -> None:
         self.config = config
         self.id = config.node_id
@@ -102,13 +106,14 @@ class Node:
         self.rpc = PeerRpc(self)
         self.peers = PeerClient(self.id, secret)
         self.peer_server = PeerServer(self.id, secret, self.rpc.handler)
-        self.membership: Membership = StaticMembership(
+        self.membership: Membership = membership or StaticMembership(
             self.id,
             config.nodes,
             self._ping,
             interval=config.heartbeat_interval,
             down_after=config.down_after,
         )
+        self.catalogue: Catalogue = catalogue or EmbeddedCatalogue(self)
         self.writes = WritePath(self)
         self.reads = ReadPath(self)
         self.checkpoints = Checkpoints(self)
@@ -124,7 +129,16 @@ class Node:
 
     # ---- life cycle ----------------------------------------------------------------------
     @classmethod
-    async def open(cls, config: Config) -> Node:
+    async def open(
+        cls,
+        config: Config,
+        *,
+        membership: Membership | None = None,
+        catalogue: Callable[[Node], Catalogue] | None = None,
+    ) -> Node:
+        """Open the node's tiers and index. Membership and catalogue default to the embedded
+        ones (cluster file + heartbeats; records on the nodes); pass others to inject them
+        (``catalogue`` is a factory: it gets the node)."""
         data = config.data_dir
         await asyncio.to_thread(lambda: data.mkdir(parents=True, exist_ok=True))
         memory = MemoryTier(config.memory_capacity, put_timeout=config.put_wait)
@@ -134,7 +148,11 @@ class Node:
         state_log = StateLog(data / "chunks.state")
         index = await asyncio.to_thread(state_log.load)
         codec = make_codec(config.codec, config.k, config.n)
-        node = cls(config, memory, nvme, cold, codec, catalog, state_log, index)
+        node = cls(
+            config, memory, nvme, cold, codec, catalog, state_log, index, membership=membership
+        )
+        if catalogue is not None:
+            node.catalogue = catalogue(node)
         await node._rebuild_index()
         return node
 

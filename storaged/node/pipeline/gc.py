@@ -1,9 +1,9 @@
 """GC: unreferenced chunks go after the grace period; retention trims cold chunks' nvme copies.
 
-Relies on: the catalogue gather (``Checkpoints.gather_catalog``) hearing from all but
-``replication - 1`` nodes (so every committed record, durable on ``replication`` holders,
-is seen); every use of a copy touching it (``ChunkInfo.last_use``: acks, ``/missing``
-answers, commits — the commit's touch reaches past its commit window); the per-chunk locks.
+Relies on: the catalogue's ``references()`` naming every committed record's chunks at
+one point in time when it says ``complete``; every use of a copy touching it
+(``ChunkInfo.last_use``: acks, ``/missing`` answers, commits — the commit's touch reaches
+past its commit window); the per-chunk locks.
 
 Upholds **I3 referenced means kept**: a chunk is collected here only if no checkpoint
 named it in a catalogue snapshot taken at ``S``, its last use here is older than the grace
@@ -66,20 +66,12 @@ class Collector:
     async def gc_pass(self) -> None:
         node = self.node
         cfg = node.config
-        snapshot_at = time.time()
-        catalog = await node.checkpoints.gather_catalog(with_chunks=True)
-        nodes = len(node.membership.all_ids())
-        if node.checkpoints.last_replies < nodes - (cfg.replication - 1):
+        refs = await node.catalogue.references()
+        if not refs.complete:
             return  # a manifest could be out of reach: freeing now could lose data
-        # Tombstones seen anywhere are applied everywhere.
-        for record in catalog.values():
-            local = node.catalog.raw(record.name)
-            if record.deleted is not None and local is not None and local.deleted is None:
-                await node.catalog.store(record)
-        live = [r for r in catalog.values() if r.deleted is None]
-        referenced: set[str] = set()
-        for r in live:
-            referenced.update(r.chunks)
+        referenced = set(refs.chunks)
+        snapshot_at = refs.taken_at
+        live = list(refs.live)
         self.referenced = referenced
         protected = newest_per_prefix(live, cfg.retain_newest)
         deadline = snapshot_at + cfg.gc_grace / 2

@@ -34,7 +34,7 @@ class Repair:
     async def repair_pass(self) -> None:
         node = self.node
         try:
-            await node.checkpoints.replicate_records()
+            await node.catalogue.repair()
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -1,0 +1,257 @@
+"""The cluster-wide checkpoint catalogue: one small interface, injected into the node.
+
+What a node needs from it: a create-if-absent commit of name -> record, reads, listings,
+deletes (tombstones), and, for GC, the chunks referenced at one consistent point. The
+embedded implementation keeps records on the nodes (``EmbeddedCatalogue``, over the
+peer protocol and each node's durable ``storaged.catalog.Catalog``); a coordination
+service (etcd) implements the same interface. One conformance suite
+(``tests/coordination/catalogue_conformance.py``) runs against every implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from storaged.catalog import CatalogRecord, CheckpointNotFound
+from storaged.peer import PeerError
+from storaged.placement import rendezvous_order
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.catalogue")
+
+
+class CatalogueError(Exception):
+    """Base of the catalogue's errors."""
+
+
+class CommitConflict(CatalogueError):
+    """Another manifest holds the name (or a delete came in between): nothing was written."""
+
+
+class CatalogueUnavailable(CatalogueError):
+    """The record could not be made durable on enough holders; a retry completes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class References:
+    """The chunks named by live checkpoints, read at one point (``taken_at``, wall clock).
+
+    ``complete`` is False when some record could have been out of reach: a GC pass must
+    then free nothing."""
+
+    chunks: frozenset[str]
+    live: tuple[CatalogRecord, ...]
+    taken_at: float
+    complete: bool
+
+
+def newer(a: CatalogRecord, b: CatalogRecord) -> bool:
+    """Whether record ``a`` supersedes ``b`` (a later event: commit or delete)."""
+    return (a.deleted or a.committed) > (b.deleted or b.committed)
+
+
+class Catalogue(abc.ABC):
+    """name -> checkpoint record, cluster-wide."""
+
+    @abc.abstractmethod
+    async def commit(self, record: CatalogRecord) -> bool:
+        """Create ``name`` -> ``record`` if the name is free. Returns True if this call
+        created it, False if the identical record (same digest) was already there — then
+        the call has completed any partial write of it before returning. Raises
+        ``CommitConflict`` (another digest holds the name; nothing written) or
+        ``CatalogueUnavailable`` (not durable yet; retrying completes it)."""
+
+    @abc.abstractmethod
+    async def find(self, name: str) -> CatalogRecord | None:
+        """The newest record or tombstone of ``name``, or None."""
+
+    async def get(self, name: str) -> CatalogRecord:
+        """The live record of ``name``; raises ``CheckpointNotFound`` (also when deleted)."""
+        record = await self.find(name)
+        if record is None or record.deleted is not None or record.manifest is None:
+            raise CheckpointNotFound(name)
+        return record
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[CatalogRecord]:
+        """Live records under ``prefix``, sorted by name, without manifests or chunk lists."""
+
+    @abc.abstractmethod
+    async def delete(self, name: str) -> None:
+        """Tombstone ``name``; raises ``CheckpointNotFound`` when there is no live record."""
+
+    @abc.abstractmethod
+    async def references(self) -> References:
+        """The chunks live checkpoints name, at one point in time (for GC)."""
+
+    async def repair(self) -> int:
+        """Bring records back to their full number of holders; returns copies written."""
+        return 0
+
+
+class EmbeddedCatalogue(Catalogue):
+    """Records on the ``replication`` nodes the name's placement picks; the first of them
+    (the *primary*) decides concurrent commits by its create-if-absent store.
+
+    Limits, as built: with a split membership view two nodes can each believe they are a
+    name's primary (heartbeats are not consensus), and a listing or a GC snapshot is
+    complete only while at most ``replication - 1`` nodes are unreachable."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        #: name -> (version, nodes known to hold that version), for ``repair``
+        self._confirmed: dict[str, tuple[tuple[str, float | None], set[str]]] = {}
+
+    async def commit(self, record: CatalogRecord) -> bool:
+        node = self.node
+        targets = node.name_targets(record.name)
+        if len(targets) < node.config.replication:
+            raise CatalogueUnavailable(
+                f"{len(targets)} live node(s), replication needs {node.config.replication}"
+            )
+        existing = await self.find(record.name)
+        if existing is not None and existing.deleted is None:
+            if existing.digest != record.digest:
+                raise CommitConflict(f"checkpoint {record.name!r} exists with other contents")
+            record, created = existing, False
+        else:
+            created = True
+        primary, others = targets[0], targets[1:]
+        try:
+            reply, _ = await node.call(primary, "catalog_put", {"record": record.to_wire()})
+        except PeerError as exc:
+            raise CatalogueUnavailable(
+                f"the primary catalogue holder {primary} is unreachable: {exc}"
+            ) from exc
+        if not reply["stored"]:
+            raise CommitConflict(
+                f"checkpoint {record.name!r} was committed or deleted concurrently"
+            )
+        results = await asyncio.gather(
+            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in others),
+            return_exceptions=True,
+        )
+        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
+        if stored < len(targets):
+            raise CatalogueUnavailable(
+                f"the manifest reached {stored} of {len(targets)} nodes; retry completes it"
+            )
+        self._confirmed[record.name] = (_version(record), set(targets))
+        return created
+
+    async def find(self, name: str) -> CatalogRecord | None:
+        node = self.node
+        order = rendezvous_order("checkpoint/" + name, node.membership.alive_ids())
+        best: CatalogRecord | None = None
+
+        async def ask(node_id: str) -> CatalogRecord | None:
+            try:
+                reply, _ = await node.call(node_id, "catalog_get", {"name": name})
+            except PeerError:
+                return None
+            wire = reply.get("record")
+            return CatalogRecord.from_wire(wire) if wire else None
+
+        # Its placement first; the rest only if none of those has it (membership changed).
+        rf = node.config.replication
+        for group in (order[: rf + 1], order[rf + 1 :]):
+            for record in await asyncio.gather(*(ask(n) for n in group)):
+                if record is not None and (best is None or newer(record, best)):
+                    best = record
+            if best is not None:
+                break
+        return best
+
+    async def _gather(
+        self, prefix: str, *, with_chunks: bool
+    ) -> tuple[dict[str, CatalogRecord], int]:
+        node = self.node
+        alive = node.membership.alive_ids()
+        merged: dict[str, CatalogRecord] = {}
+        replies = await asyncio.gather(
+            *(
+                node.call(n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks})
+                for n in alive
+            ),
+            return_exceptions=True,
+        )
+        answered = 0
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue
+            answered += 1
+            for wire in reply[0]["records"]:
+                record = CatalogRecord.from_wire(wire)
+                current = merged.get(record.name)
+                if current is None or newer(record, current):
+                    merged[record.name] = record
+        return merged, answered
+
+    async def list(self, prefix: str = "") -> list[CatalogRecord]:
+        merged, _ = await self._gather(prefix, with_chunks=False)
+        return sorted((r for r in merged.values() if r.deleted is None), key=lambda r: r.name)
+
+    async def delete(self, name: str) -> None:
+        node = self.node
+        record = await self.find(name)
+        if record is None or record.deleted is not None:
+            raise CheckpointNotFound(name)
+        record.deleted = time.time()
+        record.manifest = None
+        holders = set(node.name_targets(name)) | set(node.membership.alive_ids())
+        await asyncio.gather(
+            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
+            return_exceptions=True,
+        )
+
+    async def references(self) -> References:
+        node = self.node
+        taken_at = time.time()
+        merged, answered = await self._gather("", with_chunks=True)
+        # Every committed record is on `replication` holders: hearing from all nodes but
+        # replication - 1 guarantees one of them answered.
+        complete = answered >= len(node.membership.all_ids()) - (node.config.replication - 1)
+        if complete:
+            # Tombstones seen anywhere are applied here, so this node cannot bring back a
+            # deleted checkpoint.
+            for record in merged.values():
+                local = node.catalog.raw(record.name)
+                if record.deleted is not None and local is not None and local.deleted is None:
+                    await node.catalog.store(record)
+        live = tuple(r for r in merged.values() if r.deleted is None)
+        chunks: set[str] = set()
+        for r in live:
+            chunks.update(r.chunks)
+        return References(frozenset(chunks), live, taken_at, complete)
+
+    async def repair(self) -> int:
+        node = self.node
+        written = 0
+        for record in node.catalog.records(tombstones=True):
+            version = _version(record)
+            known = self._confirmed.get(record.name)
+            confirmed = known[1] if known is not None and known[0] == version else {node.id}
+            for target in node.name_targets(record.name):
+                if target in confirmed:
+                    continue
+                try:
+                    reply, _ = await node.call(target, "catalog_put", {"record": record.to_wire()})
+                except PeerError:
+                    continue
+                # Not stored: the target has something newer, which reaches this node
+                # through GC's tombstone sharing; nothing to push either way.
+                confirmed.add(target)
+                written += int(bool(reply["stored"]))
+            self._confirmed[record.name] = (version, confirmed)
+        return written
+
+
+def _version(record: CatalogRecord) -> tuple[str, float | None]:
+    return record.digest, record.deleted

@@ -1,0 +1,83 @@
+"""The conformance suite every ``storaged.membership.Membership`` passes.
+
+Subclass ``MembershipTests`` and provide the ``members`` fixture: a ``Members`` handle on a
+running cluster whose nodes can be stopped and started again.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+
+import pytest
+
+from storaged.membership import Membership
+
+
+class Members(abc.ABC):
+    """A running cluster, seen through each node's membership."""
+
+    @abc.abstractmethod
+    def ids(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def of(self, node_id: str) -> Membership:
+        """``node_id``'s view (the node must be running)."""
+
+    @abc.abstractmethod
+    async def stop(self, node_id: str) -> None:
+        """Stop ``node_id`` like a crash."""
+
+    @abc.abstractmethod
+    async def start(self, node_id: str) -> None: ...
+
+
+async def _eventually(what: str, check: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+class MembershipTests:
+    async def test_every_member_listed_in_a_stable_order_and_alive(self, members: Members) -> None:
+        ids = members.ids()
+        for node_id in ids:
+            view = members.of(node_id)
+            assert view.all_ids() == ids
+            assert view.alive_ids() == ids
+            assert view.is_alive(view.self_id) and view.self_id == node_id
+            assert view.node(node_id).id == node_id
+            with pytest.raises(KeyError):
+                view.node("no-such-node")
+
+    async def test_a_stopped_node_goes_down_everywhere_and_comes_back(
+        self, members: Members
+    ) -> None:
+        ids = members.ids()
+        victim, others = ids[-1], ids[:-1]
+        await members.stop(victim)
+        await _eventually(
+            f"{victim} down in every view",
+            lambda: all(not members.of(n).is_alive(victim) for n in others),
+        )
+        for n in others:
+            assert members.of(n).alive_ids() == others  # stable order, without the victim
+        await members.start(victim)
+        await _eventually(
+            f"{victim} alive again everywhere",
+            lambda: all(members.of(n).alive_ids() == ids for n in ids),
+        )
+
+    async def test_a_reported_failure_counts_until_the_node_answers_again(
+        self, members: Members
+    ) -> None:
+        ids = members.ids()
+        view = members.of(ids[0])
+        view.report_failure(ids[1])
+        assert not view.is_alive(ids[1])  # at once: placement skips it from the next call
+        view.report_failure(ids[0])
+        assert view.is_alive(ids[0])  # a node never counts itself down
+        await _eventually(f"{ids[1]} back after answering", lambda: view.is_alive(ids[1]))
