@@ -1,20 +1,27 @@
-"""The client commands of ``storaged``: ``ls``, ``status``, ``rm``, ``save``, ``restore``, ``demo``.
+"""The client commands of ``storaged``: ``ls``, ``status``, ``nodes``, ``rm``, ``save``,
+``restore``, ``demo``.
 
 Every command talks to the cluster named by ``--url`` (one node URL, or several
 separated by commas; default ``$STORAGED_URL`` or ``http://127.0.0.1:7400``) with
-the bearer token ``--token`` (default ``$STORAGED_TOKEN``).
+the bearer token ``--token`` (default ``$STORAGED_TOKEN``). Commands that print
+data take ``--json``.
 
 Exit status, which scripts may rely on: 0 success; 1 the command failed (the
 cluster is unreachable or refused the token, no such checkpoint, the name is
 taken, the file cannot be read or written...); 2 the command line is wrong (bad
-checkpoint name, unknown file extension, bad size); 130 interrupted. Expected
-failures print one ``storaged <command>: error: ...`` line on stderr, no traceback.
+checkpoint name, unknown file extension, bad size); 3 ``nodes``: the cluster
+answered and at least one node is down; 130 interrupted. Expected failures print
+one ``storaged <command>: error: ...`` line on stderr, no traceback.
 
-``save FILE NAME`` and ``restore NAME FILE`` understand ``.npz`` (numpy),
-``.safetensors`` (needs the ``safetensors`` package) and ``.pt``/``.pth`` (torch,
-loaded with ``weights_only=True``); ``restore`` writes the format its file
-extension names. Progress bars (on stderr, when it is a terminal, or with
-``--progress``) count the bytes that completed, chunk by chunk.
+``save FILE NAME`` and ``restore NAME FILE`` understand ``.safetensors`` (a file,
+or for ``save`` a directory of shards), ``.npz``, torch files (``.pt``, ``.pth``,
+``.bin`` such as ``pytorch_model.bin``; loaded with ``weights_only=True``) and
+``raw`` bytes; ``--format`` names the format when the extension does not, and
+``-`` is stdin (raw) or stdout (safetensors, npz, raw). ``save`` reads and uploads
+a few chunks at a time and ``restore`` writes as windows of items arrive, so
+memory stays bounded whatever the file's size (torch output excepted: ``torch.save``
+needs whole tensors). Progress bars (on stderr, when it is a terminal, or with
+``--progress``) cover reading, uploading, fetching and writing.
 """
 
 from __future__ import annotations
@@ -25,24 +32,19 @@ import contextlib
 import datetime
 import json
 import os
+import re
+import shutil
 import sys
 import time
-import zipfile
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import IO, Any, Final, TypeVar
 
+import aiohttp
 import numpy as np
 
-from storaged.client.checkpoint import (
-    Shard,
-    commit_checkpoint,
-    restore_checkpoint,
-    stage_shard,
-    upload_shard,
-)
+from storaged.client.checkpoint import commit_checkpoint, restore_checkpoint
 from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout
 from storaged.client.errors import (
     CheckpointNotFound,
@@ -53,51 +55,47 @@ from storaged.client.errors import (
     Unauthorized,
     Unavailable,
 )
-from storaged.client.layout import DEFAULT_CHUNK_SIZE, MSGPACK_DTYPE, LayoutError, Manifest
+from storaged.client.formats import (
+    FORMATS,
+    RESTORE_TO_STDOUT,
+    SAVE_FROM_STDIN,
+    STORAGE_DTYPES,
+    FormatError,
+    NpzWriter,
+    StreamWriter,
+    UnknownFormat,
+    check_writable,
+    clean_message,
+    format_of,
+    open_source,
+    safetensors_header,
+    write_torch,
+)
+from storaged.client.layout import DEFAULT_CHUNK_SIZE, LayoutError, Manifest
+from storaged.client.streaming import (
+    DEFAULT_RESTORE_WINDOW,
+    DEFAULT_WINDOW,
+    Counters,
+    nbytes_of,
+    output_items,
+    restore_blocks,
+    upload_sequential,
+    upload_source,
+)
 from storaged.config import ConfigError, parse_size
 from storaged.ids import is_checkpoint_name
+
+__all__ = ["STORAGE_DTYPES", "ByteProgress", "CommandError", "UsageError", "register"]
 
 T = TypeVar("T")
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
 EXIT_USAGE: Final = 2
+EXIT_NODE_DOWN: Final = 3
 EXIT_INTERRUPTED: Final = 130
 
 DEFAULT_URL: Final = "http://127.0.0.1:7400"
-
-#: Element types numpy lacks, and the same-width integer type their bytes are held in.
-STORAGE_DTYPES: Final[Mapping[str, type[np.generic]]] = {
-    "bfloat16": np.uint16,
-    "float8_e4m3fn": np.uint8,
-    "float8_e5m2": np.uint8,
-}
-
-#: safetensors dtype codes -> the dtype names manifests use.
-_SAFETENSORS_DTYPES: Final[Mapping[str, str]] = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-FORMATS: Final[Mapping[str, str]] = {
-    ".npz": "npz",
-    ".safetensors": "safetensors",
-    ".pt": "torch",
-    ".pth": "torch",
-}
 
 
 class CommandError(Exception):
@@ -148,32 +146,51 @@ def _progress_options() -> argparse.ArgumentParser:
     return common
 
 
+def _json_option() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    return common
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client commands to the ``storaged`` command's subparsers."""
     conn = _connection_options()
     progress = _progress_options()
+    as_json = _json_option()
 
-    p = sub.add_parser("ls", parents=[conn], help="list committed checkpoints")
+    p = sub.add_parser("ls", parents=[conn, as_json], help="list committed checkpoints")
     p.add_argument("prefix", nargs="?", default="", help="only names starting with this")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("status", parents=[conn], help="durability of a checkpoint")
+    p = sub.add_parser(
+        "status",
+        parents=[conn, as_json],
+        help="durability of a checkpoint: levels reached, and where its copies are now",
+    )
     p.add_argument("name")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("rm", parents=[conn], help="delete a checkpoint")
-    p.add_argument("name")
+    p = sub.add_parser(
+        "nodes",
+        aliases=["cluster"],
+        parents=[conn, as_json],
+        help="the cluster's nodes: alive or down, space and chunks per tier, backlogs "
+        "(exit status 3 when a node is down)",
+    )
+    p.set_defaults(func=cmd_nodes)
+
+    p = sub.add_parser("rm", parents=[conn, as_json], help="delete checkpoints")
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--prefix", help="delete every checkpoint whose name starts with this")
     p.set_defaults(func=cmd_rm)
 
+    kinds = "safetensors (file or directory of shards), npz, torch (.pt, pytorch_model.bin) or raw"
     p = sub.add_parser(
-        "save",
-        parents=[conn, progress],
-        help="save a .npz, .safetensors or torch (.pt) file as a checkpoint",
+        "save", parents=[conn, progress, as_json], help=f"save a {kinds} file as a checkpoint"
     )
-    p.add_argument("file")
+    p.add_argument("file", help="the file; - reads raw bytes from stdin")
     p.add_argument("name")
+    p.add_argument("--format", choices=FORMATS, help="when the extension does not say it")
     p.add_argument(
         "--wait",
         choices=STATES,
@@ -182,15 +199,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait may take")
     p.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE), help="e.g. 8MiB")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help="chunks in flight (memory used is about window x chunk size)",
+    )
     p.set_defaults(func=cmd_save)
 
     p = sub.add_parser(
         "restore",
-        parents=[conn, progress],
-        help="restore a checkpoint into a .npz, .safetensors or torch (.pt) file",
+        parents=[conn, progress, as_json],
+        help=f"restore a checkpoint into a {kinds} file",
     )
     p.add_argument("name")
-    p.add_argument("file")
+    p.add_argument("file", help="the file; - writes to stdout (safetensors, npz, raw)")
+    p.add_argument("--format", choices=FORMATS, help="when the extension does not say it")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     p.set_defaults(func=cmd_restore)
 
@@ -214,12 +238,11 @@ def _check_name(name: str) -> None:
         )
 
 
-def _format_of(path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        known = ", ".join(FORMATS)
-        raise UsageError(f"{path}: unknown file type {path.suffix or '(none)'}; expected {known}")
-    return fmt
+def _format_of(path: str, given: str | None) -> str:
+    try:
+        return format_of(path, given)
+    except UnknownFormat as exc:
+        raise UsageError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- running
@@ -251,18 +274,22 @@ def explain(error: BaseException, url: str = "") -> str:
 def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
     """Run ``body`` and turn expected failures into a message and an exit status."""
     command = getattr(args, "command", None) or "storaged"
+
+    def fail(message: str, status: int = EXIT_FAILURE) -> int:
+        # One line, whatever a library put in its message (newlines, colour codes).
+        print(f"storaged {command}: error: {clean_message(message)}", file=sys.stderr)
+        return status
+
     try:
         body()
     except CommandError as exc:
-        print(f"storaged {command}: error: {exc}", file=sys.stderr)
-        return exc.status
-    except LayoutError as exc:  # a checkpoint this client cannot lay out
-        print(f"storaged {command}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return fail(str(exc), exc.status)
+    except UnknownFormat as exc:
+        return fail(str(exc), EXIT_USAGE)
+    except (LayoutError, FormatError) as exc:  # a checkpoint or file this client cannot lay out
+        return fail(str(exc))
     except (StoragedError, WaitTimeout) as exc:
-        url = getattr(args, "url", None) or ""
-        print(f"storaged {command}: error: {explain(exc, url)}", file=sys.stderr)
-        return EXIT_FAILURE
+        return fail(explain(exc, getattr(args, "url", None) or ""))
     except KeyboardInterrupt:
         print(f"storaged {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -282,11 +309,6 @@ async def _as_coroutine(main: Callable[[], Awaitable[T]]) -> T:
     return await main()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -301,17 +323,19 @@ class ByteProgress:
     The counter is read every ``interval`` seconds, so the bar moves as chunks
     complete. ``enabled=None`` shows it only when stderr is a terminal. On a clean
     exit the bar is completed (dedup or coalescing may make the counter end short).
+    ``total=None``: the size is not known (stdin); ``position`` stacks several bars.
     """
 
     def __init__(
         self,
         counter: Callable[[], int],
-        total: int,
+        total: int | None,
         desc: str,
         *,
         enabled: bool | None = None,
         interval: float = 0.1,
         file: IO[str] | None = None,
+        position: int | None = None,
     ) -> None:
         self._counter = counter
         self._total = total
@@ -319,6 +343,7 @@ class ByteProgress:
         self._enabled = enabled
         self._interval = interval
         self._file = file or sys.stderr
+        self._position = position
         self._base = 0
         self._bar: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -337,12 +362,16 @@ class ByteProgress:
             disable=None if self._enabled is None else not self._enabled,
             dynamic_ncols=True,
             mininterval=self._interval,
+            position=self._position,
+            leave=True,
         )
         self._task = asyncio.get_running_loop().create_task(self._follow())
         return self
 
     def _update(self) -> None:
-        done = min(self._total, max(0, self._counter() - self._base))
+        done = max(0, self._counter() - self._base)
+        if self._total is not None:
+            done = min(self._total, done)
         if done > self._bar.n:
             self._bar.update(done - self._bar.n)
 
@@ -357,7 +386,7 @@ class ByteProgress:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._update()
-        if exc_type is None and self._bar.n < self._total:
+        if exc_type is None and self._total is not None and self._bar.n < self._total:
             self._bar.update(self._total - self._bar.n)
         self._bar.close()
 
@@ -422,7 +451,18 @@ async def watch_durability(
         await asyncio.sleep(interval)
 
 
-# --------------------------------------------------------------------------- ls / status / rm
+# --------------------------------------------------------------------------- output
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+def _clock(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# --------------------------------------------------------------------------- ls / status
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -437,227 +477,379 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         for c in listed
                     ]
                 }
-                print(json.dumps(doc, indent=2))
+                _print_json(doc)
                 return
             if not listed:
                 return
             width = max(len("NAME"), *(len(c.name) for c in listed))
             print(f"{'NAME':<{width}}  {'STATE':<6}  {'SIZE':>11}  CREATED")
             for c in listed:
-                created = datetime.datetime.fromtimestamp(c.created).strftime("%Y-%m-%d %H:%M:%S")
-                print(f"{c.name:<{width}}  {c.state:<6}  {human_bytes(c.bytes):>11}  {created}")
+                size = human_bytes(c.bytes)
+                print(f"{c.name:<{width}}  {c.state:<6}  {size:>11}  {_clock(c.created)}")
 
         run_async(main)
 
     return run_command(args, body)
+
+
+def _copies_now(chunks: list[str], plan: Mapping[str, list[Any]]) -> dict[str, int]:
+    """Per tier, how many of ``chunks`` a live node holds there now (from ``?plan``, which
+    names each live holder once, by its fastest tier), and how many no live node holds."""
+    now = {"memory": 0, "hot": 0, "cold": 0, "unavailable": 0}
+    for chunk in chunks:
+        tiers = {holder.tier for holder in plan.get(chunk, [])}
+        now["memory"] += "memory" in tiers
+        now["hot"] += bool(tiers & {"memory", "nvme"})
+        now["cold"] += "cold" in tiers
+        now["unavailable"] += not tiers
+    return now
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     def body() -> None:
         _check_name(args.name)
 
-        async def main() -> None:
+        async def main() -> tuple[CheckpointStatus, dict[str, int]]:
             async with _client(args) as client:
                 try:
-                    status = await client.status(args.name)
+                    status, plan = await asyncio.gather(
+                        client.status(args.name), client.plan(args.name)
+                    )
                 except CheckpointNotFound:
                     raise CommandError(f"no checkpoint named {args.name}") from None
-            doc = {
-                "name": args.name,
-                "state": status.state,
-                "chunks": status.chunks,
-                "memory": status.memory,
-                "nvme": status.nvme,
-                "cold": status.cold,
-            }
-            if args.json:
-                print(json.dumps(doc, indent=2))
-                return
-            for key, value in doc.items():
-                print(f"{key:<7} {value}")
+            return status, _copies_now(list(plan), plan)
 
-        run_async(main)
+        status, now = run_async(main)
+        doc: dict[str, Any] = {
+            "name": args.name,
+            "state": status.state,
+            "chunks": status.chunks,
+            # how many chunks reached at least each level (they never go back)
+            "memory": status.memory,
+            "nvme": status.nvme,
+            "cold": status.cold,
+            # where copies are now, on live nodes
+            "now": now,
+        }
+        if status.lost is not None:
+            doc["lost"] = status.lost
+        if args.json:
+            _print_json(doc)
+            return
+        n = status.chunks
+        print(f"name    {args.name}")
+        print(f"state   {status.state} (every chunk reached at least this level)")
+        print(f"chunks  {n}")
+        print(f"reached memory {status.memory}/{n}  nvme {status.nvme}/{n}  cold {status.cold}/{n}")
+        print(
+            f"now     in RAM {now['memory']}/{n}  in RAM or on nvme {now['hot']}/{n}  "
+            f"fragments {now['cold']}/{n}  on no live node {now['unavailable']}/{n}"
+        )
+        if status.lost is not None:
+            print(f"lost    {status.lost}")
 
     return run_command(args, body)
+
+
+# --------------------------------------------------------------------------- nodes
+
+_METRIC = re.compile(r'^(storaged_\w+)(?:\{tier="(\w+)"\})? ([0-9.eE+-]+|NaN)$')
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    """The gauges ``nodes`` shows, as ``name`` or ``name:tier`` -> value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        found = _METRIC.match(line)
+        if found:
+            name, tier, value = found.groups()
+            out[f"{name}:{tier}" if tier else name] = float(value)
+    return out
+
+
+async def _node_metrics(url: str, token: str | None) -> dict[str, float] | None:
+    """A node's ``/metrics`` gauges; None when it does not answer within a few seconds."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = aiohttp.ClientTimeout(total=5.0)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(f"{url}/metrics", headers=headers) as resp,
+        ):
+            if resp.status != 200:
+                return None
+            return _parse_metrics(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+
+
+def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> dict[str, Any]:
+    """A node's figures: ``/v1/cluster``'s, else its ``/metrics``'; None where neither has one."""
+    alive = bool(raw.get("alive"))
+    row: dict[str, Any] = {"id": raw.get("id"), "url": raw.get("url"), "alive": alive}
+    since = raw.get("down_since") if not alive else raw.get("up_since")
+    row["since"] = since if isinstance(since, int | float) else None
+    for tier in STATES:
+        given = raw.get(tier)
+        space: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+        count = space.get("count")
+        if count is None and metrics is not None:
+            count = metrics.get(f"storaged_tier_chunks:{tier}")
+        row[tier] = {
+            "used": space.get("used"),
+            "capacity": space.get("capacity"),
+            "chunks": None if count is None else int(count),
+        }
+    for backlog in ("drain_backlog", "encode_backlog"):
+        value = raw.get(backlog)
+        if value is None and metrics is not None:
+            value = metrics.get(f"storaged_{backlog}")
+        row[backlog] = None if value is None else int(value)
+    return row
+
+
+def _space(tier: Mapping[str, Any]) -> str:
+    if tier["used"] is None:
+        return "-"
+    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}"
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    def body() -> None:
+        async def main() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            async with _client(args) as client:
+                doc = await client.cluster_document()
+            raw_nodes = [n for n in doc.get("nodes", []) if isinstance(n, Mapping)]
+            # Only alive nodes are asked: a dead one would cost a timeout and say nothing.
+            metrics = await asyncio.gather(
+                *(
+                    _node_metrics(str(n.get("url")), args.token)
+                    if n.get("alive")
+                    else asyncio.sleep(0, None)
+                    for n in raw_nodes
+                )
+            )
+            return doc, [_node_row(n, m) for n, m in zip(raw_nodes, metrics, strict=True)]
+
+        doc, rows = run_async(main)
+        down = [row["id"] for row in rows if not row["alive"]]
+        if args.json:
+            _print_json(
+                {
+                    "nodes": rows,
+                    "down": down,
+                    "replication": doc.get("replication"),
+                    "erasure": doc.get("erasure"),
+                    "max_chunk_size": doc.get("max_chunk_size"),
+                }
+            )
+        else:
+            _print_nodes(rows)
+        if down:
+            raise CommandError(
+                f"{len(down)} of {len(rows)} nodes down: {', '.join(map(str, down))}",
+                EXIT_NODE_DOWN,
+            )
+
+    return run_command(args, body)
+
+
+def _print_nodes(rows: list[dict[str, Any]]) -> None:
+    now = time.time()
+    table = [["NODE", "STATE", "MEMORY", "NVME", "COLD", "CHUNKS m/n/c", "DRAIN", "ENCODE", "URL"]]
+    for row in rows:
+        state = "alive" if row["alive"] else "DOWN"
+        if row["since"] is not None:
+            state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
+        counts = [row[t]["chunks"] for t in STATES]
+        table.append(
+            [
+                str(row["id"]),
+                state,
+                *(_space(row[t]) for t in STATES),
+                "/".join("-" if c is None else str(c) for c in counts),
+                "-" if row["drain_backlog"] is None else str(row["drain_backlog"]),
+                "-" if row["encode_backlog"] is None else str(row["encode_backlog"]),
+                str(row["url"]),
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
+# --------------------------------------------------------------------------- rm
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     def body() -> None:
-        _check_name(args.name)
+        if not args.names and args.prefix is None:
+            raise UsageError("name the checkpoints to delete, or give --prefix")
+        if args.prefix is not None and not args.prefix:
+            raise UsageError("--prefix must not be empty (it would delete every checkpoint)")
+        for name in args.names:
+            _check_name(name)
 
-        async def main() -> None:
+        async def main() -> tuple[list[str], list[str]]:
+            deleted: list[str] = []
+            missing: list[str] = []
             async with _client(args) as client:
-                try:
-                    await client.delete(args.name)
-                except CheckpointNotFound:
-                    raise CommandError(f"no checkpoint named {args.name}") from None
-            print(f"deleted {args.name}")
+                names = list(dict.fromkeys(args.names))
+                if args.prefix is not None:
+                    names += [c.name for c in await client.list(args.prefix) if c.name not in names]
+                for name in names:
+                    try:
+                        await client.delete(name)
+                    except CheckpointNotFound:
+                        missing.append(name)
+                    else:
+                        deleted.append(name)
+                        if not args.json:
+                            print(f"deleted {name}", flush=True)
+            return deleted, missing
 
-        run_async(main)
+        deleted, missing = run_async(main)
+        if args.json:
+            _print_json({"deleted": deleted, "missing": missing})
+        if missing:
+            raise CommandError(
+                f"no checkpoint named {', '.join(missing)}"
+                + (f" ({len(deleted)} others deleted)" if deleted else "")
+            )
 
     return run_command(args, body)
 
 
-# --------------------------------------------------------------------------- files
+# --------------------------------------------------------------------------- save
 
 
-@dataclass
-class LoadedFile:
-    """A file read into a state dict (``Shard`` for dtypes numpy lacks) and manifest meta."""
-
-    state: dict[str, Any]
-    meta: dict[str, Any]
-
-
-def _import_safetensors() -> ModuleType:
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError:
-        raise CommandError(
-            ".safetensors files need the safetensors package: pip install safetensors"
-        ) from None
-    return safetensors
+def _exists(name: str) -> str:
+    return (
+        f"a checkpoint named {name} already exists; checkpoints are immutable "
+        f"(storaged rm {name} first, or choose another name)"
+    )
 
 
-def _import_torch(why: str) -> ModuleType:
-    try:
-        import torch
-    except ImportError:
-        raise CommandError(f"{why}: that needs PyTorch (pip install torch)") from None
-    return torch
+def cmd_save(args: argparse.Namespace) -> int:
+    def body() -> None:
+        _check_name(args.name)
+        fmt = _format_of(args.file, args.format)
+        if args.file == "-" and fmt not in SAVE_FROM_STDIN:
+            raise UsageError(
+                f"{fmt} cannot be read from stdin (its items are not in stream order); "
+                "give a file, or --format raw"
+            )
+        try:
+            chunk_size = parse_size(args.chunk_size)
+        except ConfigError as exc:
+            raise UsageError(f"--chunk-size: {exc}") from None
+        if chunk_size <= 0:
+            raise UsageError("--chunk-size must be positive")
+        if args.window < 1:
+            raise UsageError("--window must be at least 1")
+        if args.file != "-":
+            path = Path(args.file)
+            try:
+                if not (fmt == "safetensors" and path.is_dir()):
+                    path.open("rb").close()  # the usual mistake, before contacting anyone
+            except OSError as exc:
+                raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
+        run_async(lambda: _save(args, fmt, chunk_size))
+
+    return run_command(args, body)
 
 
-def _whole(array: np.ndarray[Any, Any], dtype: str | None) -> Any:
-    """A state-dict value for a whole array, naming its dtype when numpy's name is wrong."""
-    if dtype is None:
-        return array
-    return Shard(array, tuple(array.shape), (0,) * array.ndim, dtype)
-
-
-def _torch_dtypes(torch: Any) -> dict[Any, tuple[str, Any, type[np.generic]]]:
-    """torch dtypes numpy lacks -> (manifest name, same-width torch int, numpy storage)."""
-    return {
-        torch.bfloat16: ("bfloat16", torch.int16, np.int16),
-        torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8, np.uint8),
-        torch.float8_e5m2: ("float8_e5m2", torch.uint8, np.uint8),
-    }
-
-
-def _from_torch(torch: Any, tensor: Any, key: str) -> Any:
-    """A CPU tensor as a state-dict value (its memory is shared, not copied)."""
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg()
-    special = _torch_dtypes(torch).get(tensor.dtype)
-    if special is not None:
-        name, as_int, _ = special
-        stored = STORAGE_DTYPES[name]
-        return _whole(tensor.contiguous().view(as_int).numpy().view(stored), name)
-    try:
-        array: np.ndarray[Any, Any] = tensor.numpy()
-    except (TypeError, RuntimeError) as exc:
-        raise CommandError(f"{key}: cannot save a tensor of {tensor.dtype}: {exc}") from None
-    return array
-
-
-def _to_torch(torch: Any, array: np.ndarray[Any, Any], dtype: str) -> Any:
-    for torch_dtype, (name, _, as_int) in _torch_dtypes(torch).items():
-        if name == dtype:
-            return torch.from_numpy(array.view(as_int)).view(torch_dtype)
-    return torch.from_numpy(array)
-
-
-def load_npz(path: Path) -> LoadedFile:
-    state: dict[str, Any] = {}
-    try:
-        archive = np.load(path, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):  # e.g. a .npy file renamed
-            raise CommandError(f"{path}: not an .npz archive")
-        with archive:
-            for key in archive.files:
-                state[key] = archive[key]
-    except (zipfile.BadZipFile, ValueError, EOFError) as exc:
-        raise CommandError(f"{path}: not a readable .npz archive: {_first_line(exc)}") from None
-    return LoadedFile(state, {})
-
-
-def load_safetensors(path: Path) -> LoadedFile:
-    st = _import_safetensors()
-    state: dict[str, Any] = {}
-    special: list[str] = []
-    try:
-        with st.safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-            for key in f.keys():  # noqa: SIM118
-                code = f.get_slice(key).get_dtype()
-                name = _SAFETENSORS_DTYPES.get(code)
-                if name is None:
-                    raise CommandError(f"{path}: {key} is of dtype {code}, which cannot be saved")
-                state[key] = None  # keeps the file's order
-                if name in STORAGE_DTYPES:
-                    special.append(key)
-                else:
-                    state[key] = f.get_tensor(key)
-        if special:
-            torch = _import_torch(f"{path}: {special[0]} is of a dtype numpy lacks")
-            with st.safe_open(str(path), framework="pt") as f:
-                for key in special:
-                    state[key] = _from_torch(torch, f.get_tensor(key), key)
-    except st.SafetensorError as exc:
-        raise CommandError(
-            f"{path}: not a readable .safetensors file: {_first_line(exc)}"
-        ) from None
-    return LoadedFile(state, {"safetensors_metadata": metadata} if metadata else {})
-
-
-def _flatten(
-    value: Any, path: tuple[str | int, ...], out: dict[str, Any], keys: dict[str, list[Any]]
-) -> None:
-    if isinstance(value, Mapping) and value:
-        for key, item in value.items():
-            if not isinstance(key, str | int) or isinstance(key, bool):
-                raise CommandError(f"key {key!r} under {list(path)}: only str and int keys")
-            _flatten(item, (*path, key), out, keys)
-        return
-    flat = ".".join(str(p) for p in path)
-    if flat in out:
-        raise CommandError(f"two entries flatten to the same key {flat!r}")
-    out[flat] = value
-    keys[flat] = list(path)
-
-
-def load_torch(path: Path) -> LoadedFile:
-    torch = _import_torch(f"{path} is a torch file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except OSError:
-        raise
-    except Exception as exc:  # torch.load raises many unrelated types on a bad file
-        raise CommandError(f"{path}: not a readable torch file: {_first_line(exc)}") from None
-    if not isinstance(obj, Mapping) or not obj:
-        raise CommandError(f"{path}: expected a (state) dict, found {type(obj).__name__}")
-    flat: dict[str, Any] = {}
-    keys: dict[str, list[Any]] = {}
-    _flatten(obj, (), flat, keys)
-    state: dict[str, Any] = {}
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            state[key] = _from_torch(torch, value, key)
-        elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
-            raise CommandError(f"{path}: {key} is a list holding tensors; only dicts nest tensors")
+async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
+    name: str = args.name
+    async with _client(args) as client:
+        # Token, reachability and name first: a large file is read only when it can be saved.
+        try:
+            await client.status(name)
+        except CheckpointNotFound:
+            pass
         else:
-            state[key] = value  # a number, string, list...: saved as a msgpack value
-    return LoadedFile(state, {"torch_keys": keys})
+            raise CommandError(_exists(name))
+        chunk_size = min(chunk_size, client.max_chunk_size)
+        counters = Counters()
+        stats = client.stats
+        began = time.perf_counter()
+        if args.file == "-":
+            meta: dict[str, Any] = {"source": {"format": "raw", "file": "-"}}
+            total: int | None = None
+            items = 1
+        else:
+            try:
+                source = await asyncio.to_thread(open_source, args.file, fmt)
+            except OSError as exc:
+                raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+            meta, total, items = source.meta, source.nbytes, len(source.items)
+        try:
+            async with (
+                ByteProgress(
+                    lambda: counters.read, total, "read", enabled=args.progress, position=0
+                ),
+                ByteProgress(
+                    lambda: stats.bytes_uploaded + stats.bytes_skipped,
+                    total,
+                    "upload",
+                    enabled=args.progress,
+                    position=1,
+                ),
+            ):
+                if args.file == "-":
+                    entry = await upload_sequential(
+                        client,
+                        sys.stdin.buffer.readinto,  # type: ignore[union-attr]
+                        chunk_size,
+                        window=args.window,
+                        counters=counters,
+                    )
+                else:
+                    entry = await upload_source(
+                        client, source, chunk_size, window=args.window, counters=counters
+                    )
+        finally:
+            if args.file != "-":
+                await asyncio.to_thread(source.close)
+        try:
+            result = await commit_checkpoint(client, name, [entry], meta=meta)
+        except Exists:
+            raise CommandError(_exists(name)) from None
+        took = time.perf_counter() - began
+        size = counters.read
+        report: dict[str, Any] = {
+            "name": name,
+            "items": items,
+            "bytes": result.bytes,
+            "chunks": result.chunks,
+            "uploaded": stats.chunks_uploaded,
+            "already_held": stats.chunks_skipped,
+            "seconds": round(took, 3),
+        }
+        if not args.json:
+            print(
+                f"saved {name}: {items} items, {human_bytes(result.bytes)} in "
+                f"{result.chunks} chunks ({stats.chunks_uploaded} uploaded, "
+                f"{stats.chunks_skipped} already held) in {took:.1f} s "
+                f"({size / max(took, 1e-9) / 1e9:.2f} GB/s)",
+                flush=True,
+            )
+        if args.wait != "memory":
+            seen = await watch_durability(
+                client, name, args.wait, args.timeout, lambda line: print(line, file=sys.stderr)
+            )
+            report["state"] = seen.status.state
+            report["reached_after"] = {k: round(v, 3) for k, v in seen.reached.items()}
+            if not args.json:
+                print(
+                    f"{name} is {seen.status.state}: {args.wait} reached "
+                    f"{seen.reached[args.wait]:.1f} s after the commit"
+                )
+        if args.json:
+            _print_json(report)
 
 
-def load_file(path: Path) -> LoadedFile:
-    """Read ``path`` by its extension; ``CommandError`` when it cannot be read."""
-    fmt = _format_of(path)
-    try:
-        loaded = {"npz": load_npz, "safetensors": load_safetensors, "torch": load_torch}[fmt](path)
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-    loaded.meta["source"] = {"format": fmt, "file": path.name}
-    return loaded
+# --------------------------------------------------------------------------- restore
 
 
 @contextlib.contextmanager
@@ -680,223 +872,143 @@ def _replacing(path: Path, force: bool) -> Iterator[Path]:
             tmp.unlink()
 
 
-def _value_array(key: str, value: Any) -> np.ndarray[Any, Any]:
-    array = np.asarray(value)
-    if array.dtype.kind not in "biufcUS":
-        raise CommandError(f"{key} is a {type(value).__name__}, which an .npz cannot hold")
-    return array
+#: Room left for headers beyond the items' bytes when checking free space.
+_HEADER_SLACK = 1 << 20
 
 
-def write_npz(path: Path, values: Mapping[str, Any], dtypes: Mapping[str, str]) -> None:
-    # Written member by member (what np.savez does) so that any key works, even "file".
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for key, value in values.items():
-            array = value if dtypes[key] != MSGPACK_DTYPE else _value_array(key, value)
-            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, array, allow_pickle=False)
-
-
-def write_safetensors(
-    path: Path, values: Mapping[str, Any], dtypes: Mapping[str, str], meta: Mapping[str, Any]
-) -> None:
-    st = _import_safetensors()
-    raw = meta.get("safetensors_metadata")
-    metadata = (
-        {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) and raw else None
-    )
-    special = [key for key in values if dtypes[key] in STORAGE_DTYPES]
-    if not special:
-        st.numpy.save_file(dict(values), str(path), metadata=metadata)
-        return
-    torch = _import_torch(f"{special[0]} is {dtypes[special[0]]}")
-    import safetensors.torch
-
-    tensors = {key: _to_torch(torch, value, dtypes[key]) for key, value in values.items()}
-    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
-
-
-def write_torch(
-    path: Path, values: Mapping[str, Any], dtypes: Mapping[str, str], meta: Mapping[str, Any]
-) -> None:
-    torch = _import_torch(f"{path} is a torch file")
-    leaves = {
-        key: value if dtypes[key] == MSGPACK_DTYPE else _to_torch(torch, value, dtypes[key])
-        for key, value in values.items()
-    }
-    paths = meta.get("torch_keys")
-    if not isinstance(paths, Mapping) or set(paths) != set(leaves):
-        obj: dict[Any, Any] = leaves  # not saved from a torch file: a flat dict
-    else:
-        obj = {}
-        for key, value in leaves.items():
-            node = obj
-            *parents, last = paths[key]
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[last] = value
-    torch.save(obj, path)
-
-
-def _writable_check(fmt: str, manifest: Manifest) -> None:
-    """Refuse, before any download, what the format cannot hold."""
-    values = [
-        k
-        for k in manifest.keys()  # noqa: SIM118
-        if manifest.items_of(k)[0][1].dtype == MSGPACK_DTYPE
-    ]
-    if fmt == "safetensors" and values:
-        shown = ", ".join(values[:5]) + (" ..." if len(values) > 5 else "")
+def _check_room(path: Path, tmp: Path, need: int) -> None:
+    """Refuse, before any fetch, a restore the target's file system cannot hold."""
+    # An existing file is replaced only at the end: until then both are on disk.
+    free = shutil.disk_usage(tmp.parent).free
+    if need + _HEADER_SLACK > free:
         raise CommandError(
-            f"the checkpoint holds non-tensor values ({shown}) which .safetensors cannot hold; "
-            "restore into .pt instead"
+            f"cannot restore into {path}: the checkpoint holds {human_bytes(need)} and "
+            f"{tmp.parent} has {human_bytes(free)} free (nothing was fetched)"
         )
-    if fmt == "safetensors":
-        _import_safetensors()
-    if fmt == "torch":
-        _import_torch("writing a torch file")
-
-
-# --------------------------------------------------------------------------- save / restore
-
-
-def cmd_save(args: argparse.Namespace) -> int:
-    def body() -> None:
-        _check_name(args.name)
-        path = Path(args.file)
-        _format_of(path)
-        try:
-            chunk_size = parse_size(args.chunk_size)
-        except ConfigError as exc:
-            raise UsageError(f"--chunk-size: {exc}") from None
-        if chunk_size <= 0:
-            raise UsageError("--chunk-size must be positive")
-        try:
-            path.open("rb").close()  # the usual mistake, reported before contacting anyone
-        except OSError as exc:
-            raise CommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-        run_async(lambda: _save(args, path, chunk_size))
-
-    return run_command(args, body)
-
-
-async def _save(args: argparse.Namespace, path: Path, chunk_size: int) -> None:
-    name: str = args.name
-    async with _client(args) as client:
-        # Token, reachability and name first: a large file is read only when it can be saved.
-        try:
-            await client.status(name)
-        except CheckpointNotFound:
-            pass
-        else:
-            raise CommandError(_exists(name))
-        loaded = await asyncio.to_thread(load_file, path)
-        began = time.perf_counter()
-        try:
-            # No staging buffer: large arrays are uploaded from the loaded file's memory.
-            staged = await asyncio.to_thread(
-                stage_shard, 0, loaded.state, min(chunk_size, client.max_chunk_size), None
-            )
-        except (TypeError, ValueError) as exc:
-            raise CommandError(f"{args.file}: {exc}") from None
-        stats = client.stats
-        async with ByteProgress(
-            lambda: stats.bytes_uploaded + stats.bytes_skipped,
-            staged.nbytes,
-            "upload",
-            enabled=args.progress,
-        ):
-            entry = await upload_shard(client, staged)
-        try:
-            result = await commit_checkpoint(client, name, [entry], meta=loaded.meta)
-        except Exists:
-            raise CommandError(_exists(name)) from None
-        took = time.perf_counter() - began
-        print(
-            f"saved {name}: {len(staged.items)} items, {human_bytes(result.bytes)} in "
-            f"{result.chunks} chunks ({stats.chunks_uploaded} uploaded, "
-            f"{stats.chunks_skipped} already held) in {took:.1f} s "
-            f"({staged.nbytes / max(took, 1e-9) / 1e9:.2f} GB/s)",
-            flush=True,
-        )
-        if args.wait != "memory":
-            seen = await watch_durability(
-                client, name, args.wait, args.timeout, lambda line: print(line, file=sys.stderr)
-            )
-            print(
-                f"{name} is {seen.status.state}: {args.wait} reached "
-                f"{seen.reached[args.wait]:.1f} s after the commit"
-            )
-
-
-def _exists(name: str) -> str:
-    return (
-        f"a checkpoint named {name} already exists; checkpoints are immutable "
-        f"(storaged rm {name} first, or choose another name)"
-    )
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
     def body() -> None:
         _check_name(args.name)
-        path = Path(args.file)
-        fmt = _format_of(path)
-        with _replacing(path, args.force) as tmp:
-            values, dtypes, meta = run_async(lambda: _restore(args, fmt))
-            began = time.perf_counter()
-            try:
-                if fmt == "npz":
-                    write_npz(tmp, values, dtypes)
-                elif fmt == "safetensors":
-                    write_safetensors(tmp, values, dtypes, meta)
-                else:
-                    write_torch(tmp, values, dtypes, meta)
-            except OSError as exc:
-                raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
-            special = sorted({dtypes[k] for k in values if dtypes[k] in STORAGE_DTYPES})
-            if fmt == "npz" and special:
-                print(
-                    f"storaged restore: note: {', '.join(special)} items are written as their "
-                    "same-width unsigned integers (.npz has no such dtype)",
-                    file=sys.stderr,
+        fmt = _format_of(args.file, args.format)
+        if args.file == "-":
+            if fmt not in RESTORE_TO_STDOUT:
+                raise UsageError(
+                    f"{fmt} cannot be written to stdout; allowed: {', '.join(RESTORE_TO_STDOUT)}"
                 )
-        size = sum(v.nbytes for v in values.values() if isinstance(v, np.ndarray))
-        print(
-            f"restored {args.name} into {path}: {len(values)} items, {human_bytes(size)} "
-            f"(written in {time.perf_counter() - began:.1f} s)"
-        )
+            run_async(lambda: _restore(args, fmt, None, None))
+            return
+        path = Path(args.file)
+        with _replacing(path, args.force) as tmp:
+            run_async(lambda: _restore(args, fmt, path, tmp))
 
     return run_command(args, body)
 
 
-async def _restore(
-    args: argparse.Namespace, fmt: str
-) -> tuple[dict[str, Any], dict[str, str], Mapping[str, Any]]:
+async def _restore(args: argparse.Namespace, fmt: str, path: Path | None, tmp: Path | None) -> None:
     name: str = args.name
     async with _client(args) as client:
         try:
-            doc = await client.get_manifest(name)
-            holders = await client.plan(name)
+            doc, holders = await asyncio.gather(client.get_manifest(name), client.plan(name))
         except CheckpointNotFound:
             raise CommandError(f"no checkpoint named {name}") from None
         try:
             manifest = Manifest.from_wire(doc)
         except LayoutError as exc:
             raise CommandError(f"checkpoint {name}: unreadable manifest: {exc}") from None
-        _writable_check(fmt, manifest)
-        dtypes = {key: manifest.items_of(key)[0][1].dtype for key in manifest.keys()}  # noqa: SIM118
-        total = sum(item.length for shard in manifest.shards for item in shard.items)
+        items = output_items(manifest)
+        check_writable(fmt, items)
+        need = nbytes_of(manifest)
+        if path is not None and tmp is not None:
+            _check_room(path, tmp, need)
         stats = client.stats
+        counters = Counters()
         began = time.perf_counter()
-        async with ByteProgress(
-            lambda: stats.bytes_downloaded, total, "restore", enabled=args.progress
-        ):
-            values = await restore_checkpoint(
-                client, manifest, None, dtype_map=STORAGE_DTYPES, holders=holders
-            )
+        out: IO[bytes] = (
+            sys.stdout.buffer if tmp is None else await asyncio.to_thread(open, tmp, "wb")
+        )
+        try:
+            async with (
+                ByteProgress(
+                    lambda: stats.bytes_downloaded, need, "fetch", enabled=args.progress, position=0
+                ),
+                ByteProgress(
+                    lambda: counters.written, need, "write", enabled=args.progress, position=1
+                ),
+            ):
+                if fmt == "torch":
+                    await _restore_torch(client, manifest, holders, out, counters)
+                else:
+                    await _restore_streamed(client, manifest, holders, fmt, out, counters)
+            out.flush()
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.file}: {exc.strerror or exc}") from None
+        finally:
+            if tmp is not None:
+                out.close()
         took = time.perf_counter() - began
+    special = sorted({i.dtype for i in items if i.dtype in STORAGE_DTYPES})
+    if fmt == "npz" and special:
         print(
-            f"fetched {human_bytes(total)} in {took:.1f} s "
-            f"({total / max(took, 1e-9) / 1e9:.2f} GB/s)",
+            f"storaged restore: note: {', '.join(special)} items are written as their "
+            "same-width unsigned integers (.npz has no such dtype)",
             file=sys.stderr,
         )
-    return values, dtypes, manifest.meta
+    report = {
+        "name": name,
+        "file": args.file,
+        "items": len(items),
+        "bytes": need,
+        "seconds": round(took, 3),
+    }
+    where = sys.stderr if tmp is None else sys.stdout  # stdout carries the data
+    if args.json:
+        print(json.dumps(report, indent=2), file=where)
+    else:
+        print(
+            f"restored {name} into {args.file}: {len(items)} items, {human_bytes(need)} in "
+            f"{took:.1f} s ({need / max(took, 1e-9) / 1e9:.2f} GB/s)",
+            file=where,
+        )
+
+
+async def _restore_streamed(
+    client: Client,
+    manifest: Manifest,
+    holders: Any,
+    fmt: str,
+    out: IO[bytes],
+    counters: Counters,
+) -> None:
+    items = output_items(manifest)
+    if fmt == "safetensors":
+        metadata = manifest.meta.get("safetensors_metadata")
+        header = safetensors_header(items, metadata if isinstance(metadata, Mapping) else None)
+        writer: StreamWriter | NpzWriter = StreamWriter(out, header)
+    elif fmt == "raw":
+        writer = StreamWriter(out)
+    else:
+        writer = NpzWriter(out)
+    async for block in restore_blocks(client, manifest, holders, budget=DEFAULT_RESTORE_WINDOW):
+        if block.array is None:
+            writer.value(block.item, block.value)
+            continue
+        if block.first:
+            writer.begin(block.item)
+        data = block.array.reshape(-1).view(np.uint8).data
+        # Off the loop: the next window is being fetched meanwhile.
+        await asyncio.to_thread(writer.write, data)
+        counters.written += len(data)
+    await asyncio.to_thread(writer.finish)
+
+
+async def _restore_torch(
+    client: Client, manifest: Manifest, holders: Any, out: IO[bytes], counters: Counters
+) -> None:
+    # torch.save needs every tensor whole: this output holds the checkpoint in memory.
+    values = await restore_checkpoint(
+        client, manifest, None, dtype_map=STORAGE_DTYPES, holders=holders
+    )
+    dtypes = {i.key: i.dtype for i in output_items(manifest)}
+    await asyncio.to_thread(write_torch, out, values, dtypes, manifest.meta)
+    counters.written = sum(v.nbytes for v in values.values() if isinstance(v, np.ndarray))

@@ -189,6 +189,8 @@ class CheckpointStatus:
     memory: int
     nvme: int
     cold: int
+    #: Chunks no node holds any more, when the node reports it (None: not reported).
+    lost: int | None = None
 
     def reached(self, level: str) -> bool:
         return state_at_least(self.state, level)
@@ -480,6 +482,20 @@ class Client:
         for node in info.nodes:
             self._urls[node.id] = node.url
         return info
+
+    async def cluster_document(self) -> dict[str, Any]:
+        """``GET /v1/cluster`` as the node sent it, with any fields beyond API.md's
+        (for tools that show them); also refreshes ``cluster``."""
+        known = [node.id for node in self._cluster.live] if self._cluster else []
+
+        async def handle(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+            doc = await self._decoded(resp)
+            self._cluster = ClusterInfo.from_wire(doc)
+            return dict(doc)
+
+        return await self._call(
+            "GET", "/v1/cluster", handle, candidates=list(dict.fromkeys([*known, *self._seeds]))
+        )
 
     # ------------------------------------------------------------------ placement
 
@@ -1126,8 +1142,9 @@ class Client:
                     int(doc["memory"]),
                     int(doc["nvme"]),
                     int(doc["cold"]),
+                    None if doc.get("lost") is None else int(doc["lost"]),
                 )
-            except (KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed status: {exc!r}") from exc
 
         return await self._checkpoint_call("GET", name, "?status", handle)

@@ -1,0 +1,729 @@
+"""The file formats ``storaged save`` reads and ``storaged restore`` writes, piece by piece.
+
+A file is opened as a ``Source``: its items (key, dtype, shape, size) and, for
+each, a function that copies any byte range of the item into a buffer. Nothing
+is read before the saver asks for it, so a file of any size is saved with the
+memory of the chunks in flight. The readers:
+
+- ``.safetensors``: the header is parsed here (it is JSON behind a length), the
+  tensor bytes are read with ``pread``; no library is needed, bfloat16 and
+  float8 included. A directory of shards with a ``*.safetensors.index.json`` (as
+  Hugging Face writes them) is one source whose items come from every shard.
+- ``.npz``: each member's ``.npy`` header is read, then its bytes are streamed
+  from the archive (stored or deflated). A Fortran-ordered or byte-swapped array
+  is loaded whole to be reordered: the one case that holds an array in memory.
+- torch (``.pt``, ``.pth``, ``.bin`` such as ``pytorch_model.bin``):
+  ``torch.load(weights_only=True, mmap=True)``; the pages read are handed back
+  to the kernel after each copy, so the mapping does not grow resident. A file
+  whose loading needs a full unpickle is refused: it can run arbitrary code.
+- ``raw``: any bytes (a file or stdin) as one ``uint8`` item named ``data``.
+
+Writers take the restored items in manifest order, each as consecutive row
+blocks, and write them as they come: ``.safetensors`` and ``.npz`` need only the
+manifest to lay out the file, so they stream (to stdout too); torch files are
+written by ``torch.save`` from whole arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import pickle
+import re
+import struct
+import sys
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import IO, Any, Final
+
+import msgpack
+import numpy as np
+
+from storaged.client.layout import MSGPACK_DTYPE
+
+#: Element types numpy lacks, and the same-width integer type their bytes are held in.
+STORAGE_DTYPES: Final[Mapping[str, type[np.generic]]] = {
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+}
+
+#: safetensors dtype codes -> the dtype names manifests use.
+SAFETENSORS_DTYPES: Final[Mapping[str, str]] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_SAFETENSORS_CODES: Final = {name: code for code, name in SAFETENSORS_DTYPES.items()}
+
+#: Format names ``--format`` accepts, and the file suffixes that imply them.
+FORMATS: Final = ("safetensors", "npz", "torch", "raw")
+SUFFIXES: Final[Mapping[str, str]] = {
+    ".safetensors": "safetensors",
+    ".npz": "npz",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",  # pytorch_model.bin
+}
+#: Formats that can be read from stdin / written to stdout (``-``).
+SAVE_FROM_STDIN: Final = ("raw",)
+RESTORE_TO_STDOUT: Final = ("safetensors", "npz", "raw")
+
+_SAFETENSORS_MAX_HEADER = 100 << 20
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class FormatError(ValueError):
+    """A file that cannot be read or written as asked; the message names it and says why."""
+
+
+class UnknownFormat(FormatError):
+    """The format is not given and the file name does not say it."""
+
+
+class MissingLibrary(FormatError):
+    """The format needs a package that is not installed."""
+
+
+def clean_message(text: str) -> str:
+    """``text`` without terminal colour codes, on one line."""
+    return " ".join(_ANSI.sub("", text).split())
+
+
+def format_of(path: str, given: str | None) -> str:
+    """The format of ``path`` (``-`` is stdin/stdout): ``given``, else its suffix, else a
+    directory of safetensors shards. ``UnknownFormat`` says what to pass instead."""
+    if given is not None:
+        return given
+    if path == "-":
+        raise UnknownFormat("- (stdin/stdout) has no extension: pass --format")
+    p = Path(path)
+    fmt = SUFFIXES.get(p.suffix.lower())
+    if fmt is not None:
+        return fmt
+    if p.is_dir() or path.endswith("/"):
+        return "safetensors"  # a directory of shards
+    known = ", ".join(SUFFIXES)
+    raise UnknownFormat(
+        f"{path}: unknown file type {p.suffix or '(none)'}; expected {known}, "
+        "a directory of .safetensors shards, or --format"
+    )
+
+
+def import_torch(why: str) -> ModuleType:
+    try:
+        import torch
+    except ImportError:
+        raise MissingLibrary(f"{why}: that needs PyTorch (pip install torch)") from None
+    return torch
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True, slots=True)
+class SourceItem:
+    """An item of a source: ``read(offset, into)`` fills ``into`` with its bytes from there."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    read: Callable[[int, memoryview], None]
+
+
+@dataclass
+class Source:
+    """An opened input: its items in file order, the manifest ``meta`` it implies, and what
+    ``close`` releases. Reads are made from one thread at a time."""
+
+    items: list[SourceItem]
+    meta: dict[str, Any]
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def close(self) -> None:
+        for close in reversed(self.closers):
+            with contextlib.suppress(OSError):
+                close()
+        self.closers.clear()
+
+
+def _pread_all(fd: int, into: memoryview, offset: int, what: str) -> None:
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n == 0:
+            raise FormatError(f"{what}: file ended early (truncated while being read?)")
+        done += n
+
+
+def _value_item(key: str, value: Any) -> SourceItem:
+    try:
+        encoded = msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise FormatError(
+            f"{key}: {type(value).__name__} is neither a tensor nor msgpack-able: {exc}"
+        ) from None
+
+    def read(offset: int, into: memoryview) -> None:
+        into[:] = encoded[offset : offset + len(into)]
+
+    return SourceItem(key, MSGPACK_DTYPE, (), len(encoded), read)
+
+
+def _array_read(flat: np.ndarray[Any, Any]) -> Callable[[int, memoryview], None]:
+    data = flat.reshape(-1).view(np.uint8)
+
+    def read(offset: int, into: memoryview) -> None:
+        into[:] = data[offset : offset + len(into)].data
+
+    return read
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in STORAGE_DTYPES:
+        return np.dtype(STORAGE_DTYPES[dtype]).itemsize
+    return np.dtype(dtype).itemsize
+
+
+# ---- safetensors
+
+
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _safetensors_header(fd: int, size: int, what: str) -> tuple[list[_Tensor], dict[str, str], int]:
+    """(tensors in file order, metadata, where the data starts); ``FormatError`` if malformed."""
+    bad = f"{what}: not a readable .safetensors file"
+    if size < 8:
+        raise FormatError(f"{bad}: {size} bytes, shorter than its header length")
+    (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if length > min(size - 8, _SAFETENSORS_MAX_HEADER):
+        raise FormatError(f"{bad}: header of {length} bytes in a file of {size}")
+    try:
+        header = json.loads(os.pread(fd, length, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{bad}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{bad}: header is not a JSON object")
+    data_start = 8 + length
+    raw_meta = header.pop("__metadata__", None) or {}
+    if not isinstance(raw_meta, dict):
+        raise FormatError(f"{bad}: __metadata__ is not an object")
+    tensors = []
+    for key, entry in header.items():
+        try:
+            code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{bad}: entry {key!r} is malformed ({exc!r})") from None
+        dtype = SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise FormatError(f"{what}: {key} is of dtype {code}, which cannot be saved")
+        want = math.prod(shape) * _itemsize(dtype)
+        if min(shape, default=0) < 0 or end - begin != want or begin < 0:
+            raise FormatError(f"{bad}: {key} spans [{begin}, {end}), not {want} bytes")
+        if data_start + end > size:
+            raise FormatError(f"{bad}: {key} ends past the end of the file (truncated?)")
+        tensors.append(_Tensor(key, dtype, shape, begin, end))
+    tensors.sort(key=lambda t: t.begin)
+    return tensors, {str(k): str(v) for k, v in raw_meta.items()}, data_start
+
+
+def _open_fd(path: Path) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if Path(path).is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def _safetensors_items(path: Path, source: Source) -> tuple[list[SourceItem], dict[str, str]]:
+    fd, size = _open_fd(path)
+    source.closers.append(lambda: os.close(fd))
+    tensors, metadata, data_start = _safetensors_header(fd, size, str(path))
+    items = []
+    for t in tensors:
+
+        def read(offset: int, into: memoryview, base: int = data_start + t.begin) -> None:
+            _pread_all(fd, into, base + offset, str(path))
+
+        items.append(SourceItem(t.key, t.dtype, t.shape, t.end - t.begin, read))
+    return items, metadata
+
+
+def open_safetensors(path: Path) -> Source:
+    """A ``.safetensors`` file, or a directory of shards (with its index, if any)."""
+    source = Source([], {})
+    try:
+        if not path.is_dir():
+            items, metadata = _safetensors_items(path, source)
+            source.items = items
+            if metadata:
+                source.meta["safetensors_metadata"] = metadata
+            return source
+        indexes = sorted(path.glob("*.safetensors.index.json"))
+        index: dict[str, Any] = {}
+        if indexes:
+            try:
+                index = json.loads(indexes[0].read_text())
+                shard_names = list(dict.fromkeys(index["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise FormatError(f"{indexes[0]}: not a readable shard index ({exc!r})") from None
+        else:
+            shard_names = sorted(p.name for p in path.glob("*.safetensors"))
+        if not shard_names:
+            raise FormatError(f"{path}: a directory without .safetensors shards")
+        seen: dict[str, str] = {}
+        first_meta: dict[str, str] = {}
+        for name in shard_names:
+            items, metadata = _safetensors_items(path / name, source)
+            first_meta = first_meta or metadata
+            for item in items:
+                if item.key in seen:
+                    raise FormatError(f"{path}: {item.key} is in both {seen[item.key]} and {name}")
+                seen[item.key] = name
+            source.items.extend(items)
+        source.meta["safetensors_shards"] = {
+            "index": indexes[0].name if indexes else None,
+            "metadata": index.get("metadata") if isinstance(index, dict) else None,
+            "weight_map": seen,
+        }
+        if first_meta:
+            source.meta["safetensors_metadata"] = first_meta
+        return source
+    except BaseException:
+        source.close()
+        raise
+
+
+# ---- npz
+
+
+class _MemberReader:
+    """Sequential reads of one ``.npy`` member's data (reopened if asked to go back)."""
+
+    def __init__(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo, data_offset: int) -> None:
+        self._archive, self._info, self._data_offset = archive, info, data_offset
+        self._member: IO[bytes] | None = None
+        self._pos = 0
+
+    def read(self, offset: int, into: memoryview) -> None:
+        if self._member is None or offset != self._pos:
+            self.close()
+            self._member = self._archive.open(self._info)
+            self._member.seek(self._data_offset + offset)
+            self._pos = offset
+        done = 0
+        while done < len(into):
+            chunk = self._member.read(len(into) - done)  # ZipExtFile has no true readinto
+            if not chunk:
+                raise FormatError(f"{self._info.filename}: member ended early")
+            into[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        self._pos += done
+        if self._pos >= self._info.file_size - self._data_offset:
+            self.close()
+
+    def close(self) -> None:
+        if self._member is not None:
+            self._member.close()
+            self._member = None
+
+
+_NPY_HEADERS: Final[Mapping[tuple[int, int], Callable[[IO[bytes]], Any]]] = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def open_npz(path: Path) -> Source:
+    bad = f"{path}: not a readable .npz archive"
+    with open(path, "rb") as f:
+        if f.read(6) == b"\x93NUMPY":
+            raise FormatError(f"{path}: not an .npz archive (a .npy file)")
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError) as exc:
+        raise FormatError(f"{bad}: {exc}") from None
+    source = Source([], {}, [archive.close])
+    try:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            key = info.filename[: -len(".npy")]
+            try:
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    read_header = _NPY_HEADERS.get(version)
+                    if read_header is None:
+                        raise ValueError(f"unsupported .npy version {version}")
+                    shape, fortran, dtype = read_header(member)
+                    data_offset = member.tell()
+            except (ValueError, zipfile.BadZipFile, EOFError, OSError) as exc:
+                raise FormatError(f"{bad}: {info.filename}: {exc}") from None
+            if dtype.kind not in "biufc" or dtype.fields is not None:
+                raise FormatError(f"{key}: cannot save arrays of dtype {dtype}")
+            shape = tuple(int(d) for d in shape)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if fortran or not dtype.isnative:
+                # The stream holds C-ordered native bytes: reorder in memory, deliberately.
+                with archive.open(info) as member:
+                    array = np.lib.format.read_array(member, allow_pickle=False)
+                native = np.ascontiguousarray(array, dtype=dtype.newbyteorder("="))
+                source.items.append(
+                    SourceItem(key, native.dtype.name, shape, nbytes, _array_read(native))
+                )
+                continue
+            reader = _MemberReader(archive, info, data_offset)
+            source.closers.append(reader.close)
+            source.items.append(SourceItem(key, dtype.name, shape, nbytes, reader.read))
+        return source
+    except BaseException:
+        source.close()
+        raise
+
+
+# ---- torch
+
+
+def _flatten(
+    value: Any, path: tuple[str | int, ...], out: dict[str, Any], keys: dict[str, list[Any]]
+) -> None:
+    if isinstance(value, Mapping) and value:
+        for key, item in value.items():
+            if not isinstance(key, str | int) or isinstance(key, bool):
+                raise FormatError(f"key {key!r} under {list(path)}: only str and int keys")
+            _flatten(item, (*path, key), out, keys)
+        return
+    flat = ".".join(str(p) for p in path)
+    if flat in out:
+        raise FormatError(f"two entries flatten to the same key {flat!r}")
+    out[flat] = value
+    keys[flat] = list(path)
+
+
+def torch_dtypes(torch: Any) -> dict[Any, tuple[str, Any, type[np.generic]]]:
+    """torch dtypes numpy lacks -> (manifest name, same-width torch int, numpy storage)."""
+    return {
+        torch.bfloat16: ("bfloat16", torch.int16, np.int16),
+        torch.float8_e4m3fn: ("float8_e4m3fn", torch.uint8, np.uint8),
+        torch.float8_e5m2: ("float8_e5m2", torch.uint8, np.uint8),
+    }
+
+
+_MADV_PAGEOUT: Final = 21
+_PAGE: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):  # not Linux: pages stay until the process ends
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _paged_read(flat: np.ndarray[Any, Any]) -> Callable[[int, memoryview], None]:
+    """Reads of an mmap-backed array that hand the pages read back to the kernel.
+
+    MADV_PAGEOUT never loses data (file pages are re-read, anonymous ones swapped),
+    so it is safe whatever backs the array; it only keeps the mapping from growing
+    resident as the whole file is read once.
+    """
+    data = flat.reshape(-1).view(np.uint8)
+    base = data.ctypes.data
+    madvise = _madvise()
+
+    def read(offset: int, into: memoryview) -> None:
+        into[:] = data[offset : offset + len(into)].data
+        if madvise is None:
+            return
+        start = -(-(base + offset) // _PAGE) * _PAGE
+        end = (base + offset + len(into)) // _PAGE * _PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_PAGEOUT)  # EINVAL on old kernels: no harm
+
+    return read
+
+
+def _weights_only_failure(path: Path, exc: BaseException) -> FormatError:
+    """One line for torch's many-line weights-only error: a refusal when the file names
+    a global that only a full unpickle would import, else "not a readable torch file"."""
+    text = clean_message(str(exc))
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found is None:
+        reason = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+        why = reason.group(1).strip() if reason else "not a torch.save file"
+        return FormatError(f"{path}: not a readable torch file: {why}")
+    return FormatError(
+        f"{path}: loading it needs a full unpickle (it holds {found.group(1)}, which "
+        "could run arbitrary code); storaged loads torch files with weights_only=True "
+        "only: save the model's state_dict() or convert it to .safetensors"
+    )
+
+
+def open_torch(path: Path) -> Source:
+    torch = import_torch(f"{path} is a torch file")
+    mapped = zipfile.is_zipfile(path)  # the legacy (pre-1.6) format cannot be mapped
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
+    except OSError:
+        raise
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" in str(exc):
+            raise _weights_only_failure(path, exc) from None
+        raise FormatError(f"{path}: not a readable torch file: {clean_message(str(exc))}") from None
+    except Exception as exc:  # torch.load raises many unrelated types on a bad file
+        raise FormatError(f"{path}: not a readable torch file: {clean_message(str(exc))}") from None
+    if not isinstance(obj, Mapping) or not obj:
+        raise FormatError(f"{path}: expected a (state) dict, found {type(obj).__name__}")
+    flat: dict[str, Any] = {}
+    keys: dict[str, list[Any]] = {}
+    _flatten(obj, (), flat, keys)
+    special = torch_dtypes(torch)
+    items = []
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().resolve_conj().resolve_neg()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()  # a deliberate copy: the stream is C-ordered
+            kind = special.get(tensor.dtype)
+            try:
+                array = tensor.view(kind[1]).numpy() if kind else tensor.numpy()
+            except (TypeError, RuntimeError) as exc:
+                raise FormatError(f"{key}: cannot save a tensor of {tensor.dtype}: {exc}") from None
+            dtype = kind[0] if kind else array.dtype.name
+            shape = tuple(int(d) for d in tensor.shape)
+            read = _paged_read(array) if mapped else _array_read(array)
+            items.append(SourceItem(key, dtype, shape, array.nbytes, read))
+        elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+            raise FormatError(f"{path}: {key} is a list holding tensors; only dicts nest tensors")
+        else:
+            items.append(_value_item(key, value))  # a number, string, list...
+    return Source(items, {"torch_keys": keys})
+
+
+# ---- raw
+
+
+def open_raw_file(path: Path) -> Source:
+    fd, size = _open_fd(path)
+
+    def read(offset: int, into: memoryview) -> None:
+        _pread_all(fd, into, offset, str(path))
+
+    return Source([SourceItem("data", "uint8", (size,), size, read)], {}, [lambda: os.close(fd)])
+
+
+def open_source(path: str, fmt: str) -> Source:
+    """Open ``path`` as ``fmt`` for saving (``FormatError``, ``OSError`` when it cannot be)."""
+    p = Path(path)
+    if fmt != "safetensors" and p.is_dir():
+        raise IsADirectoryError(21, "Is a directory", path)
+    opener = {
+        "safetensors": open_safetensors,
+        "npz": open_npz,
+        "torch": open_torch,
+        "raw": open_raw_file,
+    }[fmt]
+    source = opener(p)
+    source.meta["source"] = {"format": fmt, "file": p.name}
+    return source
+
+
+# --------------------------------------------------------------------------- writers
+
+
+@dataclass(frozen=True, slots=True)
+class OutputItem:
+    """An item as a writer lays it out: its key, manifest dtype and (global) shape."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype == MSGPACK_DTYPE:
+            return 0
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def check_writable(fmt: str, items: Iterable[OutputItem]) -> None:
+    """Refuse, before any download, what ``fmt`` cannot hold."""
+    items = list(items)
+    values = [i.key for i in items if i.dtype == MSGPACK_DTYPE]
+    if fmt in ("safetensors", "raw") and values:
+        shown = ", ".join(values[:5]) + (" ..." if len(values) > 5 else "")
+        raise FormatError(
+            f"the checkpoint holds non-tensor values ({shown}) which {fmt} output cannot hold; "
+            "restore into .pt instead"
+        )
+    if fmt == "raw" and len(items) != 1:
+        raise FormatError(
+            f"raw output holds one item and this checkpoint has {len(items)}: "
+            "restore into .safetensors or .npz instead"
+        )
+    if fmt == "torch":
+        import_torch("writing a torch file")
+
+
+def safetensors_header(items: Iterable[OutputItem], metadata: Mapping[str, Any] | None) -> bytes:
+    """The header (length prefix included) of a file holding ``items`` back to back."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for item in items:
+        header[item.key] = {
+            "dtype": _SAFETENSORS_CODES[item.dtype],
+            "shape": list(item.shape),
+            "data_offsets": [offset, offset + item.nbytes],
+        }
+        offset += item.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+class ItemWriter:
+    """Receives each item's bytes in order, as consecutive pieces; ``finish`` at the end."""
+
+    def begin(self, item: OutputItem) -> None:
+        raise NotImplementedError
+
+    def write(self, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def value(self, item: OutputItem, value: Any) -> None:
+        raise FormatError(f"{item.key}: a non-tensor value cannot be written here")
+
+    def finish(self) -> None:
+        pass
+
+
+class StreamWriter(ItemWriter):
+    """Items back to back after an optional header: safetensors and raw."""
+
+    def __init__(self, out: IO[bytes], header: bytes = b"") -> None:
+        self._out = out
+        out.write(header)
+
+    def begin(self, item: OutputItem) -> None:
+        pass
+
+    def write(self, data: memoryview) -> None:
+        self._out.write(data)
+
+
+class NpzWriter(ItemWriter):
+    """One stored (uncompressed) ``.npy`` member per item, written as its pieces come."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._archive = zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._member: IO[bytes] | None = None
+
+    def _close_member(self) -> None:
+        if self._member is not None:
+            self._member.close()
+            self._member = None
+
+    def begin(self, item: OutputItem) -> None:
+        self._close_member()
+        dtype = np.dtype(STORAGE_DTYPES.get(item.dtype, item.dtype))
+        self._member = self._archive.open(f"{item.key}.npy", "w", force_zip64=True)
+        header = {
+            "descr": np.lib.format.dtype_to_descr(dtype),
+            "fortran_order": False,
+            "shape": item.shape,
+        }
+        np.lib.format.write_array_header_2_0(self._member, header)
+
+    def write(self, data: memoryview) -> None:
+        assert self._member is not None
+        self._member.write(data)
+
+    def value(self, item: OutputItem, value: Any) -> None:
+        self._close_member()
+        array = np.asarray(value)
+        if array.dtype.kind not in "biufcUS":
+            raise FormatError(f"{item.key} is a {type(value).__name__}, which an .npz cannot hold")
+        with self._archive.open(f"{item.key}.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array(member, array, allow_pickle=False)
+
+    def finish(self) -> None:
+        self._close_member()
+        self._archive.close()
+
+
+def to_torch(torch: Any, array: np.ndarray[Any, Any], dtype: str) -> Any:
+    for torch_dtype, (name, _, as_int) in torch_dtypes(torch).items():
+        if name == dtype:
+            return torch.from_numpy(array.view(as_int)).view(torch_dtype)
+    return torch.from_numpy(array)
+
+
+def write_torch(
+    path: Path | IO[bytes],
+    values: Mapping[str, Any],
+    dtypes: Mapping[str, str],
+    meta: Mapping[str, Any],
+) -> None:
+    torch = import_torch("writing a torch file")
+    leaves = {
+        key: value if dtypes[key] == MSGPACK_DTYPE else to_torch(torch, value, dtypes[key])
+        for key, value in values.items()
+    }
+    paths = meta.get("torch_keys")
+    if not isinstance(paths, Mapping) or set(paths) != set(leaves):
+        obj: dict[Any, Any] = leaves  # not saved from a torch file: a flat dict
+    else:
+        obj = {}
+        for key, value in leaves.items():
+            node = obj
+            *parents, last = paths[key]
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+    torch.save(obj, path)
+
+
+def stdout_bytes() -> IO[bytes]:
+    return sys.stdout.buffer
