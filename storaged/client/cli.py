@@ -781,7 +781,8 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
             try:
                 source = await asyncio.to_thread(open_source, args.file, fmt)
             except OSError as exc:
-                raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+                where = exc.filename or args.file  # a shard of a directory, say
+                raise CommandError(f"cannot read {where}: {exc.strerror or exc}") from None
             meta, total, items = source.meta, source.nbytes, len(source.items)
         try:
             async with (

@@ -33,7 +33,7 @@ from storaged.client.layout import MSGPACK_DTYPE, Item, Manifest, ShardEntry, pa
 #: Chunks in flight (read, hashed or uploading) during a streamed save.
 DEFAULT_WINDOW = 6
 #: Bytes of one restore window; two are held at once.
-DEFAULT_RESTORE_WINDOW = 64 << 20
+DEFAULT_RESTORE_WINDOW = 32 << 20
 
 
 @dataclass
@@ -251,20 +251,29 @@ async def restore_blocks(
                 blocks.append(Block(item, first, last, target.array))
         return blocks
 
-    ahead: asyncio.Task[list[Block]] | None = None
+    pending: asyncio.Task[list[Block]] | None = (
+        asyncio.create_task(fetch(plan[0])) if plan else None
+    )
+    following: asyncio.Task[list[Block]] | None = None
     try:
-        for position, window in enumerate(plan):
-            current = ahead if ahead is not None else asyncio.create_task(fetch(window))
-            ahead = (
-                asyncio.create_task(fetch(plan[position + 1])) if position + 1 < len(plan) else None
-            )
-            for block in await current:
+        for position in range(len(plan)):
+            assert pending is not None
+            blocks = await pending
+            following = None
+            for index, block in enumerate(blocks):
                 yield block
+                if index == 0 and position + 1 < len(plan):
+                    # Only now: the caller has let go of the previous window's last block,
+                    # so two windows are held at most, this one and the one fetching.
+                    following = asyncio.create_task(fetch(plan[position + 1]))
+            del blocks
+            pending, following = following, None
     finally:
-        if ahead is not None:
-            ahead.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await ahead
+        for task in (pending, following):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
 
 def nbytes_of(manifest: Manifest) -> int:

@@ -1,0 +1,409 @@
+"""The CLI at the scale of real checkpoints, the formats people have, and the cluster view.
+
+- ``save`` and ``restore`` of a 256 MiB file run in a child process whose peak RSS,
+  measured against the same command on a tiny file, stays under half the file's size.
+- A Hugging Face ``pytorch_model.bin``, a directory of safetensors shards with its
+  index, ``--format``, raw bytes through stdin and stdout round-trip byte for byte;
+  a torch file needing a full unpickle gets one clean line.
+- ``rm`` of several names and of a prefix, ``--json`` output, the refusal of a
+  restore whose target file system is too small, before anything is fetched.
+- ``nodes`` against a cluster with a ``kill -9``-ed node, and ``status`` showing
+  "reached" counts apart from where copies are now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+
+from storaged.cli import main
+from storaged.client.formats import OutputItem, safetensors_header
+from storaged.cluster import LocalCluster
+from tests.client.helpers import client_for
+from tests.conftest import TOKEN, ClusterFactory
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+#: Runs the CLI and prints its peak RSS (KiB) last on stderr. VmHWM, not ru_maxrss: the
+#: latter keeps the high-water mark of the forked test process across exec.
+_MEASURED = (
+    "import re, sys\n"
+    "from storaged.cli import main\n"
+    "status = main(sys.argv[1:])\n"
+    "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())\n"
+    "print(f'PEAK_RSS_KIB {hwm.group(1)}', file=sys.stderr)\n"
+    "sys.exit(status)\n"
+)
+
+
+class Run(NamedTuple):
+    status: int
+    out: str
+    err: str
+
+
+def _name(tag: str) -> str:
+    return f"scale/{tag}-{time.monotonic_ns() % 10**9}"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONASYNCIODEBUG": ""}
+
+
+def _child(
+    cluster: LocalCluster,
+    *args: str,
+    stdin: bytes | None = None,
+    timeout: float = 240,
+    url: str | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    argv = [*args, "--url", url or ",".join(cluster.urls), "--token", TOKEN]
+    return subprocess.run(
+        [sys.executable, "-c", _MEASURED, *argv],
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env=_env(),
+        cwd=REPO,
+    )
+
+
+def _peak_mib(proc: subprocess.CompletedProcess[bytes]) -> float:
+    found = re.search(rb"PEAK_RSS_KIB (\d+)", proc.stderr)
+    assert found, proc.stderr.decode(errors="replace")
+    return int(found.group(1)) / 1024
+
+
+@pytest.fixture
+def cli(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> Iterator[Any]:
+    """``cli(*args) -> Run(status, stdout, stderr)`` in this process, against the cluster."""
+
+    def run(*args: str) -> Run:
+        capsys.readouterr()
+        argv = [*args, "--url", ",".join(cluster.urls), "--token", TOKEN]
+        if args[0] in ("save", "restore"):
+            argv.append("--no-progress")
+        status = main(argv)
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return Run(status, out, err)
+
+    yield run
+
+
+def _write_safetensors(path: Path, arrays: dict[str, np.ndarray[Any, Any]]) -> None:
+    """A .safetensors file written with the safetensors package (the format's reference)."""
+    st = pytest.importorskip("safetensors.numpy")
+    st.save_file(arrays, str(path))
+
+
+def _sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * MiB):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_save_and_restore_memory_is_bounded(cluster: LocalCluster, tmp_path: Path) -> None:
+    size = 256 * MiB
+    rng = np.random.default_rng(7)
+    big = tmp_path / "big.safetensors"
+    # One large tensor and a few small ones: random bytes, so nothing dedups.
+    _write_safetensors(
+        big,
+        {
+            "weight": rng.integers(0, 255, size=size - 3 * MiB, dtype=np.uint8).view(np.float32),
+            "bias": rng.standard_normal(1000).astype(np.float32),
+            "embed": rng.integers(0, 255, size=3 * MiB, dtype=np.uint8).view(np.float16),
+        },
+    )
+    tiny = tmp_path / "tiny.safetensors"
+    _write_safetensors(tiny, {"x": np.arange(10, dtype=np.float32)})
+    names = {p: _name(p.stem) for p in (big, tiny)}
+    peaks: dict[str, float] = {}
+    for path, name in names.items():
+        proc = _child(cluster, "save", str(path), name, "--no-progress")
+        assert proc.returncode == 0, proc.stderr.decode()
+        peaks[f"save {path.stem}"] = _peak_mib(proc)
+        out = tmp_path / f"back-{path.name}"
+        proc = _child(cluster, "restore", name, str(out), "--no-progress")
+        assert proc.returncode == 0, proc.stderr.decode()
+        peaks[f"restore {path.stem}"] = _peak_mib(proc)
+    print(f"peak RSS (MiB): {peaks}")
+    for command in ("save", "restore"):
+        grown = peaks[f"{command} big"] - peaks[f"{command} tiny"]
+        assert grown < size / MiB / 2, (command, peaks)
+    # What was restored is what was saved, byte for byte.
+    from safetensors.numpy import load_file
+
+    want, got = load_file(str(big)), load_file(str(tmp_path / "back-big.safetensors"))
+    assert sorted(want) == sorted(got)
+    for key in want:
+        assert want[key].dtype == got[key].dtype, key
+        assert np.array_equal(want[key].view(np.uint8), got[key].view(np.uint8)), key  # NaNs
+
+
+# --------------------------------------------------------------------------- formats
+
+
+class TrainerState:
+    """An object a training script pickles along with its tensors."""
+
+
+def test_pytorch_model_bin_and_refusal(cli: Any, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "model.embed_tokens.weight": torch.randn(300, 64, generator=gen).to(torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(256, 64, generator=gen),
+        "lm_head.weight": torch.randn(300, 64, generator=gen).t(),  # not contiguous
+    }
+    bin_file = tmp_path / "pytorch_model.bin"
+    torch.save(state, bin_file)
+    name = _name("bin")
+    r = cli("save", str(bin_file), name, "--chunk-size", "64KiB")
+    assert r.status == 0, r.err
+    assert f"saved {name}: 3 items" in r.out
+    r = cli("restore", name, str(tmp_path / "back.safetensors"))
+    assert r.status == 0, r.err
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "back.safetensors"))
+    for key, want in state.items():
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+
+    unsafe = tmp_path / "full.pt"
+    torch.save({"w": torch.ones(2), "obj": TrainerState()}, unsafe)
+    r = cli("save", str(unsafe), _name("unsafe"))
+    assert r.status == 1
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    assert "needs a full unpickle" in r.err and f"{__name__}.TrainerState" in r.err
+    assert "\x1b[" not in r.err and r.err.rstrip().endswith(".safetensors")
+
+
+def test_sharded_safetensors_directory(cli: Any, tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    shards: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        "model-00001-of-00002.safetensors": {
+            "a.weight": rng.standard_normal((200, 300)).astype(np.float32),
+            "a.bias": rng.standard_normal(300).astype(np.float16),
+        },
+        "model-00002-of-00002.safetensors": {
+            "b.weight": rng.integers(-100, 100, (50, 70)).astype(np.int64),
+        },
+    }
+    directory = tmp_path / "hf-model"
+    directory.mkdir()
+    weight_map = {}
+    for filename, arrays in shards.items():
+        _write_safetensors(directory / filename, arrays)
+        weight_map.update(dict.fromkeys(arrays, filename))
+    index = {"metadata": {"total_size": 1}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text("{}")  # what else such a directory holds
+
+    name = _name("shards")
+    r = cli("save", str(directory), name, "--json")
+    assert r.status == 0, r.err
+    assert json.loads(r.out)["items"] == 3
+    out = tmp_path / "merged.safetensors"
+    r = cli("restore", name, str(out))
+    assert r.status == 0, r.err
+    from safetensors.numpy import load_file
+
+    got = load_file(str(out))
+    for arrays in shards.values():
+        for key, want in arrays.items():
+            assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
+
+    # A directory naming a shard that is not there: one line, nothing saved.
+    (directory / "model-00002-of-00002.safetensors").unlink()
+    r = cli("save", str(directory), _name("shards"))
+    assert r.status == 1 and "cannot read" in r.err and "00002" in r.err
+
+
+def test_format_flag_stdin_and_stdout(cluster: LocalCluster, tmp_path: Path) -> None:
+    payload = np.random.default_rng(9).bytes(3 * MiB + 12345)
+    name = _name("raw")
+    proc = _child(
+        cluster, "save", "-", name, "--format", "raw", "--chunk-size", "1MiB", stdin=payload
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    proc = _child(cluster, "restore", name, "-", "--format", "raw")
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == payload  # the report went to stderr, the data alone to stdout
+
+    # No extension: --format says it; without it, a usage error naming --format.
+    arrays: dict[str, np.ndarray[Any, Any]] = {
+        "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "n": np.arange(3),
+    }
+    odd = tmp_path / "weights.data"
+    _write_safetensors(odd, arrays)
+    name = _name("fmt")
+    proc = _child(cluster, "save", str(odd), name)
+    assert proc.returncode == 2 and b"--format" in proc.stderr
+    proc = _child(cluster, "save", str(odd), name, "--format", "safetensors")
+    assert proc.returncode == 0, proc.stderr.decode()
+    # Restored to stdout as .safetensors, and as .npz.
+    proc = _child(cluster, "restore", name, "-", "--format", "safetensors")
+    assert proc.returncode == 0, proc.stderr.decode()
+    (tmp_path / "out.safetensors").write_bytes(proc.stdout)
+    from safetensors.numpy import load_file
+
+    got = load_file(str(tmp_path / "out.safetensors"))
+    assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+    proc = _child(cluster, "restore", name, "-", "--format", "npz")
+    assert proc.returncode == 0, proc.stderr.decode()
+    (tmp_path / "out.npz").write_bytes(proc.stdout)
+    with np.load(tmp_path / "out.npz") as z:
+        assert all(np.array_equal(z[k], v) for k, v in arrays.items())
+    # torch needs a seekable file; stdin holds raw bytes only.
+    proc = _child(cluster, "restore", name, "-", "--format", "torch")
+    assert proc.returncode == 2 and b"stdout" in proc.stderr
+    proc = _child(cluster, "save", "-", _name("x"), "--format", "npz", stdin=b"")
+    assert proc.returncode == 2 and b"stdin" in proc.stderr
+
+
+def test_safetensors_header_matches_the_reference(tmp_path: Path) -> None:
+    """The header restore writes is one the safetensors package reads, bfloat16 included."""
+    items = [
+        OutputItem("a", "float32", (2, 3)),
+        OutputItem("b", "bfloat16", (5,)),
+        OutputItem("c", "bool", ()),
+    ]
+    body = np.arange(6, dtype=np.float32).tobytes() + bytes(range(10)) + b"\x01"
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(safetensors_header(items, {"step": 7}) + body)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"step": "7"}
+        assert np.array_equal(f.get_tensor("a"), np.arange(6, dtype=np.float32).reshape(2, 3))
+        assert f.get_tensor("c").shape == ()
+        assert f.get_slice("b").get_dtype() == "BF16"
+
+
+# --------------------------------------------------------------------------- rm / room
+
+
+def test_rm_several_and_prefix(cli: Any, tmp_path: Path) -> None:
+    src = tmp_path / "a.npz"
+    np.savez(src, x=np.arange(100))
+    prefix = _name("rm")
+    names = [f"{prefix}/{i}" for i in range(4)]
+    for name in names:
+        assert cli("save", str(src), name).status == 0
+    r = cli("rm", names[0], names[1], "--json")
+    assert r.status == 0, r.err
+    assert json.loads(r.out) == {"deleted": names[:2], "missing": []}
+    # A missing name among others: the others go, the status says one was not there.
+    r = cli("rm", names[2], f"{prefix}/nope")
+    assert r.status == 1 and f"no checkpoint named {prefix}/nope" in r.err
+    assert f"deleted {names[2]}" in r.out
+    r = cli("rm", "--prefix", prefix + "/")
+    assert r.status == 0 and r.out.strip() == f"deleted {names[3]}"
+    r = cli("ls", prefix, "--json")
+    assert json.loads(r.out) == {"checkpoints": []}
+    assert cli("rm").status == 2
+    assert cli("rm", "--prefix", "").status == 2
+
+
+def test_restore_refused_when_the_target_cannot_hold_it(cli: Any, tmp_path: Path) -> None:
+    small = tmp_path / "small-fs"
+    small.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        src = tmp_path / "a.npz"
+        np.savez(src, x=np.random.default_rng(1).random(4 * MiB // 8))
+        name = _name("room")
+        assert cli("save", str(src), name).status == 0
+        r = cli("restore", name, str(small / "out.npz"))
+        assert r.status == 1
+        assert "cannot restore into" in r.err and "free (nothing was fetched)" in r.err
+        assert list(small.iterdir()) == []
+        r = cli("restore", name, str(tmp_path / "out.npz"))  # where there is room
+        assert r.status == 0, r.err
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+# --------------------------------------------------------------------------- cluster view
+
+
+def _nodes(
+    cluster: LocalCluster, *extra: str, url: str | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    return _child(cluster, "nodes", *extra, timeout=60, url=url)
+
+
+def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
+    cluster = cluster_factory(4)
+    src = tmp_path / "a.npz"
+    np.savez(src, x=np.random.default_rng(2).random(3 * MiB // 8), y=np.arange(10))
+    name = _name("view")
+    proc = _child(cluster, "save", str(src), name, "--chunk-size", "1MiB", "--wait", "nvme")
+    assert proc.returncode == 0, proc.stderr.decode()
+
+    proc = _nodes(cluster, "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    doc = json.loads(proc.stdout)
+    assert [n["id"] for n in doc["nodes"]] == [cluster.node_id(i) for i in range(4)]
+    assert doc["down"] == []
+    # Each node's chunk counts (from its figures): the 4 chunks are held somewhere.
+    counts = [n[tier]["chunks"] for n in doc["nodes"] for tier in ("memory", "nvme", "cold")]
+    assert all(isinstance(c, int) for c in counts) and sum(counts) >= 4
+    assert all(n["drain_backlog"] is not None for n in doc["nodes"])
+
+    # "reached" never goes back; "now" follows the copies: evicted from RAM, they are on nvme.
+    async def evict() -> None:
+        async with client_for(cluster) as client:
+            await client.evict(name, "memory")
+
+    asyncio.run(evict())
+    proc = _child(cluster, "status", name, "--json")
+    assert proc.returncode == 0, proc.stderr.decode()
+    st = json.loads(proc.stdout)
+    assert st["memory"] == st["nvme"] == st["chunks"] == 4
+    assert st["now"]["memory"] == 0 and st["now"]["hot"] == 4 and st["now"]["unavailable"] == 0
+
+    cluster.kill(1)
+    deadline = time.monotonic() + 60
+    while True:  # until the survivors have noticed (down_after)
+        proc = _nodes(cluster, url=cluster.url(0))
+        if proc.returncode == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert proc.returncode == 3, proc.stdout.decode() + proc.stderr.decode()
+    table = proc.stdout.decode().splitlines()
+    assert table[0].split()[:2] == ["NODE", "STATE"]
+    row = next(line for line in table if line.startswith(cluster.node_id(1)))
+    assert "DOWN" in row
+    assert f"1 of 4 nodes down: {cluster.node_id(1)}" in proc.stderr.decode()
+    proc = _child(cluster, "status", name, "--json", url=cluster.url(0))
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert json.loads(proc.stdout)["now"]["unavailable"] == 0  # 3 copies, one node gone
