@@ -174,7 +174,7 @@ def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[st
         pytest.fail(
             f"{report.line()}\n{len(history.violations)} violation(s)"
             + (f" ({more} not shown)" if more > 0 else "")
-            + f"; event log in {log}\n{listed}"
+            + f"; event log in {log}\n{listed}\ncounts: {dict(sorted(history.counts.items()))}"
         )
     assert report.acked > 0 and report.verified > 0, f"the run checked nothing: {report.line()}"
 
