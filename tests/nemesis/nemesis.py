@@ -58,6 +58,9 @@ class NemesisShape:
     duration: tuple[float, float] = (1.0, 3.0)
     gap: tuple[float, float] = (0.3, 1.2)
     settle: float = 6.0
+    #: faults start after ``warm_acks`` acknowledged commits, or ``warmup`` seconds
+    warm_acks: int = 3
+    warmup: float = 20.0
     restart_timeout: float = 60.0
 
 
@@ -117,6 +120,12 @@ class Nemesis:
 
     # ---- the schedule --------------------------------------------------------------------
     async def run(self) -> None:
+        # Faults begin once the writers have committed something: a flip or a full disk on
+        # an empty cluster tests nothing.
+        for _ in range(int(self.shape.warmup / 0.1)):
+            if self.stopping.is_set() or self.history.counts["acked"] >= self.shape.warm_acks:
+                break
+            await asyncio.sleep(0.1)
         first = list(self.kinds)
         self.rng.shuffle(first)
         names = list(WEIGHTS)

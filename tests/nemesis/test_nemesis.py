@@ -179,13 +179,14 @@ def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[st
     assert report.acked > 0 and report.verified > 0, f"the run checked nothing: {report.line()}"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 async def test_nemesis_ci(
     nemesis_cluster: ClusterMaker,
     request: pytest.FixtureRequest,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    seed = request.config.getoption("--nemesis-seed") or CI_SEED
+    replay = request.config.getoption("--nemesis-seed")
+    seed = CI_SEED if replay is None else int(replay)
     cluster = await asyncio.to_thread(nemesis_cluster, seed)
     report, history = await run_nemesis(cluster, seed, CI)
     _conclude(report, history, capsys)
@@ -199,7 +200,8 @@ async def test_nemesis_soak(
     seconds = request.config.getoption("--nemesis-seconds")
     if seconds is None:
         pytest.skip("the soak runs with --nemesis-seconds N")
-    seed = request.config.getoption("--nemesis-seed") or secrets.randbelow(2**31)
+    replay = request.config.getoption("--nemesis-seed")
+    seed = secrets.randbelow(2**31) if replay is None else int(replay)
     with capsys.disabled():
         print(f"\nnemesis soak: seed={seed} for {seconds:.0f}s of faults")
     shape = RunShape(
