@@ -118,6 +118,22 @@ def _guarded_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("nemesis", "the nemesis suite (tests/nemesis)")
+    group.addoption(
+        "--nemesis-seconds",
+        type=float,
+        default=None,
+        help="run the nemesis soak for this many seconds of faults (random seed, printed)",
+    )
+    group.addoption(
+        "--nemesis-seed",
+        type=int,
+        default=None,
+        help="replay a nemesis run: the seed its report line printed",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A shell without job control starts background commands with SIGINT ignored, and an
     # ignored signal stays ignored across exec: the Ctrl-C tests' children (demo, load

@@ -1,0 +1,232 @@
+"""After the faults: wait for full replication (timed), then check I1-I7 against the history.
+
+Replication is judged from what is really there, not from the nodes' own bookkeeping (a
+chunk's recorded state only moves forward, so ``?status`` still says ``cold`` after a
+fragment was flipped and quarantined): RAM copies from ``?plan``, nvme copies and
+fragments from the nodes' files, each read and checked (BLAKE3 of a chunk's payload, the
+fragment's own checksum) once per file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from erasure import CorruptFragment, parse_fragment
+from storaged.client import Client, StoragedError
+from storaged.ids import chunk_id_of, is_chunk_id
+from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
+from tests.nemesis.history import History
+from tests.nemesis.workload import RawHttp, check_visible, verify_checkpoint
+from tiers._durable import HEADER_SIZE as FILE_HEADER_SIZE
+from tiers._durable import InvalidValue, parse_file_header
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: int
+    acked: int
+    verified: int
+    lost: int
+    wrong: int
+    heal: float | None
+
+    def line(self) -> str:
+        heal = f"{self.heal:.1f}s" if self.heal is not None else "never"
+        return (
+            f"nemesis seed={self.seed} faults={self.faults} acked={self.acked} "
+            f"verified={self.verified} lost={self.lost} wrong={self.wrong} heal={heal}"
+        )
+
+
+class DiskCensus:
+    """Good nvme copies and fragments per chunk, from the files of every node."""
+
+    def __init__(self, cluster: NemesisCluster) -> None:
+        self.cluster = cluster
+        #: (path, inode, size, mtime) -> whether the file checked out
+        self._checked: dict[tuple[str, int, int, int], bool] = {}
+
+    def scan(self) -> tuple[dict[str, set[str]], dict[str, set[int]]]:
+        """(chunk id -> nodes with a good nvme copy, chunk id -> good fragment indexes)."""
+        nvme: dict[str, set[str]] = defaultdict(set)
+        frags: dict[str, set[int]] = defaultdict(set)
+        for i in range(self.cluster.nodes):
+            node = self.cluster.node_id(i)
+            for tier in DISK_TIERS:
+                root = self.cluster.data / node / tier
+                for path in root.glob("??/??/*"):
+                    key = path.name
+                    if key.startswith("."):
+                        continue
+                    cid, _, index = key.partition(".")
+                    if not is_chunk_id(cid) or not self._good(path, tier, cid, index):
+                        continue
+                    if tier == "nvme":
+                        nvme[cid].add(node)
+                    else:
+                        frags[cid].add(int(index))
+        return nvme, frags
+
+    def _good(self, path: Path, tier: str, cid: str, index: str) -> bool:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in self._checked:
+            self._checked[key] = _check_file(path, tier, cid, index)
+        return self._checked[key]
+
+
+def _check_file(path: Path, tier: str, cid: str, index: str) -> bool:
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return False
+    try:
+        header = parse_file_header(raw)
+    except InvalidValue:
+        return False
+    payload = memoryview(raw)[FILE_HEADER_SIZE:]
+    if header.digest.hex() != cid or header.length != len(payload):
+        return False
+    if tier == "nvme":
+        return chunk_id_of(payload) == cid
+    try:
+        fragment = parse_fragment(payload)
+    except CorruptFragment:
+        return False
+    return (fragment.chunk_id, str(fragment.index)) == (cid, index)
+
+
+async def wait_healed(
+    cluster: NemesisCluster, history: History, client: Client, timeout: float
+) -> float | None:
+    """Seconds until every chunk of every live checkpoint has ``replication`` hot copies or
+    all ``n`` good fragments; None (and an I6 violation) if that does not happen in time.
+    Chunks beyond repair (no hot copy, fewer than ``k`` fragments) are left to the reads,
+    which count them lost: they would otherwise hide how long the rest took to heal."""
+    census = DiskCensus(cluster)
+    erasure = client.cluster.erasure
+    assert erasure is not None, "the cluster does not say its erasure code"
+    n, k = erasure.n, erasure.k
+    replication = client.cluster.replication
+    started = time.monotonic()
+    short: dict[str, str] = {}
+    while True:
+        live = history.live_checkpoints()
+        in_ram: dict[str, set[str]] = defaultdict(set)
+        for record in live:
+            try:
+                plan = await client.plan(record.name)
+            except StoragedError as exc:
+                short[record.name] = f"no plan: {exc}"
+                continue
+            for cid, holders in plan.items():
+                in_ram[cid].update(h.node for h in holders if h.tier == "memory")
+        nvme, frags = await asyncio.to_thread(census.scan)
+        short = {}
+        gone: set[str] = set()
+        for record in live:
+            for cid in record.chunks:
+                hot = in_ram[cid] | nvme[cid]
+                if not hot and len(frags[cid]) < k:
+                    gone.add(cid)  # beyond repair: the reads below report it lost
+                elif len(hot) < replication and len(frags[cid]) < n:
+                    short[cid] = f"{len(hot)} hot ({sorted(hot)}), fragments {sorted(frags[cid])}"
+        elapsed = time.monotonic() - started
+        if not short:
+            if gone:
+                history.note(f"healed but for {len(gone)} chunks beyond repair")
+            return elapsed
+        if elapsed > timeout:
+            examples = "; ".join(f"{cid[:12]}: {why}" for cid, why in list(short.items())[:5])
+            history.violate(
+                "I6", f"{len(short)} chunks still under-replicated after {timeout:.0f}s: {examples}"
+            )
+            return None
+        await asyncio.sleep(1.0)
+
+
+async def check_history(
+    cluster: NemesisCluster,
+    history: History,
+    raw: RawHttp,
+    client: Client,
+    *,
+    faults: int,
+    heal_timeout: float,
+) -> Report:
+    """The end of a run: all nodes up and faults undone. Times the heal, then reads every
+    live checkpoint back whole from every node in turn until one serves each chunk."""
+    await asyncio.to_thread(cluster.wait_converged, 120.0)
+    await client.refresh_cluster()
+    heal = await wait_healed(cluster, history, client, heal_timeout)
+    rng = random.Random(f"{history.seed}/checker")
+    verified: set[str] = set()
+    lost: set[str] = set()
+    for record in sorted(history.checkpoints.values(), key=lambda r: r.name):
+        if not record.live:
+            await check_visible(history, raw, record, rng.choice(raw.urls), final=True)
+            continue
+        result = await verify_checkpoint(history, raw, record, rng, during_faults=False)
+        for cid, outcome in result.items():
+            if outcome == "ok":
+                verified.add(cid)
+            elif outcome == "unread" and cid not in lost:
+                lost.add(cid)
+                history.violate(
+                    _blame(history, cid),
+                    f"chunk of acknowledged {record.name} lost: no node serves it\n"
+                    + history.story(cid),
+                )
+    await _check_listing(history, client)
+    return Report(
+        seed=history.seed,
+        faults=faults,
+        acked=history.counts["acked"],
+        verified=len(verified),
+        lost=len(lost),
+        wrong=history.counts["wrong"],
+        heal=heal,
+    )
+
+
+def _blame(history: History, cid: str) -> str:
+    """The invariant a lost chunk most directly breaks, from what happened to it."""
+    notes = " ".join(history.chunk_notes.get(cid, []))
+    if "deleted" in notes or "/missing says held" in notes or "re-PUT" in notes:
+        return "I3"  # referenced again after a delete or a dedup answer, then collected
+    if "aborted" in notes:
+        return "I2"
+    return "I1"
+
+
+async def _check_listing(history: History, client: Client) -> None:
+    try:
+        listed = {c.name for c in await client.list()}
+    except StoragedError as exc:
+        history.violate("I4", f"the final listing failed: {exc}")
+        return
+    for record in history.checkpoints.values():
+        if record.live and record.name not in listed:
+            history.violate("I4", f"acknowledged {record.name} missing from the listing")
+        if record.name in listed and (record.outcome == "refused" or record.deleted == "acked"):
+            history.violate(
+                "I4", f"{record.name} ({record.outcome}, deleted {record.deleted}) is listed"
+            )
+
+
+def dump(history: History, path: Path) -> None:
+    """The whole event log and every chunk story, for a look after a failed run."""
+    with open(path, "w") as f:
+        for t, text in history.log:
+            f.write(f"{t:8.2f} {text}\n")
+    os.chmod(path, 0o644)
