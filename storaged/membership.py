@@ -51,6 +51,10 @@ class Membership(abc.ABC):
         """The last status a node reported in its heartbeat (usage figures), if any."""
         return {}
 
+    def down_since(self, node_id: str) -> float | None:
+        """Wall-clock time since which ``node_id`` counts as down (None: alive or unknown)."""
+        return None
+
     async def start(self) -> None:  # noqa: B027
         pass
 
@@ -104,6 +108,15 @@ class StaticMembership(Membership):
 
     def info(self, node_id: str) -> dict[str, Any]:
         return self._info.get(node_id, {})
+
+    def down_since(self, node_id: str) -> float | None:
+        if self.is_alive(node_id):
+            return None
+        seen = self._last_seen.get(node_id)
+        if seen is None:
+            return None
+        # Down from its last heartbeat on (or from when a call to it failed, if later).
+        return time.time() - (time.monotonic() - seen)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")

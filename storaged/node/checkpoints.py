@@ -122,8 +122,10 @@ class Checkpoints:
 
     async def status(self, name: str) -> dict[str, Any]:
         """How many distinct chunks reached at least each state; ``lost``: held by no live
-        node; ``now``: how many have a copy in each tier at this moment (RAM copies go with
-        a restart or an eviction, while the state they reached stays)."""
+        node; ``under_replicated``: held, but with fewer than ``replication`` hot copies and
+        fewer than ``n`` fragments (repair's work); ``now``: how many have a copy in each
+        tier at this moment (RAM copies go with a restart or an eviction, while the state
+        they reached stays)."""
         node = self.node
         record = await self.get(name)
         held = await node.holdings(node.membership.alive_ids(), record.chunks)
@@ -145,13 +147,28 @@ class Checkpoints:
                 if len({i for h in held[cid] for i in h.fragments}) >= node.config.k
             ),
         }
+        rf, n = node.config.replication, node.config.n
+        under = sum(
+            1
+            for cid in record.chunks
+            if cid in states
+            and sum(1 for h in held[cid] if h.hot) < rf
+            and len({i for h in held[cid] for i in h.fragments}) < n
+        )
         reached = "memory"
         for s in STATES:
             if counts[s] == total:
                 reached = s
         if lost:
             reached = "lost"
-        return {"state": reached, "chunks": total, **counts, "lost": lost, "now": now}
+        return {
+            "state": reached,
+            "chunks": total,
+            **counts,
+            "lost": lost,
+            "under_replicated": under,
+            "now": now,
+        }
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
         node = self.node
@@ -159,7 +176,7 @@ class Checkpoints:
         alive = node.membership.alive_ids()
         held = await node.holdings(alive, record.chunks)
         tier_rank = {"memory": 0, "nvme": 1, "cold": 2}
-        plan: dict[str, list[dict[str, str]]] = {}
+        plan: dict[str, list[dict[str, Any]]] = {}
         for cid in record.chunks:
             sources = []
             frag_nodes = []
@@ -170,7 +187,9 @@ class Checkpoints:
                 elif h.nvme:
                     sources.append({"node": h.node, "url": url, "tier": "nvme"})
                 elif h.fragments:
-                    frag_nodes.append({"node": h.node, "url": url, "tier": "cold"})
+                    frag_nodes.append(
+                        {"node": h.node, "url": url, "tier": "cold", "fragments": list(h.fragments)}
+                    )
             sources.sort(key=lambda s: tier_rank[s["tier"]])
             # Any node rebuilds from fragments; list those that hold some.
             plan[cid] = sources + frag_nodes

@@ -45,7 +45,14 @@ class PeerRpc:
 
     async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         node = self.node
-        return {"id": node.id, "usage": node.usage(), "stopping": node.stopping}, None
+        return {
+            "id": node.id,
+            "usage": node.usage(),
+            "stopping": node.stopping,
+            "up_since": node.started,
+            "drain_backlog": node.drainer.backlog,
+            "encode_backlog": node.encoder.backlog,
+        }, None
 
     async def rpc_chunk_info(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         node = self.node

@@ -49,6 +49,11 @@ class Drain:
                 await task
         self._workers.clear()
 
+    @property
+    def backlog(self) -> int:
+        """Chunks waiting for their drain (queued or waiting to retry)."""
+        return self._queue.qsize() + len(self._retries)
+
     def offer(self, chunk_id: str) -> None:
         self._queue.put_nowait(chunk_id)
         self.node.metrics.drain_backlog.inc()
