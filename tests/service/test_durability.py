@@ -301,36 +301,42 @@ async def test_scenario_6_commit_with_a_wrong_chunk_size_is_refused(
 
 
 # ---- 7 --------------------------------------------------------------------------------------
+async def _slow_put(url: str) -> asyncio.StreamWriter:
+    """A PUT that stays in flight: its headers and the first bytes of its body, then nothing
+    (the node would abandon it after ``body_timeout``; the test closes it long before)."""
+    data, cid = new_chunk(1 << 20)
+    host, _, port = url.removeprefix("http://").partition(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data[:4096])
+    await writer.drain()
+    return writer
+
+
 async def test_scenario_7_sigterm_drains_acked_data(
     cluster_factory: ClusterFactory, http: aiohttp.ClientSession
 ) -> None:
-    """SIGTERM to every node right after the last ack of a burst (PUTs still in flight make
-    the drain wait): after a restart every acked chunk is readable; a PUT to a stopping node
+    """SIGTERM to every node right after the last ack of a burst, while PUTs in flight make
+    the drain wait: after a restart every acked chunk is readable; a PUT to a stopping node
     is refused or, if acked, kept."""
-    # Drain yields to PUTs in flight (up to drain_defer per chunk): under a steady burst
-    # most acked chunks are still RAM-only when the signal comes.
-    cluster = await cluster_factory.start(4, drain_defer=5.0)
+    # Drain yields to PUTs in flight for up to drain_defer per chunk: with a PUT in flight
+    # on every node, the burst's chunks are all still RAM-only when the signal comes.
+    cluster = await cluster_factory.start(4, drain_defer=60.0)
     apis = [Api(http, url, TOKEN) for url in cluster.urls]
+    slow = [await _slow_put(url) for url in cluster.urls]
     acked: dict[str, bytes] = {}
-    enough = asyncio.Event()
-
-    async def uploader(worker: int) -> None:
-        for i in range(200):  # bounded; stopped by the SIGTERM long before
-            data = os.urandom(1 << 20)
-            try:
-                r = await apis[(worker + i) % 4].put_chunk(data)
-            except aiohttp.ClientError:
-                return
-            if r.status in (200, 201):
-                acked[chunk_id_of(data)] = data
-                if len(acked) >= 24:
-                    enough.set()
-            elif r.status != 503:
-                raise AssertionError(r.raw)
-
-    workers = [asyncio.create_task(uploader(w)) for w in range(6)]
     try:
-        await asyncio.wait_for(enough.wait(), timeout=120)
+
+        async def upload(i: int) -> None:
+            data, cid = new_chunk(1 << 20)
+            r = await apis[i % 4].put_chunk(data)
+            assert r.status == 201, r.raw
+            acked[cid] = data
+
+        await asyncio.gather(*(upload(i) for i in range(16)))
         for proc in cluster.procs.values():
             proc.send_signal(signal.SIGTERM)
         late, late_id = new_chunk(1 << 20)
@@ -339,23 +345,20 @@ async def test_scenario_7_sigterm_drains_acked_data(
             assert r.status in (200, 201, 503), r.raw
             if r.status in (200, 201):
                 acked[late_id] = late
-        await asyncio.gather(*workers, return_exceptions=True)
     finally:
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        for writer in slow:
+            writer.transport.abort()
     await asyncio.to_thread(lambda: [p.wait(timeout=120) for p in cluster.procs.values()])
-    snapshot = dict(acked)
     for i in range(cluster.nodes):
         cluster.start_node(i)
     await asyncio.to_thread(cluster.wait_healthy)
     await asyncio.to_thread(cluster.wait_converged)
     lost = []
-    for cid, data in snapshot.items():
+    for cid, data in acked.items():
         r = await apis[0].get_chunk(cid)
         if r.status != 200 or r.raw != data:
             lost.append(cid)
-    assert not lost, f"{len(lost)} of {len(snapshot)} acked chunks lost by SIGTERM"
+    assert not lost, f"{len(lost)} of {len(acked)} acked chunks lost by SIGTERM"
 
 
 # ---- 8 --------------------------------------------------------------------------------------
