@@ -61,9 +61,9 @@ async def verified_holders(cluster: InprocCluster, chunk_id: str) -> list[str]:
     """Running nodes whose own RAM or nvme copy of ``chunk_id`` hashes to the id."""
     out = []
     for i in cluster.running():
-        data, _ = await cluster.node(i).read_hot(chunk_id)
-        if data is not None and chunk_id_of(data) == chunk_id:
-            out.append(cluster.node_id(i))
+        async with cluster.node(i).local_copy(chunk_id) as data:
+            if data is not None and chunk_id_of(data) == chunk_id:
+                out.append(cluster.node_id(i))
     return out
 
 
@@ -117,7 +117,6 @@ async def route_through_proxy(
 
 
 # ---- 1 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 1")
 async def test_scenario_1_failed_reput_of_cold_chunk_keeps_its_fragments(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -155,7 +154,6 @@ async def test_scenario_1_failed_reput_of_cold_chunk_keeps_its_fragments(
 
 
 # ---- 2 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 2")
 async def test_scenario_2_failed_concurrent_put_keeps_copies_another_put_acked(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -187,7 +185,6 @@ async def test_scenario_2_failed_concurrent_put_keeps_copies_another_put_acked(
 
 
 # ---- 3 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 3")
 @pytest.mark.parametrize("refresh", ["missing", "ack"])
 async def test_scenario_3_gc_keeps_old_chunk_that_a_commit_reuses(
     inproc: InprocFactory, http: aiohttp.ClientSession, refresh: str
@@ -224,7 +221,6 @@ async def test_scenario_3_gc_keeps_old_chunk_that_a_commit_reuses(
 
 
 # ---- 4 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 4")
 async def test_scenario_4_commit_retry_completes_a_partial_catalogue_write(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -260,7 +256,6 @@ async def test_scenario_4_commit_retry_completes_a_partial_catalogue_write(
 
 
 # ---- 5 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 5")
 async def test_scenario_5_put_to_a_holder_checks_the_other_copies(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -289,7 +284,6 @@ async def test_scenario_5_put_to_a_holder_checks_the_other_copies(
 
 
 # ---- 6 --------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 6")
 async def test_scenario_6_commit_with_a_wrong_chunk_size_is_refused(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -322,7 +316,6 @@ async def _slow_put(url: str) -> asyncio.StreamWriter:
     return writer
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 7")
 async def test_scenario_7_sigterm_drains_acked_data(
     cluster_factory: ClusterFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -378,7 +371,10 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 8")
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 8 scenario 8: on main the retried drain never completed in about 1 run of 4",
+)
 async def test_scenario_8_failed_drain_is_retried(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -403,7 +399,6 @@ async def test_scenario_8_failed_drain_is_retried(
 
 
 # ---- 10 -------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 10")
 async def test_scenario_10_repair_when_first_holder_has_only_fragments(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -435,7 +430,6 @@ async def test_scenario_10_repair_when_first_holder_has_only_fragments(
 
 
 # ---- 11 -------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 11")
 async def test_scenario_11_corruption_on_a_peer_link_is_resent(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -456,7 +450,6 @@ async def test_scenario_11_corruption_on_a_peer_link_is_resent(
 
 
 # ---- 12 -------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 12")
 async def test_scenario_12_racing_commits_of_one_name(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -488,7 +481,6 @@ async def test_scenario_12_racing_commits_of_one_name(
 
 
 # ---- 13 -------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8 scenario 13")
 async def test_scenario_13_status_reports_lost_chunks(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
