@@ -1,0 +1,507 @@
+"""Issue 8 ("Durability first"), section 2: each scenario is a named regression test.
+
+Each test drives its scenario against real nodes (in this event loop, see ``inproc.py``, or
+as processes where a real signal is needed) and asserts the invariant it broke, not the
+mechanism of a fix:
+
+- I1 ack: a 201/200 PUT means ``replication`` nodes hold a verified copy (or all n
+  fragments are durable);
+- I2 a failed request removes nothing others rely on;
+- I3 referenced means kept (an ack, a ``/missing`` answer, a commit refresh a chunk's age);
+- I4 a 201/200 commit is on ``replication`` catalogue holders; of racing commits one wins;
+- I5 a graceful stop drains; I6 transient failures are retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from storaged.ids import chunk_id_of
+from storaged.node import COLD
+from storaged.placement import rendezvous_order
+from tests.conftest import TOKEN, ClusterFactory
+from tests.service.http import Api, Reply, manifest_for
+from tests.service.inproc import (
+    InprocCluster,
+    InprocFactory,
+    PeerLinkProxy,
+    hog_memory,
+    release_memory,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+#: small enough that a whole body fits in a loopback socket's buffers (a held peer link
+#: must not stall the entry node's writes to the other replicas)
+CHUNK = 64 * 1024
+
+
+def new_chunk(size: int = CHUNK) -> tuple[bytes, str]:
+    data = os.urandom(size)
+    return data, chunk_id_of(data)
+
+
+def api_of(http: aiohttp.ClientSession, cluster: InprocCluster, i: int) -> Api:
+    return Api(http, cluster.url(i), TOKEN)
+
+
+async def verified_holders(cluster: InprocCluster, chunk_id: str) -> list[str]:
+    """Running nodes whose own RAM or nvme copy of ``chunk_id`` hashes to the id."""
+    out = []
+    for i in cluster.running():
+        async with cluster.node(i).local_copy(chunk_id) as data:
+            if data is not None and chunk_id_of(data) == chunk_id:
+                out.append(cluster.node_id(i))
+    return out
+
+
+async def assert_acked(cluster: InprocCluster, chunk_id: str, reply: Reply) -> None:
+    """I1: after a 201/200, ``replication`` nodes hold a verified copy or all n fragments."""
+    if reply.status not in (200, 201):
+        return
+    node = cluster.node(cluster.running()[0])
+    holders = await verified_holders(cluster, chunk_id)
+    full = cluster.fragments(chunk_id) == set(range(node.config.n))
+    assert len(holders) >= node.config.replication or full, (
+        f"PUT answered {reply.status} {reply.doc} but only {holders} hold {chunk_id} "
+        f"(fragments {sorted(cluster.fragments(chunk_id))})"
+    )
+
+
+@contextlib.contextmanager
+def broken_dir(path: Path) -> Iterator[None]:
+    """Replace directory ``path`` by a file for the block: every write under it fails with a
+    real OS error (ENOTDIR), even as root; the directory comes back as it was."""
+    aside = path.with_name(path.name + ".aside")
+    path.rename(aside)
+    path.write_bytes(b"not a directory")
+    try:
+        yield
+    finally:
+        path.unlink()
+        aside.rename(path)
+
+
+async def wait_cold(cluster: InprocCluster, chunk_id: str) -> None:
+    owner = cluster.node(cluster.order(chunk_id)[0])
+    n = owner.config.n
+
+    def cold() -> bool:
+        info = owner.index.get(chunk_id)
+        return (
+            info is not None and info.state >= COLD and cluster.fragments(chunk_id) == set(range(n))
+        )
+
+    await wait_until(f"{chunk_id} is cold", cold, timeout=60)
+
+
+async def route_through_proxy(
+    cluster: InprocCluster, entry: int, target: int, proxy: PeerLinkProxy
+) -> None:
+    """Restart node ``entry`` dialing node ``target`` through ``proxy`` (before any PUT)."""
+    port = await proxy.start()
+    cluster.configure(entry, peer_routes=f"{cluster.node_id(target)}=127.0.0.1:{port}")
+    await cluster.restart(entry)
+
+
+# ---- 1 --------------------------------------------------------------------------------------
+async def test_scenario_1_failed_reput_of_cold_chunk_keeps_its_fragments(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A re-PUT of a cold chunk lands on nodes that hold only fragments; when it fails
+    (targets memory_full), neither it nor the client's retries may delete those fragments."""
+    cluster = await inproc.start(4, put_wait=0.5, drain_defer=0.0, encode_defer=0.0)
+    data, cid = new_chunk()
+    a, b, c, d = cluster.order(cid)
+    assert (await api_of(http, cluster, a).put_chunk(data)).status == 201
+    api = api_of(http, cluster, a)
+    assert (await api.commit("s1/base", manifest_for([data]))).status == 201
+    await wait_cold(cluster, cid)
+    # Only fragments remain: the hot copies leave RAM and nvme.
+    r = await api.request("POST", "/v1/admin/evict", doc={"checkpoint": "s1/base", "tier": "nvme"})
+    assert r.status == 200, r.raw
+    assert cluster.hot_holders(cid) == []
+    n = cluster.node(a).config.n
+    hogs = {i: await hog_memory(cluster.node(i)) for i in (b, c)}
+    try:
+        # The client's retries, over the entry nodes that will take the body.
+        for entry in (d, a, d, a):
+            r = await api_of(http, cluster, entry).put_chunk(data)
+            assert r.status in (200, 201, 503), r.raw
+            await assert_acked(cluster, cid, r)
+            assert cluster.fragments(cid) == set(range(n)), (
+                f"a re-PUT answered {r.status} and fragments "
+                f"{sorted(set(range(n)) - cluster.fragments(cid))} of {cid} are gone"
+            )
+    finally:
+        for i, held in hogs.items():
+            release_memory(cluster.node(i), held)
+    for i in cluster.running():
+        r = await api_of(http, cluster, i).get_chunk(cid)
+        assert r.status == 200 and r.raw == data
+
+
+# ---- 2 --------------------------------------------------------------------------------------
+async def test_scenario_2_failed_concurrent_put_keeps_copies_another_put_acked(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Two PUTs of one chunk (data-parallel ranks with identical tensors): the failing one
+    must not remove a copy that the other counted in its 201."""
+    cluster = await inproc.start(4)
+    data, cid = new_chunk()
+    a, b, c, d = cluster.order(cid)
+    # The failing PUT enters at b; its copy to c is held on the link, then arrives damaged.
+    gate = asyncio.Event()
+    proxy = PeerLinkProxy(("127.0.0.1", cluster.peer_port(c)), cid, gate=gate)
+    try:
+        await route_through_proxy(cluster, b, c, proxy)
+        failing = asyncio.create_task(api_of(http, cluster, b).put_chunk(data))
+        await wait_until("the held PUT reached a", lambda: cluster.node(a).holds_hot(cid))
+        await wait_until("the held PUT reached the link to c", proxy.put_seen.is_set)
+        acked = await api_of(http, cluster, d).put_chunk(data)
+        assert acked.status in (200, 201), acked.raw
+        await assert_acked(cluster, cid, acked)
+        gate.set()
+        other = await failing
+    finally:
+        gate.set()
+        await proxy.close()
+    assert other.status in (200, 201, 400, 503), other.raw
+    # The first PUT's 201 still holds, whatever became of the second.
+    await assert_acked(cluster, cid, acked)
+    await assert_acked(cluster, cid, other)
+
+
+# ---- 3 --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("refresh", ["missing", "ack"])
+async def test_scenario_3_gc_keeps_old_chunk_that_a_commit_reuses(
+    inproc: InprocFactory, http: aiohttp.ClientSession, refresh: str
+) -> None:
+    """An old unreferenced chunk that ``/missing`` reported held (or a re-PUT acked) is
+    reused by a commit while GC runs from a snapshot that predates the commit: the
+    checkpoint must commit and restore."""
+    grace = 2.0
+    # No periodic GC: the test runs the passes itself, at the worst moment.
+    cluster = await inproc.start(4, gc_grace=grace, gc_interval=3600.0)
+    api = api_of(http, cluster, 0)
+    data, cid = new_chunk()
+    assert (await api.put_chunk(data)).status == 201
+
+    def older_than_grace() -> bool:
+        stamps = [cluster.node(i).index[cid].stored_at for i in cluster.running()
+                  if cid in cluster.node(i).index]  # fmt: skip
+        return bool(stamps) and time.time() - max(stamps) > grace + 0.5
+
+    await wait_until("the chunk is older than the grace", older_than_grace)
+    if refresh == "missing":
+        r = await api.request("POST", "/v1/chunks/missing", doc={"chunks": [cid]})
+        assert r.status == 200 and r.doc["missing"] == []
+    else:
+        r = await api.put_chunk(data)
+        assert r.status in (200, 201), r.raw
+    # GC's snapshot of the catalogue is taken now, before the commit that names the chunk.
+    await asyncio.gather(*(cluster.node(i).gc_pass() for i in cluster.running()))
+    r = await api.commit("s3/ckpt", manifest_for([data]))
+    assert r.status == 201, f"commit after the {refresh} refresh: {r.status} {r.doc}"
+    await asyncio.gather(*(cluster.node(i).gc_pass() for i in cluster.running()))
+    r = await api.get_chunk(cid)
+    assert r.status == 200 and r.raw == data
+
+
+# ---- 4 --------------------------------------------------------------------------------------
+async def test_scenario_4_commit_retry_completes_a_partial_catalogue_write(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A commit whose catalogue writes reached 1 of 3 nodes answers 503; the retry's 200 must
+    mean the record is on ``replication`` catalogues, so that GC on the other nodes keeps the
+    chunks while the first holder is down."""
+    grace = 1.0
+    cluster = await inproc.start(4, gc_grace=grace, gc_interval=3600.0)
+    name = "s4/ckpt"
+    chunks = [new_chunk()[0] for _ in range(2)]
+    p, q, r_ = (cluster.index_of(t) for t in cluster.node(0).name_targets(name))
+    api = api_of(http, cluster, p)
+    for data in chunks:
+        assert (await api.put_chunk(data)).status == 201
+    with (
+        broken_dir(cluster.node(q).config.data_dir / "catalog"),
+        broken_dir(cluster.node(r_).config.data_dir / "catalog"),
+    ):
+        r = await api.commit(name, manifest_for(chunks))
+        assert r.status == 503, r.raw
+    r = await api.commit(name, manifest_for(chunks))
+    assert r.status in (200, 201), r.raw
+    on = [cluster.node_id(i) for i in (p, q, r_) if cluster.node(i).catalog.raw(name) is not None]
+    assert len(on) == 3, f"commit answered {r.status} with the record on {on} only"
+    # The first holder goes down; the others collect garbage older than the grace.
+    await cluster.kill(p)
+    await asyncio.sleep(grace + 0.5)  # the chunks' age must pass the grace: that is the test
+    others = cluster.running()
+    await asyncio.gather(*(cluster.node(i).gc_pass() for i in others))
+    for data in chunks:
+        r = await api_of(http, cluster, others[0]).get_chunk(chunk_id_of(data))
+        assert r.status == 200 and r.raw == data, "GC deleted a committed checkpoint's chunk"
+
+
+# ---- 5 --------------------------------------------------------------------------------------
+async def test_scenario_5_put_to_a_holder_checks_the_other_copies(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A cancelled PUT leaves one copy; a PUT to that holder must not answer "replicas: 3"
+    without making it true."""
+    data, cid = new_chunk()
+    a, b, c, _ = (int(n[1:]) for n in rendezvous_order(cid, [f"n{i}" for i in range(4)]))
+    # No repair passes: the ack must be true when it is given, not once repair caught up.
+    # c waits for RAM long enough for the client to give up, not for ever.
+    cluster = await inproc.start(4, repair_interval=3600.0, per_node={c: {"put_wait": 5.0}})
+    assert cluster.order(cid) == [a, b, c, _]
+    hog = await hog_memory(cluster.node(c))
+    try:
+        put = asyncio.create_task(api_of(http, cluster, a).put_chunk(data))
+        await wait_until("b holds the chunk", lambda: cluster.node(b).holds_hot(cid))
+        put.cancel()  # the client gives up while c waits for RAM: a cancelled PUT
+        with contextlib.suppress(asyncio.CancelledError):
+            await put
+        await wait_until("the cancelled PUT is over", lambda: cluster.http_connections(a) == 0)
+        assert cluster.hot_holders(cid) == [cluster.node_id(b)]
+        r = await api_of(http, cluster, b).put_chunk(data)
+        assert r.status in (200, 201), r.raw
+        await assert_acked(cluster, cid, r)
+    finally:
+        release_memory(cluster.node(c), hog)
+
+
+# ---- 6 --------------------------------------------------------------------------------------
+async def test_scenario_6_commit_with_a_wrong_chunk_size_is_refused(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A manifest declaring a size other than the stored chunk's is a bad manifest."""
+    cluster = await inproc.start(4)
+    api = api_of(http, cluster, 0)
+    data, cid = new_chunk()
+    assert (await api.put_chunk(data)).status == 201
+    manifest = manifest_for([data + bytes(1000)])
+    manifest["shards"][0]["chunks"] = [[cid, len(data) + 1000]]
+    r = await api.commit("s6/ckpt", manifest)
+    assert r.status == 400 and r.error == "bad_manifest", (r.status, r.doc)
+    assert cid in r.doc["message"], r.doc
+    assert (await api.request("GET", "/v1/checkpoints/s6/ckpt")).status == 404
+
+
+# ---- 7 --------------------------------------------------------------------------------------
+async def _slow_put(url: str) -> asyncio.StreamWriter:
+    """A PUT that stays in flight: its headers and the first bytes of its body, then nothing
+    (the node would abandon it after ``body_timeout``; the test closes it long before)."""
+    data, cid = new_chunk(1 << 20)
+    host, _, port = url.removeprefix("http://").partition(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"PUT /v1/chunks/{cid} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data[:4096])
+    await writer.drain()
+    return writer
+
+
+async def test_scenario_7_sigterm_drains_acked_data(
+    cluster_factory: ClusterFactory, http: aiohttp.ClientSession
+) -> None:
+    """SIGTERM to every node right after the last ack of a burst, while PUTs in flight make
+    the drain wait: after a restart every acked chunk is readable; a PUT to a stopping node
+    is refused or, if acked, kept."""
+    # Drain yields to PUTs in flight for up to drain_defer per chunk: with a PUT in flight
+    # on every node, the burst's chunks are all still RAM-only when the signal comes.
+    cluster = await cluster_factory.start(4, drain_defer=60.0)
+    apis = [Api(http, url, TOKEN) for url in cluster.urls]
+    slow = [await _slow_put(url) for url in cluster.urls]
+    acked: dict[str, bytes] = {}
+    try:
+
+        async def upload(i: int) -> None:
+            data, cid = new_chunk(1 << 20)
+            r = await apis[i % 4].put_chunk(data)
+            assert r.status == 201, r.raw
+            acked[cid] = data
+
+        await asyncio.gather(*(upload(i) for i in range(16)))
+        for proc in cluster.procs.values():
+            proc.send_signal(signal.SIGTERM)
+        late, late_id = new_chunk(1 << 20)
+        with contextlib.suppress(aiohttp.ClientError):
+            r = await apis[0].put_chunk(late)
+            assert r.status in (200, 201, 503), r.raw
+            if r.status in (200, 201):
+                acked[late_id] = late
+    finally:
+        for writer in slow:
+            writer.transport.abort()
+    await asyncio.to_thread(lambda: [p.wait(timeout=120) for p in cluster.procs.values()])
+    for i in range(cluster.nodes):
+        cluster.start_node(i)
+    await asyncio.to_thread(cluster.wait_healthy)
+    await asyncio.to_thread(cluster.wait_converged)
+    lost = []
+    for cid, data in acked.items():
+        r = await apis[0].get_chunk(cid)
+        if r.status != 200 or r.raw != data:
+            lost.append(cid)
+    assert not lost, f"{len(lost)} of {len(acked)} acked chunks lost by SIGTERM"
+
+
+# ---- 8 --------------------------------------------------------------------------------------
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 8 scenario 8: on main the retried drain never completed in about 1 run of 4",
+)
+async def test_scenario_8_failed_drain_is_retried(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A drain that fails with an OS error other than a full disk is retried once the disk
+    works again: the chunk reaches nvme."""
+    cluster = await inproc.start(4, drain_defer=0.0)
+    data, cid = new_chunk()
+    a, x, _, _ = cluster.order(cid)
+    node = cluster.node(x)
+    records = _Records()
+    logging.getLogger("storaged").addHandler(records)
+    try:
+        with broken_dir(node.config.data_dir / "nvme"):
+            assert (await api_of(http, cluster, a).put_chunk(data)).status == 201
+            await wait_until(
+                "the drain failure is reported",
+                lambda: any(cid in m for m in records.messages),
+            )
+    finally:
+        logging.getLogger("storaged").removeHandler(records)
+    await wait_until("the chunk reaches nvme after the disk is back", lambda: node.nvme_has(cid))
+
+
+# ---- 10 -------------------------------------------------------------------------------------
+async def test_scenario_10_repair_when_first_holder_has_only_fragments(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """An encode that stored only some fragments, then the owner (first in placement order)
+    loses its copy: it holds fragments only, and repair must still bring the chunk back to
+    ``replication`` copies or all n fragments."""
+    cluster = await inproc.start(4, drain_defer=0.0, encode_defer=0.0)
+    data, cid = new_chunk()
+    a = cluster.order(cid)[0]
+    owner = cluster.node(a)
+    targets = owner.fragment_targets(cid)
+    assert cluster.node_id(a) in targets
+    e = next(cluster.index_of(t) for t in targets if t != cluster.node_id(a))
+    expected = {i for i, t in enumerate(targets) if t != cluster.node_id(e)}
+    n = owner.config.n
+    with broken_dir(cluster.node(e).config.data_dir / "cold"):
+        assert (await api_of(http, cluster, a).put_chunk(data)).status == 201
+        await wait_until("all but e's fragments stored", lambda: cluster.fragments(cid) >= expected)
+        # The owner's disk and RAM lose the chunk: it keeps its fragments only.
+        await owner.memory.delete(cid)
+        await owner.nvme.delete(cid)
+    assert not owner.holds_hot(cid) and owner.fragments.get(cid)
+
+    async def repaired() -> bool:
+        holders = await verified_holders(cluster, cid)
+        return len(holders) >= owner.config.replication or cluster.fragments(cid) == set(range(n))
+
+    await wait_until("repair restores the chunk", repaired, timeout=20)
+
+
+# ---- 11 -------------------------------------------------------------------------------------
+async def test_scenario_11_corruption_on_a_peer_link_is_resent(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """One replica sees a flipped byte on its link (the client's bytes were right): the PUT
+    succeeds from the entry node's verified copy, with ``replication`` verified copies."""
+    cluster = await inproc.start(4)
+    data, cid = new_chunk()
+    a, b, _, _ = cluster.order(cid)
+    proxy = PeerLinkProxy(("127.0.0.1", cluster.peer_port(b)), cid)
+    try:
+        await route_through_proxy(cluster, a, b, proxy)
+        r = await api_of(http, cluster, a).put_chunk(data)
+    finally:
+        await proxy.close()
+    assert proxy.flipped == 1
+    assert r.status == 201, (r.status, r.doc)
+    await assert_acked(cluster, cid, r)
+
+
+# ---- 12 -------------------------------------------------------------------------------------
+async def test_scenario_12_racing_commits_of_one_name(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Two commits of different manifests under one name, entering at two of its catalogue
+    holders: exactly one 201 and only it visible, or neither visible."""
+    cluster = await inproc.start(4)
+    data, _ = new_chunk()
+    assert (await api_of(http, cluster, 0).put_chunk(data)).status == 201
+    manifests = [manifest_for([data], created=1764403200.0 + k) for k in range(2)]
+    outcomes = []
+    for round_ in range(8):
+        name = f"s12/round-{round_}"
+        p, q, _ = (cluster.index_of(t) for t in cluster.node(0).name_targets(name))
+        replies = await asyncio.gather(
+            api_of(http, cluster, p).commit(name, manifests[0]),
+            api_of(http, cluster, q).commit(name, manifests[1]),
+        )
+        statuses = [r.status for r in replies]
+        outcomes.append(statuses)
+        assert all(s in (201, 409, 503) for s in statuses), [r.raw for r in replies]
+        winners = [k for k, s in enumerate(statuses) if s == 201]
+        assert len(winners) <= 1, statuses
+        got = await api_of(http, cluster, 0).request("GET", f"/v1/checkpoints/{name}")
+        if winners:
+            assert got.status == 200, f"round {round_}: {statuses}, winner not visible"
+            assert got.doc["created"] == manifests[winners[0]]["created"], statuses
+        else:
+            assert got.status == 404, f"round {round_}: {statuses} yet one is visible"
+
+
+# ---- 13 -------------------------------------------------------------------------------------
+async def test_scenario_13_status_reports_lost_chunks(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Every copy and fragment of a committed checkpoint is gone: ``?status`` says ``lost``."""
+    cluster = await inproc.start(4)
+    api = api_of(http, cluster, 0)
+    chunks = [new_chunk()[0] for _ in range(2)]
+    for data in chunks:
+        assert (await api.put_chunk(data)).status == 201
+    assert (await api.commit("s13/ckpt", manifest_for(chunks))).status == 201
+    # Every node dies and loses its disks' chunks; the catalogue survives.
+    dirs = [cluster.node(i).config.data_dir for i in cluster.running()]
+    for i in cluster.running():
+        await cluster.kill(i)
+    for d in dirs:
+        for tier in ("nvme", "cold"):
+            shutil.rmtree(d / tier)
+        (d / "chunks.state").unlink(missing_ok=True)
+    for i in range(cluster.nodes):
+        await cluster.start_node(i)
+    await cluster.wait_converged()
+    r = await api.request("GET", "/v1/checkpoints/s13/ckpt?status")
+    assert r.status == 200, r.raw
+    assert r.doc["state"] == "lost" and r.doc.get("lost") == 2, r.doc
