@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("storaged.node.drain")
 
 #: retry delays of a failing drain grow up to this
-_MAX_BACKOFF = 30.0
+_MAX_BACKOFF = 5.0
 
 
 class Drain:
