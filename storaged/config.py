@@ -18,6 +18,7 @@ Cluster file::
     cold_capacity = "100GiB"
     [auth]
     token_env = "STORAGED_TOKEN"    # or token = "..."
+    admin_token_env = "STORAGED_ADMIN_TOKEN"  # or admin_token = "...": /v1/admin/ only
     cluster_secret_env = "STORAGED_CLUSTER_SECRET"  # or cluster_secret = "..."
     [[nodes]]
     id = "n0"
@@ -94,6 +95,9 @@ class Config:
     cold_capacity: int = 100 * 2**30
     data: str = ""  # this node's data directory (default: its [[nodes]] entry's `data`)
     token: str = ""
+    #: bearer token of the admin endpoints (``/v1/admin/``); see docs/API.md for who may
+    #: call them when it is empty
+    admin_token: str = ""
     cluster_secret: str = ""
     tls_cert: str = ""
     tls_key: str = ""
@@ -121,6 +125,12 @@ class Config:
     keepalive_timeout: float = 15.0
     #: a PUT body that delivers no byte for this long is abandoned (nothing is kept)
     body_timeout: float = 30.0
+    #: a PUT body must arrive within max(body_min_time, size / body_min_rate) seconds of its
+    #: headers, or it is abandoned like a stalled one: a trickle cannot hold its RAM forever
+    body_min_rate: int = 1 * 2**20
+    body_min_time: float = 5.0
+    #: PUTs in flight (each holding a RAM reservation) per client address; more get 503
+    max_client_puts: int = 64
     max_manifest_size: int = 64 * 2**20
     #: a graceful stop (SIGTERM) waits this long at most for PUTs in flight and for the
     #: drain of RAM-only chunks to disk before the node exits
@@ -128,6 +138,13 @@ class Config:
     #: a commit's catalogue writes must end within this many seconds of its chunk check;
     #: the chunks it names are kept at least this long past the check (see pipeline/gc.py)
     commit_window: float = 30.0
+    #: a decoded manifest holds at most this many objects (containers and their elements):
+    #: it bounds the RAM a small body can expand into
+    max_manifest_objects: int = 2_000_000
+    #: items of one key in a manifest (shards of one tensor)
+    max_items_per_key: int = 16384
+    #: chunk ids in one ``POST /v1/chunks/missing``
+    max_missing_ids: int = 65536
     #: where this node dials its peers, when not at their advertised ``peer`` address:
     #: ``"n1=127.0.0.1:9101,n2=127.0.0.1:9102"``. For fault-injection proxies on the peer
     #: links (tests/nemesis) and for NAT; empty: dial every peer where the cluster file says.
@@ -193,6 +210,19 @@ class Config:
                 raise ConfigError(
                     f"peer_routes entry {route!r}: write node=host:port, e.g. n1=127.0.0.1:9101"
                 )
+        if self.admin_token and self.admin_token == self.token:
+            raise ConfigError(
+                "admin_token must differ from the client token (else every client is an admin)"
+            )
+        for name in (
+            "body_min_rate",
+            "max_client_puts",
+            "max_manifest_objects",
+            "max_items_per_key",
+            "max_missing_ids",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
         return self
@@ -228,7 +258,7 @@ def _flatten_file(doc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, A
                 out[name] = subval
         elif key != "nodes":
             out[key] = value
-    for secret in ("token", "cluster_secret"):
+    for secret in ("token", "admin_token", "cluster_secret"):
         env_name = out.pop(f"{secret}_env", None)
         if env_name and not out.get(secret):
             out[secret] = env.get(str(env_name), "")
