@@ -1,7 +1,8 @@
 """The HTTP API of API.md on aiohttp: routes translate requests into ``Node`` calls.
 
 Errors are raised as ``ApiError`` anywhere and turned into responses in one
-middleware. Bodies are msgpack unless the request prefers JSON.
+middleware. Documents are JSON unless the request's ``Accept`` asks for msgpack
+(docs/API.md): ``curl`` gets something it can print.
 """
 
 from __future__ import annotations
@@ -14,48 +15,83 @@ import logging
 import os
 import re
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import msgpack
 from aiohttp import web
 
 from storaged import __version__
-from storaged.errors import ApiError, bad_request
+from storaged.errors import ApiError, bad_request, unavailable
 from storaged.ids import is_checkpoint_name, is_chunk_id
-from storaged.manifest import check_manifest, unpack_limited
+from storaged.manifest import check_manifest, decode_document
 from storaged.node import STATES, Node, state_name
 from tiers import ByteRange, ChunkNotFound
 
 log = logging.getLogger("storaged.http")
 
 NODE: web.AppKey[Node] = web.AppKey("node", Node)
+#: PUTs in flight per client address (each holds a RAM reservation on up to 3 nodes)
+PUTS_BY_CLIENT: web.AppKey[dict[str, int]] = web.AppKey("puts_by_client", dict)
+#: request bodies being decoded at once: each may take up to max_manifest_objects of RAM
+DECODES: web.AppKey[asyncio.Semaphore] = web.AppKey("decodes", asyncio.Semaphore)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
-_MAX_JSON_BODY = 64 * 2**20
+#: the most a msgpack or JSON chunk id takes in a /missing body (66 bytes in msgpack, up to
+#: 68 in JSON with a separator and a space): the body cap is this times max_missing_ids
+_MISSING_ID_BYTES = 72
+#: decodes of request documents at once (one per core of a small node)
+_MAX_DECODES = 2
 
 
 # ---- encoding -------------------------------------------------------------------------------
-def wants_json(request: web.Request) -> bool:
-    accept = request.headers.get("Accept", "")
-    if "application/json" not in accept:
+def _accepted(accept: str) -> dict[str, tuple[float, int]]:
+    """Media types named in an ``Accept`` header: (q, position) each."""
+    named: dict[str, tuple[float, int]] = {}
+    for position, entry in enumerate(accept.split(",")):
+        media, *params = (part.strip() for part in entry.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        named.setdefault(media.lower(), (q, position))
+    return named
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    """msgpack only when ``Accept`` names ``application/msgpack`` and prefers it to JSON
+    (a higher q, or the same q listed first); wildcards and no header get JSON."""
+    named = _accepted(request.headers.get("Accept", ""))
+    q_msgpack, at_msgpack = named.get("application/msgpack", (0.0, 0))
+    if q_msgpack <= 0:
         return False
-    return "application/msgpack" not in accept or accept.index("application/json") < accept.index(
-        "application/msgpack"
-    )
+    q_json, at_json = named.get("application/json", (0.0, 0))
+    return q_msgpack > q_json or (q_msgpack == q_json and at_msgpack < at_json)
+
+
+def _json_or_none(body: Any) -> bytes | None:
+    try:
+        return json.dumps(body, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 def reply(
     request: web.Request, body: Any, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
-    if wants_json(request):
+    """``body`` as JSON, or msgpack when the client asks for it. A document JSON cannot
+    carry (binary or NaN values in a manifest's meta) goes as msgpack, its Content-Type
+    saying so, rather than altered."""
+    encoded = None if wants_msgpack(request) else _json_or_none(body)
+    if encoded is not None:
         return web.Response(
-            body=json.dumps(body).encode(),
-            status=status,
-            content_type="application/json",
-            headers=headers,
+            body=encoded, status=status, content_type="application/json", headers=headers
         )
     return web.Response(
         body=msgpack.packb(body, use_bin_type=True),
@@ -65,8 +101,10 @@ def reply(
     )
 
 
-async def read_document(request: web.Request, max_size: int) -> Any:
-    """A msgpack (or JSON) request body, size-capped while it streams in."""
+async def read_document(request: web.Request, max_size: int, *, code: str = "bad_request") -> Any:
+    """A msgpack (or JSON) request body, size-capped while it streams in, decoded in a
+    thread within ``max_manifest_objects`` objects. 413 ``too_large`` over a bound, 400
+    ``code`` when it does not decode."""
     if request.content_length is not None and request.content_length > max_size:
         raise ApiError(413, "too_large", f"body over {max_size} bytes")
     body = bytearray()
@@ -75,12 +113,17 @@ async def read_document(request: web.Request, max_size: int) -> Any:
         if len(body) > max_size:
             raise ApiError(413, "too_large", f"body over {max_size} bytes")
     ctype = request.headers.get("Content-Type", "application/msgpack").split(";")[0].strip()
-    if ctype == "application/json":
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"body is not valid JSON: {exc}") from exc
-    return unpack_limited(bytes(body), max_size)
+    # A large document takes a second to decode: off the loop, and few at a time, since
+    # each may expand to max_manifest_objects objects in RAM.
+    async with request.app[DECODES]:
+        return await asyncio.to_thread(
+            decode_document,
+            bytes(body),
+            ctype.lower(),
+            max_size,
+            max_objects=request.app[NODE].config.max_manifest_objects,
+            code=code,
+        )
 
 
 # ---- middleware -----------------------------------------------------------------------------
@@ -117,13 +160,37 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return reply(request, {"error": "internal", "message": f"{type(exc).__name__}"}, 500)
 
 
+def _bearer_is(given: str, token: str) -> bool:
+    # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes: turn them
+    # back into the bytes sent (a strict encode would raise, and a raise here was a 500).
+    try:
+        raw = given.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, f"Bearer {token}".encode())
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    token = request.app[NODE].config.token
-    if token and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token")
+    """Client endpoints need the client token (when one is set); ``/v1/admin/`` needs the
+    admin token, and is closed when a client token is set without an admin token (a
+    cluster with no token at all is open). The admin token also opens client endpoints."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    cfg = request.app[NODE].config
+    given = request.headers.get("Authorization", "")
+    admin = bool(cfg.admin_token) and _bearer_is(given, cfg.admin_token)
+    if not (admin or not cfg.token or _bearer_is(given, cfg.token)):
+        raise ApiError(401, "unauthorized", "missing or wrong bearer token")
+    if request.path.startswith("/v1/admin/") and not admin:
+        if cfg.admin_token and not cfg.token:
+            raise ApiError(401, "unauthorized", "admin endpoints need the admin token")
+        if cfg.admin_token:
+            raise ApiError(403, "forbidden", "admin endpoints need the admin token")
+        if cfg.token:
+            raise ApiError(
+                403, "forbidden", "no admin token is configured: admin endpoints are closed"
+            )
     return await handler(request)
 
 
@@ -135,18 +202,29 @@ def _chunk_id(request: web.Request) -> str:
     return cid
 
 
+def body_budget(size: int, min_rate: int, min_time: float) -> float:
+    """Seconds a PUT body of ``size`` bytes may spend arriving (body_min_rate/_time)."""
+    return max(min_time, size / min_rate)
+
+
 async def _body_pieces(
-    request: web.Request, size: int, stall_timeout: float
+    request: web.Request, size: int, stall_timeout: float, budget: float
 ) -> AsyncIterator[bytes]:
-    """The body as the transport delivers it; each wait for bytes is bounded."""
+    """The body as the transport delivers it. Each wait for bytes is bounded by
+    ``stall_timeout``, and all of them together by ``budget`` seconds: a body that
+    trickles in just under the stall timeout would otherwise hold its RAM reservation
+    (on every replica holder) for as long as it likes. Past the budget: 400 truncated.
+    Only the waits for the client count, not the time the consumer (peers) takes."""
     remaining = size
     loop = asyncio.get_running_loop()
+    left = budget
     try:
         # One timeout for the whole body, re-armed before each read (cheaper than a new
         # one per piece) and disarmed while the consumer works on a piece.
         async with asyncio.timeout(None) as stall:
             while remaining > 0:
-                stall.reschedule(loop.time() + stall_timeout)
+                waited_from = loop.time()
+                stall.reschedule(waited_from + min(stall_timeout, left))
                 try:
                     # readchunk hands over one buffered piece as is; readany() would join.
                     data, _ = await request.content.readchunk()
@@ -156,12 +234,47 @@ async def _body_pieces(
                     log.info("PUT body broke off: %s", exc)
                     return
                 stall.reschedule(None)
+                left -= loop.time() - waited_from
                 if not data:
                     return
                 remaining -= len(data)
                 yield data
     except TimeoutError:
-        log.info("PUT body stalled for %.1f s: abandoned", stall_timeout)
+        if left > stall_timeout:
+            log.info("PUT body stalled for %.1f s: abandoned", stall_timeout)
+            return
+        log.info("PUT body too slow (%d of %d bytes in %.1f s): abandoned",
+                 size - remaining, size, budget)  # fmt: skip
+        raise ApiError(
+            400,
+            "truncated",
+            f"body too slow: {size - remaining} of {size} bytes in {budget:.1f} s "
+            "(the node's body_min_rate); nothing was stored",
+        ) from None
+
+
+@contextlib.contextmanager
+def _put_slot(request: web.Request) -> Iterator[None]:
+    """Count the PUT against its client address; 503 too_many_puts over max_client_puts.
+
+    An address, not a connection: HTTP/1.1 carries one request at a time per connection,
+    so a client holding many reservations does it over many connections."""
+    puts = request.app[PUTS_BY_CLIENT]
+    client = request.remote or "?"
+    cap = request.app[NODE].config.max_client_puts
+    if puts.get(client, 0) >= cap:
+        raise unavailable(
+            "too_many_puts",
+            f"{cap} PUTs of this client are in flight already (max_client_puts)",
+            retry_after=1.0,
+        )
+    puts[client] = puts.get(client, 0) + 1
+    try:
+        yield
+    finally:
+        puts[client] -= 1
+        if not puts[client]:
+            del puts[client]
 
 
 async def put_chunk(request: web.Request) -> web.Response:
@@ -176,9 +289,12 @@ async def put_chunk(request: web.Request) -> web.Response:
             "too_large",
             f"{size} bytes is over the max chunk size {node.config.max_chunk_size}",
         )
-    status, body = await node.put_chunk(
-        cid, size, _body_pieces(request, size, node.config.body_timeout)
-    )
+    cfg = node.config
+    budget = body_budget(size, cfg.body_min_rate, cfg.body_min_time)
+    with _put_slot(request):
+        status, body = await node.put_chunk(
+            cid, size, _body_pieces(request, size, cfg.body_timeout, budget)
+        )
     return reply(request, body, status)
 
 
@@ -299,10 +415,14 @@ async def head_chunk(request: web.Request) -> web.StreamResponse:
 
 async def missing_chunks(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    doc = await read_document(request, node.config.max_manifest_size)
+    # Its body is only ids: a cap of its own, far below a manifest's.
+    max_ids = node.config.max_missing_ids
+    doc = await read_document(request, max_ids * _MISSING_ID_BYTES + 64)
     ids = doc.get("chunks") if isinstance(doc, dict) else None
     if not isinstance(ids, list) or not all(is_chunk_id(c) for c in ids):
         raise bad_request('body must be {"chunks": [chunk id, ...]}')
+    if len(ids) > max_ids:
+        raise ApiError(413, "too_large", f"over {max_ids} ids (max_missing_ids)")
     return reply(request, {"missing": await node.missing(ids)})
 
 
@@ -317,9 +437,12 @@ def _name(request: web.Request) -> str:
 async def put_checkpoint(request: web.Request) -> web.Response:
     node = request.app[NODE]
     name = _name(request)
-    doc = await read_document(request, node.config.max_manifest_size)
+    cfg = node.config
+    doc = await read_document(request, cfg.max_manifest_size, code="bad_manifest")
     # Validation hashes and walks the whole manifest: keep it off the loop.
-    checked = await asyncio.to_thread(check_manifest, doc, node.config.max_chunk_size)
+    checked = await asyncio.to_thread(
+        check_manifest, doc, cfg.max_chunk_size, max_items_per_key=cfg.max_items_per_key
+    )
     status, body = await node.commit(name, checked)
     return reply(request, body, status)
 
@@ -333,10 +456,10 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
         return reply(request, await node.restore_plan(name))
     record = await node.get_checkpoint(name)
     assert record.manifest is not None
-    if wants_json(request):
-        manifest = msgpack.unpackb(record.manifest, raw=False)
-        return reply(request, manifest)
-    return web.Response(body=record.manifest, content_type="application/msgpack")
+    if wants_msgpack(request):
+        return web.Response(body=record.manifest, content_type="application/msgpack")
+    manifest = msgpack.unpackb(record.manifest, raw=False)
+    return reply(request, manifest)
 
 
 async def delete_checkpoint(request: web.Request) -> web.Response:
@@ -424,6 +547,8 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[errors_middleware, auth_middleware])
     app[NODE] = node
+    app[PUTS_BY_CLIENT] = {}
+    app[DECODES] = asyncio.Semaphore(_MAX_DECODES)
     r = app.router
     r.add_post("/v1/chunks/missing", missing_chunks)
     r.add_put("/v1/chunks/{id}", put_chunk)

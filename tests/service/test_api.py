@@ -20,6 +20,8 @@ from tests.service.http import Api, manifest_for, random_chunk
 
 pytestmark = pytest.mark.timeout(180)
 
+MSGPACK = {"Accept": "application/msgpack"}
+
 
 @pytest.fixture
 async def api(cluster: LocalCluster) -> AsyncIterator[Api]:
@@ -87,7 +89,7 @@ async def test_put_without_length_is_411(api: Api) -> None:
         headers={"Authorization": f"Bearer {TOKEN}"},
     ) as resp:
         assert resp.status == 411
-        assert msgpack.unpackb(await resp.read())["error"] == "length_required"
+        assert json.loads(await resp.read())["error"] == "length_required"
 
 
 async def test_put_too_large_is_413(api: Api) -> None:
@@ -206,7 +208,7 @@ async def test_commit_get_list_status_plan_delete(api: Api, cluster: LocalCluste
     assert r.status == 409 and r.error == "exists"
 
     for url in cluster.urls:
-        got = await api.request("GET", "/v1/checkpoints/job1/step-000100", url=url)
+        got = await api.request("GET", "/v1/checkpoints/job1/step-000100", url=url, headers=MSGPACK)
         assert got.status == 200 and msgpack.unpackb(got.raw) == manifest
     js = await api.request(
         "GET", "/v1/checkpoints/job1/step-000100", headers={"Accept": "application/json"}
@@ -421,7 +423,7 @@ async def test_large_manifest_and_many_ids(api: Api, cluster: LocalCluster) -> N
     r = await api.commit("big/manifest", manifest, url=cluster.urls[3])
     assert r.status == 201, r.raw
     for url in cluster.urls:
-        got = await api.request("GET", "/v1/checkpoints/big/manifest", url=url)
+        got = await api.request("GET", "/v1/checkpoints/big/manifest", url=url, headers=MSGPACK)
         assert got.status == 200 and msgpack.unpackb(got.raw) == manifest
     ids = [chunk_id_of(os.urandom(8)) for _ in range(5000)] + [chunk_id_of(chunk)]
     r = await api.request("POST", "/v1/chunks/missing", doc={"chunks": ids})
