@@ -77,6 +77,8 @@ GiB = 1 << 30
 GB = 1e9
 HOST = "127.0.0.1"
 TOKEN = "loadtest-token"
+#: admin token of the clusters the load tests start (POST /v1/admin/evict)
+ADMIN_TOKEN = "loadtest-admin-token"
 RESULTS = Path(__file__).resolve().parent / "results"
 TIERS = ("memory", "nvme", "cold")
 
@@ -431,6 +433,7 @@ def start_cluster(
         "tiers": {"memory_capacity": memory, "nvme_capacity": "256GiB",
                   "cold_capacity": "256GiB"},
         "log_level": "WARNING",
+        "admin_token": ADMIN_TOKEN,
     }  # fmt: skip
     merged.update(settings or {})
     port = free_port_block(nodes * 2 + 1)

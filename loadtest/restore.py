@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.common import (
+    ADMIN_TOKEN,
     GB,
     HOST,
     NO_TORCH,
@@ -401,11 +402,12 @@ def _row(kind: str, c: int, results: Sequence[dict[str, Any]], **extra: Any) -> 
     return row
 
 
-def _evict(url: str, token: str | None, name: str, tier: str) -> dict[str, Any]:
+def _evict(url: str, admin_token: str | None, name: str, tier: str) -> dict[str, Any]:
+    """The admin evict call: it needs the admin token wherever a client token is set."""
     body = json.dumps({"checkpoint": name, "tier": tier}).encode()
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    if admin_token:
+        headers["Authorization"] = f"Bearer {admin_token}"
     request = urllib.request.Request(f"{url}/v1/admin/evict", body, headers, method="POST")
     with urllib.request.urlopen(request, timeout=120) as resp:
         doc: dict[str, Any] = json.loads(resp.read())
@@ -461,6 +463,8 @@ class Options:
     quick: bool
     command: str
     baselines: bool = True
+    #: admin token of the ``--url`` cluster (the evict steps need it)
+    admin_token: str | None = None
 
 
 @dataclass
@@ -472,6 +476,7 @@ class _Cluster:
     cluster: LocalCluster | None
     #: node URL -> node id
     ids: dict[str, str] = field(default_factory=dict)
+    admin_token: str | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -526,9 +531,9 @@ def run(opts: Options) -> dict[str, Any]:
                 bar.done()
 
         measure("memory", None)
-        events["evict_memory"] = _evict(under_test.urls[0], under_test.token, name, "memory")
+        events["evict_memory"] = _evict(under_test.urls[0], under_test.admin_token, name, "memory")
         measure("nvme", "drop")
-        events["evict_nvme"] = _evict(under_test.urls[0], under_test.token, name, "nvme")
+        events["evict_nvme"] = _evict(under_test.urls[0], under_test.admin_token, name, "nvme")
         if under_test.cluster is not None:
             dead = under_test.cluster.nodes - 1
             under_test.cluster.kill(dead)
@@ -585,14 +590,15 @@ def _start(opts: Options, work: Path) -> _Cluster:
     if opts.url is not None:
         nodes = _nodes([opts.url], opts.token)
         urls = [url for _, url, alive in nodes if alive]
-        return _Cluster(urls, opts.token, None, {url: node for node, url, _ in nodes})
+        return _Cluster(urls, opts.token, None, {url: node for node, url, _ in nodes},
+                        opts.admin_token)  # fmt: skip
     cluster = start_cluster(work / "cluster", opts.nodes, memory=opts.memory,
                             max_chunk=max(opts.chunk, 16 * MiB),
                             # Repair would move fragments around after the kill: the cold
                             # figure is meant to be the degraded read alone.
                             settings={"repair_interval": 3600.0})  # fmt: skip
     ids = {cluster.url(i): cluster.node_id(i) for i in range(cluster.nodes)}
-    return _Cluster(cluster.urls, TOKEN, cluster, ids)
+    return _Cluster(cluster.urls, TOKEN, cluster, ids, ADMIN_TOKEN)
 
 
 def _restore(
@@ -862,6 +868,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cold-timeout", type=float, default=300.0,
                         help="seconds to wait for the checkpoint to be cold")  # fmt: skip
     add_cluster_arguments(parser, url="use this cluster (no node is killed for the cold runs)")
+    parser.add_argument("--admin-token", default=os.environ.get("STORAGED_ADMIN_TOKEN"),
+                        help="admin token for --url: the evict steps need it "
+                             "(default $STORAGED_ADMIN_TOKEN)")  # fmt: skip
     parser.add_argument("--no-verify", action="store_true", help="skip the byte checks")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -877,7 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client_concurrency=args.client_concurrency, cold_timeout=args.cold_timeout,
         url=args.url, token=args.token, loop=args.loop, out=args.out, tmp=args.tmp,
         verify=not args.no_verify, quick=args.quick, command=work.command,
-        baselines=not args.no_baselines,
+        baselines=not args.no_baselines, admin_token=args.admin_token,
     )  # fmt: skip
     doc = run_and_write(opts.command, lambda: run(opts), opts.out, "restore",
                         render_markdown, render_plot)  # fmt: skip

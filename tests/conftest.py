@@ -25,6 +25,8 @@ from storaged.cluster import ClusterError, LocalCluster, free_port_block
 BLOCKING_LIMIT_S = 0.5
 
 TOKEN = "test-token-0123456789"
+#: the admin token of test clusters (POST /v1/admin/evict)
+ADMIN_TOKEN = "test-admin-token-9876543210"
 
 #: small, quick settings for test clusters
 FAST_SETTINGS: dict[str, Any] = {
@@ -34,6 +36,7 @@ FAST_SETTINGS: dict[str, Any] = {
     "gc_interval": 1.0,
     "keepalive_timeout": 3.0,
     "prefault_fraction": 0.0,
+    "admin_token": ADMIN_TOKEN,
     "max_chunk_size": 16 * 2**20,
     "tiers": {"memory_capacity": "512MiB", "nvme_capacity": "4GiB", "cold_capacity": "4GiB"},
 }

@@ -758,11 +758,15 @@ class Client:
             )
         return missing
 
-    async def evict(self, name: str, tier: str) -> dict[str, int]:
-        """Admin (``POST /v1/admin/evict``, docs/OPERATIONS.md): push checkpoint ``name``'s
+    async def evict(
+        self, name: str, tier: str, *, admin_token: str | None = None
+    ) -> dict[str, int]:
+        """Admin (``POST /v1/admin/evict``, docs/API.md): push checkpoint ``name``'s
         chunks out of RAM (``tier="memory"``) or off nvme (``"nvme"``) wherever a colder
         durable copy exists; dirty RAM and not-yet-cold nvme copies stay. Returns the copies
-        dropped per tier. ``ValueError`` for another tier, ``CheckpointNotFound``."""
+        dropped per tier. ``admin_token`` is sent instead of the client token: a cluster
+        with a client token refuses admin calls without it (``Forbidden``).
+        ``ValueError`` for another tier, ``CheckpointNotFound``."""
         if tier not in ("memory", "nvme"):
             raise ValueError(f"tier must be 'memory' or 'nvme', not {tier!r}")
         self._checkpoint_path(name)  # BadName before any request
@@ -775,12 +779,11 @@ class Client:
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed evict answer: {exc!r}") from exc
 
+        headers = {"Content-Type": MSGPACK}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
         return await self._call(
-            "POST",
-            "/v1/admin/evict",
-            handle,
-            body=lambda: payload,
-            headers={"Content-Type": MSGPACK},
+            "POST", "/v1/admin/evict", handle, body=lambda: payload, headers=headers
         )
 
     async def chunk_ids(self, chunks: Sequence[BytesLike]) -> list[str]:

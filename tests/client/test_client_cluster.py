@@ -41,7 +41,7 @@ from storaged.client.retry import RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from tests.client.helpers import client_for, client_sees_all_alive
-from tests.conftest import ClusterFactory
+from tests.conftest import ADMIN_TOKEN, ClusterFactory
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -391,7 +391,7 @@ async def test_restore_spreads_reads_over_the_holders(
         if tier == "cold":
             await writer.wait(name, "cold", timeout=120)
             for level in ("memory", "nvme"):  # a second variant finds them evicted already
-                await writer.evict(name, level)
+                await writer.evict(name, level, admin_token=ADMIN_TOKEN)
             plan = await writer.plan(name)
             assert plan and all(h.tier == "cold" for hs in plan.values() for h in hs), plan
     dst = np.zeros_like(g)
@@ -418,8 +418,8 @@ async def test_restore_spreads_reads_over_the_holders(
 async def test_evict_refuses_bad_input_and_unknown_checkpoints(cluster: LocalCluster) -> None:
     async with client_for(cluster) as client:
         with pytest.raises(ValueError, match="tier"):
-            await client.evict("spread/memory", "cold")
+            await client.evict("spread/memory", "cold", admin_token=ADMIN_TOKEN)
         with pytest.raises(BadName):
-            await client.evict("../nope", "memory")
+            await client.evict("../nope", "memory", admin_token=ADMIN_TOKEN)
         with pytest.raises(CheckpointNotFound):
-            await client.evict("evict/never-committed", "memory")
+            await client.evict("evict/never-committed", "memory", admin_token=ADMIN_TOKEN)
