@@ -481,6 +481,12 @@ class PeerServer:
     (or while the client does not read our reply); ``idle_timeout`` between
     requests. A connection past any of them is dropped (a partial body goes
     back through ``chunk_aborted``). Time spent in the handler never counts.
+
+    Caps: at most ``max_handshakes`` connections are in the handshake at once; a new one
+    over it drops the *oldest* unauthenticated connection, so a flood of connections that
+    never authenticate cannot lock peers out for ``auth_timeout`` (a peer's handshake
+    takes two round trips; the flood would have to displace it within them). At most
+    ``max_connections`` in all: one over it is refused (``busy``) and closed at once.
     """
 
     def __init__(
@@ -494,6 +500,8 @@ class PeerServer:
         io_timeout: float = 30,
         auth_timeout: float = 5,
         max_call_body: int = 256 << 20,
+        max_handshakes: int = 64,
+        max_connections: int = 4096,
     ) -> None:
         if not secret:
             raise ValueError("the cluster secret must not be empty")
@@ -505,11 +513,15 @@ class PeerServer:
         self.io_timeout = io_timeout
         self.auth_timeout = auth_timeout
         self.max_call_body = max_call_body
+        self.max_handshakes = max_handshakes
+        self.max_connections = max_connections
         # Timers tick at a quarter of the shortest timeout: a stall is noticed
         # between 1x and 1.25x its timeout.
         self._tick = min(max(min(idle_timeout, io_timeout, auth_timeout) / 4, 0.02), 5.0)
         self._server: asyncio.Server | None = None
         self._conns: set[_ServerConn] = set()
+        # Connections not yet authenticated, oldest first (a dict keeps insertion order).
+        self._handshaking: dict[_ServerConn, None] = {}
 
     async def start(self, host: str, port: int) -> None:
         """Listen on (host, port); port 0 picks a free port, see ``port``."""
@@ -530,6 +542,28 @@ class PeerServer:
     def connections(self) -> int:
         """Open connections (authenticated or not)."""
         return len(self._conns)
+
+    @property
+    def handshaking(self) -> int:
+        """Open connections that have not authenticated yet."""
+        return len(self._handshaking)
+
+    def _admit(self, conn: _ServerConn) -> bool:
+        """Count a new connection in, making room in the handshake cap; False: refuse it."""
+        if len(self._conns) >= self.max_connections:
+            return False
+        while len(self._handshaking) >= self.max_handshakes:
+            oldest = next(iter(self._handshaking))
+            del self._handshaking[oldest]
+            log.warning(
+                "dropping peer connection from %s: over %d in the handshake",
+                oldest._peer,
+                self.max_handshakes,
+            )
+            oldest.abort()
+        self._conns.add(conn)
+        self._handshaking[conn] = None
+        return True
 
     async def close(self) -> None:
         """Stop listening, drop every connection and cancel handler calls in progress.
@@ -580,14 +614,22 @@ class _ServerConn(_FramedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._server._conns.add(self)
         peername = transport.get_extra_info("peername")
         self._peer = f"{peername[0]}:{peername[1]}" if peername else "?"
+        if not self._server._admit(self):
+            log.warning("refusing peer connection from %s: %d open", self._peer,
+                        self._server.max_connections)  # fmt: skip
+            self._send_frame(_error_header("busy", "too many peer connections"))
+            self._pause_reading()
+            self._closed = True
+            transport.close()
+            return
         self._timer = self._loop.call_later(self._server._tick, self._on_tick)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._server._conns.discard(self)
+        self._server._handshaking.pop(self, None)
         if self._timer is not None:
             self._timer.cancel()
         self._abort_inflight()
@@ -737,6 +779,7 @@ class _ServerConn(_FramedProtocol):
                 self._refuse_and_close("forbidden", "peer authentication failed: wrong secret")
                 return
             self._authed = True
+            server._handshaking.pop(self, None)
             # Unauthenticated connections hold a small buffer; this one may now send more.
             self._set_max_header(MAX_HEADER)
             self._mark = self._loop.time()

@@ -521,6 +521,52 @@ async def test_unauthenticated_connection_is_dropped_after_the_auth_timeout(
     slow.close()
 
 
+async def test_a_flood_of_unauthenticated_connections_stays_bounded() -> None:
+    # A patient auth timeout: without the cap, every one of them would stay open for it.
+    node = await start_node(auth_timeout=60, max_handshakes=16)
+    flood: list[RawPeer] = []
+    try:
+        for _ in range(200):
+            flood.append(await RawPeer.connect(node.server.port))
+            assert node.server.handshaking <= 16
+        await wait_until(lambda: node.server.connections <= 16)
+        # The oldest were dropped to make room: the server closed them, at once.
+        closed = await asyncio.gather(*(raw.closed_by_server(within=5) for raw in flood[:-16]))
+        assert all(closed)
+        # A peer that authenticates is served, and no longer counts as handshaking.
+        data = blob(MiB)
+        assert await put(node.client, node.addr, data) == {"chunk": chunk_id(data), "size": MiB}
+        assert node.server.handshaking <= 16
+        assert node.server.connections <= 17
+    finally:
+        for raw in flood:
+            raw.close()
+        await stop_node(node)
+
+
+async def test_connections_over_the_total_cap_are_refused_at_once() -> None:
+    node = await start_node(max_connections=4)
+    peers: list[RawPeer] = []
+    try:
+        for i in range(4):
+            peers.append(await RawPeer.connect(node.server.port))
+            assert (await peers[-1].authenticate(node=f"raw{i}"))["ok"] is True
+        extra = await RawPeer.connect(node.server.port)
+        header, _ = await extra.recv()
+        assert header["ok"] is False and header["error"] == "busy"
+        assert await extra.closed_by_server()
+        extra.close()
+        assert node.server.connections == 4
+        peers.pop().close()  # room again: a new connection is served
+        await wait_until(lambda: node.server.connections == 3)
+        data = blob(1000)
+        assert await put(node.client, node.addr, data) == {"chunk": chunk_id(data), "size": 1000}
+    finally:
+        for raw in peers:
+            raw.close()
+        await stop_node(node)
+
+
 async def test_idle_connections_are_closed_and_the_pool_reconnects() -> None:
     n = await start_node(idle_timeout=SHORT)
     try:
