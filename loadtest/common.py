@@ -434,6 +434,9 @@ def start_cluster(
                   "cold_capacity": "256GiB"},
         "log_level": "WARNING",
         "admin_token": ADMIN_TOKEN,
+        # Every rank of a load test comes from 127.0.0.1: the per-client PUT cap (a guard
+        # against one greedy client) would throttle the measured load itself.
+        "max_client_puts": 4096,
     }  # fmt: skip
     merged.update(settings or {})
     port = free_port_block(nodes * 2 + 1)
