@@ -32,7 +32,7 @@ from storaged.cli import main
 from storaged.client.formats import OutputItem, safetensors_header
 from storaged.cluster import LocalCluster
 from tests.client.helpers import client_for
-from tests.conftest import TOKEN, ClusterFactory
+from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -382,7 +382,7 @@ def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path
     # "reached" never goes back; "now" follows the copies: evicted from RAM, they are on nvme.
     async def evict() -> None:
         async with client_for(cluster) as client:
-            await client.evict(name, "memory")
+            await client.evict(name, "memory", admin_token=ADMIN_TOKEN)
 
     asyncio.run(evict())
     proc = _child(cluster, "status", name, "--json")

@@ -26,7 +26,7 @@ from storaged.cluster import ClusterError, default_erasure, free_port_block
 from storaged.config import Config, NodeSpec
 from storaged.node import Node
 from storaged.server import make_app
-from tests.conftest import TOKEN
+from tests.conftest import ADMIN_TOKEN, TOKEN
 
 SECRET = "inproc-cluster-secret-0123456789"
 
@@ -38,6 +38,7 @@ INPROC_SETTINGS: dict[str, Any] = {
     "gc_interval": 1.0,
     "keepalive_timeout": 3.0,
     "prefault_fraction": 0.0,
+    "admin_token": ADMIN_TOKEN,
     "max_chunk_size": 4 * 2**20,
     "memory_capacity": 64 * 2**20,
     "nvme_capacity": 1 * 2**30,

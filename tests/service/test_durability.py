@@ -30,7 +30,7 @@ import pytest
 from storaged.ids import chunk_id_of
 from storaged.node import COLD
 from storaged.placement import rendezvous_order
-from tests.conftest import TOKEN, ClusterFactory
+from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 from tests.service.http import Api, Reply, manifest_for
 from tests.service.inproc import (
     InprocCluster,
@@ -130,7 +130,12 @@ async def test_scenario_1_failed_reput_of_cold_chunk_keeps_its_fragments(
     assert (await api.commit("s1/base", manifest_for([data]))).status == 201
     await wait_cold(cluster, cid)
     # Only fragments remain: the hot copies leave RAM and nvme.
-    r = await api.request("POST", "/v1/admin/evict", doc={"checkpoint": "s1/base", "tier": "nvme"})
+    r = await api.request(
+        "POST",
+        "/v1/admin/evict",
+        doc={"checkpoint": "s1/base", "tier": "nvme"},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
     assert r.status == 200, r.raw
     assert cluster.hot_holders(cid) == []
     n = cluster.node(a).config.n

@@ -17,7 +17,7 @@ import pytest
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
-from tests.conftest import TOKEN, ClusterFactory
+from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 
 pytestmark = pytest.mark.timeout(240)
@@ -116,12 +116,13 @@ async def test_cold_checkpoint_survives_kill(
     assert (await api.commit("cold/ckpt", manifest_for(chunks))).status == 201
     await api.wait_state("cold/ckpt", "cold", timeout=120)
     # Push every hot copy out so the reads after the kill must come from fragments.
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     r = await api.request(
-        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "memory"}
+        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "memory"}, headers=admin
     )
     assert r.status == 200
     r = await api.request(
-        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "nvme"}
+        "POST", "/v1/admin/evict", doc={"checkpoint": "cold/ckpt", "tier": "nvme"}, headers=admin
     )
     assert r.status == 200
     await asyncio.to_thread(cluster.kill, 1, signal.SIGKILL)

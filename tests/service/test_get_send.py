@@ -20,7 +20,7 @@ import pytest
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
-from tests.conftest import TOKEN, ClusterFactory
+from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 
 pytestmark = pytest.mark.timeout(180)
@@ -128,7 +128,10 @@ async def test_same_answer_from_nvme(
             await a.wait_state("send/nvme", "cold", timeout=60)
             for _ in range(100):  # until node 0 has dropped its RAM copy (drained by now)
                 r = await a.request(
-                    "POST", "/v1/admin/evict", doc={"checkpoint": "send/nvme", "tier": "memory"}
+                    "POST",
+                    "/v1/admin/evict",
+                    doc={"checkpoint": "send/nvme", "tier": "memory"},
+                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
                 )
                 assert r.status == 200
                 if (await a.get_chunk(cid)).headers["X-Storaged-Tier"] == "nvme":
