@@ -168,8 +168,11 @@ class Catalog:
                     return current.digest == record.digest
                 if current.deleted is not None and record.deleted is not None:
                     return True
-                # A commit after a delete is a new checkpoint only if it came later.
+                # A commit after a delete is a new checkpoint only if it came later; a
+                # delete older than the live record it meets is of an earlier checkpoint.
                 if current.deleted is not None and record.committed <= current.deleted:
+                    return False
+                if record.deleted is not None and record.deleted <= current.committed:
                     return False
             await asyncio.to_thread(
                 write_file_durably, self.root / _file_name(record.name), _encode(record)

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.peer import PeerError
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from storaged.node.core import Node
 
 log = logging.getLogger("storaged.catalogue")
+
+#: names per catalog_versions call of a repair pass
+_REPAIR_BATCH = 2048
 
 
 class CatalogueError(Exception):
@@ -106,8 +109,6 @@ class EmbeddedCatalogue(Catalogue):
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        #: name -> (version, nodes known to hold that version), for ``repair``
-        self._confirmed: dict[str, tuple[tuple[str, float | None], set[str]]] = {}
 
     async def commit(self, record: CatalogRecord) -> bool:
         node = self.node
@@ -143,7 +144,6 @@ class EmbeddedCatalogue(Catalogue):
             raise CatalogueUnavailable(
                 f"the manifest reached {stored} of {len(targets)} nodes; retry completes it"
             )
-        self._confirmed[record.name] = (_version(record), set(targets))
         return created
 
     async def find(self, name: str) -> CatalogRecord | None:
@@ -232,26 +232,41 @@ class EmbeddedCatalogue(Catalogue):
         return References(frozenset(chunks), live, taken_at, complete)
 
     async def repair(self) -> int:
+        """Every record and tombstone held here goes to the name's targets that lack it or
+        hold an older version: a commit that reached only some, a holder that lost its
+        disk, a membership change. Asks each target in batches what it holds first."""
         node = self.node
-        written = 0
+        by_target: dict[str, list[CatalogRecord]] = {}
         for record in node.catalog.records(tombstones=True):
-            version = _version(record)
-            known = self._confirmed.get(record.name)
-            confirmed = known[1] if known is not None and known[0] == version else {node.id}
             for target in node.name_targets(record.name):
-                if target in confirmed:
-                    continue
+                if target != node.id:
+                    by_target.setdefault(target, []).append(record)
+        written = 0
+        for target, records in by_target.items():
+            for start in range(0, len(records), _REPAIR_BATCH):
+                batch = records[start : start + _REPAIR_BATCH]
                 try:
-                    reply, _ = await node.call(target, "catalog_put", {"record": record.to_wire()})
+                    reply, _ = await node.call(
+                        target, "catalog_versions", {"names": [r.name for r in batch]}
+                    )
                 except PeerError:
-                    continue
-                # Not stored: the target has something newer, which reaches this node
-                # through GC's tombstone sharing; nothing to push either way.
-                confirmed.add(target)
-                written += int(bool(reply["stored"]))
-            self._confirmed[record.name] = (version, confirmed)
+                    break  # unreachable now: the next pass tries again
+                held = reply["versions"]
+                for record in batch:
+                    theirs = held.get(record.name)
+                    if theirs is not None and not _older(theirs, record):
+                        continue
+                    try:
+                        put, _ = await node.call(
+                            target, "catalog_put", {"record": record.to_wire()}
+                        )
+                    except PeerError:
+                        continue
+                    written += int(bool(put["stored"]))
         return written
 
 
-def _version(record: CatalogRecord) -> tuple[str, float | None]:
-    return record.digest, record.deleted
+def _older(theirs: list[Any], record: CatalogRecord) -> bool:
+    """Whether a holder's ``[digest, committed, deleted]`` is superseded by ``record``."""
+    _, committed, deleted = theirs
+    return bool((record.deleted or record.committed) > (deleted or committed))

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 #: peer calls whose arguments and replies can be large: sent as msgpack bodies
 DOC_METHODS = frozenset(
-    {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "set_state", "drop_nvme",
-     "evict"}
+    {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "catalog_versions",
+     "set_state", "drop_nvme", "evict"}
 )  # fmt: skip
 
 Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
@@ -161,6 +161,14 @@ class PeerRpc:
     async def rpc_catalog_get(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         record = self.node.catalog.raw(args["name"])
         return {"record": record.to_wire() if record else None}, None
+
+    async def rpc_catalog_versions(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """For each name: ``[digest, committed, deleted]`` of the record held here, or None."""
+        versions: dict[str, list[Any] | None] = {}
+        for name in args["names"]:
+            r = self.node.catalog.raw(name)
+            versions[name] = None if r is None else [r.digest, r.committed, r.deleted]
+        return {"versions": versions}, None
 
     async def rpc_catalog_dump(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         prefix = args.get("prefix", "")

@@ -509,3 +509,32 @@ async def test_scenario_13_status_reports_lost_chunks(
     r = await api.request("GET", "/v1/checkpoints/s13/ckpt?status")
     assert r.status == 200, r.raw
     assert r.doc["state"] == "lost" and r.doc.get("lost") == 2, r.doc
+
+
+# ---- catalogue records lost one holder at a time (found by the nemesis soak) ----------------
+async def test_catalogue_records_survive_their_holders_losing_them_one_at_a_time(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Each holder of a record loses its catalogue (a flipped or replaced disk) in turn, with
+    repair passes in between: the record must stay visible and on ``replication`` holders.
+    Repair once remembered which holders it had confirmed and never looked again, so three
+    such losses spread over time deleted an acknowledged checkpoint (and GC its chunks)."""
+    cluster = await inproc.start(4, repair_interval=3600.0)
+    name = "cat/lost-one-at-a-time"
+    data = new_chunk()[0]
+    api = api_of(http, cluster, 0)
+    assert (await api.put_chunk(data)).status == 201
+    assert (await api.commit(name, manifest_for([data]))).status == 201
+    holders = [cluster.index_of(t) for t in cluster.node(0).name_targets(name)]
+    for victim in holders:
+        await cluster.kill(victim)
+        shutil.rmtree(cluster.members[victim].config.data_dir / "catalog")
+        await cluster.start_node(victim)
+        await cluster.wait_converged()
+        assert cluster.node(victim).catalog.raw(name) is None
+        for _ in range(2):  # the second pass runs with whatever the first one learnt
+            await asyncio.gather(*(cluster.node(i).repair_pass() for i in cluster.running()))
+        on = [i for i in holders if cluster.node(i).catalog.raw(name) is not None]
+        assert on == holders, f"after repair the record is on {on}, not {holders}"
+    r = await api_of(http, cluster, holders[-1]).request("GET", f"/v1/checkpoints/{name}")
+    assert r.status == 200, r.raw
