@@ -1,6 +1,10 @@
-"""Service errors: one exception type, mapped to an HTTP response in one middleware.
+"""Errors: domain errors raised by node code, and the HTTP layer's own.
 
-Codes are the stable strings of API.md.
+Domain code (the node, the manifest checks) raises a ``StoragedError`` subclass: a stable
+code (the strings of API.md), a message, extra fields, and for transient refusals a
+``retry_after``. Which HTTP status each kind gets is decided in one place, the server's
+error middleware. ``ApiError`` is for what only the HTTP layer knows (auth, routes,
+ranges, request framing).
 """
 
 from __future__ import annotations
@@ -8,8 +12,44 @@ from __future__ import annotations
 from typing import Any
 
 
+class StoragedError(Exception):
+    """A refusal with a stable ``code``; its class says what kind (bad input, conflict...)."""
+
+    def __init__(
+        self, code: str, message: str, *, retry_after: float | None = None, **extra: Any
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": self.code, "message": self.message, **self.extra}
+
+
+class BadInput(StoragedError):
+    """The request itself is wrong (a checksum mismatch, a bad manifest, a short body)."""
+
+
+class NotFound(StoragedError):
+    """What the request names does not exist."""
+
+
+class Conflict(StoragedError):
+    """The request contradicts the stored state (a taken name, chunks not held)."""
+
+
+class TooLarge(StoragedError):
+    """The request is over a configured bound."""
+
+
+class Unavailable(StoragedError):
+    """Not now: too few nodes, full memory, stopping; retry after ``retry_after``."""
+
+
 class ApiError(Exception):
-    """An error the client sees as ``{"error": code, "message": ..., **extra}`` with ``status``."""
+    """An HTTP-layer error the client sees as ``{"error": code, "message": ..., **extra}``."""
 
     def __init__(
         self,
@@ -31,10 +71,9 @@ class ApiError(Exception):
         return {"error": self.code, "message": self.message, **self.extra}
 
 
-def bad_request(message: str, code: str = "bad_request", **extra: Any) -> ApiError:
-    return ApiError(400, code, message, **extra)
+def bad_request(message: str, code: str = "bad_request", **extra: Any) -> BadInput:
+    return BadInput(code, message, **extra)
 
 
-def unavailable(code: str, message: str, retry_after: float | None = None) -> ApiError:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return ApiError(503, code, message, headers=headers)
+def unavailable(code: str, message: str, retry_after: float | None = None) -> Unavailable:
+    return Unavailable(code, message, retry_after=retry_after)

@@ -13,14 +13,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from storaged.errors import ApiError
+from storaged.errors import BadInput, TooLarge
 from storaged.ids import chunk_id_of, is_chunk_id
 
 MANIFEST_FORMAT = 1
 
 
-def bad_manifest(message: str) -> ApiError:
-    return ApiError(400, "bad_manifest", message)
+def bad_manifest(message: str) -> BadInput:
+    return BadInput("bad_manifest", message)
 
 
 class _ObjectBudget:
@@ -42,8 +42,8 @@ class _TooManyObjects(Exception):
     pass
 
 
-def _too_many(max_objects: int) -> ApiError:
-    return ApiError(413, "too_large", f"body decodes to over {max_objects} objects")
+def _too_many(max_objects: int) -> TooLarge:
+    return TooLarge("too_large", f"body decodes to over {max_objects} objects")
 
 
 def unpack_limited(
@@ -51,11 +51,11 @@ def unpack_limited(
 ) -> Any:
     """msgpack with every length capped and at most ``max_objects`` objects in all.
 
-    Raises ApiError: 413 ``too_large`` over a bound, 400 ``code`` for anything that does
+    Raises TooLarge (``too_large``) over a bound, BadInput (``code``) for anything that does
     not decode (garbage, nesting deeper than msgpack's stack).
     """
     if len(body) > max_size:
-        raise ApiError(413, "too_large", f"body over {max_size} bytes")
+        raise TooLarge("too_large", f"body over {max_size} bytes")
     budget = _ObjectBudget(max_objects)
     try:
         return msgpack.unpackb(
@@ -76,7 +76,7 @@ def unpack_limited(
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         if "exceeds max_array_len" in str(exc) or "exceeds max_map_len" in str(exc):
             raise _too_many(max_objects) from exc
-        raise ApiError(400, code, f"body is not valid msgpack: {exc}") from exc
+        raise BadInput(code, f"body is not valid msgpack: {exc}") from exc
 
 
 def _json_objects_bound(body: bytes) -> int:
@@ -100,20 +100,20 @@ def decode_document(
     """A msgpack or JSON request body, decoded within ``max_size`` bytes and ``max_objects``
     objects. Blocking (a large body takes long): run it in a thread.
 
-    Raises ApiError: 413 ``too_large`` over a bound; 400 ``code`` when it does not decode.
+    Raises TooLarge (``too_large``) over a bound; BadInput (``code``) when it does not decode.
     """
     if content_type != "application/json":
         return unpack_limited(body, max_size, max_objects=max_objects, code=code)
     if len(body) > max_size:
-        raise ApiError(413, "too_large", f"body over {max_size} bytes")
+        raise TooLarge("too_large", f"body over {max_size} bytes")
     if _json_objects_bound(body) > max_objects:
         raise _too_many(max_objects)
     try:
         return json.loads(body)
     except RecursionError as exc:  # deep nesting: the input's fault, not ours
-        raise ApiError(400, code, "body is nested too deeply") from exc
+        raise BadInput(code, "body is nested too deeply") from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, code, f"body is not valid JSON: {exc}") from exc
+        raise BadInput(code, f"body is not valid JSON: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +160,7 @@ def _item_size(dtype: str, shape: list[int]) -> int | None:
 def check_manifest(
     doc: object, max_chunk_size: int, *, max_items_per_key: int = 16384
 ) -> CheckedManifest:
-    """Validate a decoded manifest; raise ApiError(400, bad_manifest) saying what is wrong.
+    """Validate a decoded manifest; raise BadInput(bad_manifest) saying what is wrong.
 
     A key with more than ``max_items_per_key`` items is refused (bad_manifest) before its
     boxes are compared."""
@@ -298,7 +298,7 @@ def check_disjoint(key: str, key_boxes: list[Box]) -> None:
         _sweep_nd(key, boxes, order, sweep, rest)
 
 
-def _overlap(key: str, a: Box, b: Box) -> ApiError:
+def _overlap(key: str, a: Box, b: Box) -> BadInput:
     return bad_manifest(f"key {key!r}: boxes at {a[0]} and {b[0]} overlap")
 
 

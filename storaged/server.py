@@ -1,8 +1,9 @@
 """The HTTP API of API.md on aiohttp: routes translate requests into ``Node`` calls.
 
-Errors are raised as ``ApiError`` anywhere and turned into responses in one
-middleware. Documents are JSON unless the request's ``Accept`` asks for msgpack
-(docs/API.md): ``curl`` gets something it can print.
+Domain errors (``storaged.errors.StoragedError``) and the HTTP layer's own ``ApiError``
+are turned into responses in one middleware, which alone picks the status. Documents are
+JSON unless the request's ``Accept`` asks for msgpack (docs/API.md): ``curl`` gets
+something it can print.
 """
 
 from __future__ import annotations
@@ -22,7 +23,17 @@ import msgpack
 from aiohttp import web
 
 from storaged import __version__
-from storaged.errors import ApiError, bad_request, unavailable
+from storaged.errors import (
+    ApiError,
+    BadInput,
+    Conflict,
+    NotFound,
+    StoragedError,
+    TooLarge,
+    Unavailable,
+    bad_request,
+    unavailable,
+)
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import STATES, Node, state_name
@@ -138,12 +149,32 @@ _STATUS_CODES = {
 }
 
 
+#: the HTTP status of each kind of domain error (the one place that decides it)
+_DOMAIN_STATUS: tuple[tuple[type[StoragedError], int], ...] = (
+    (BadInput, 400),
+    (NotFound, 404),
+    (Conflict, 409),
+    (TooLarge, 413),
+    (Unavailable, 503),
+)
+
+
+def http_error(exc: StoragedError) -> ApiError:
+    """The response a domain error gets: its kind's status, Retry-After when it has one."""
+    status = next((s for kind, s in _DOMAIN_STATUS if isinstance(exc, kind)), 500)
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return ApiError(status, exc.code, exc.message, headers=headers, **exc.extra)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     node = request.app[NODE]
     try:
         return await handler(request)
-    except ApiError as exc:
+    except (ApiError, StoragedError) as caught:
+        exc = http_error(caught) if isinstance(caught, StoragedError) else caught
         node.metrics.errors.labels(exc.code).inc()
         return reply(request, exc.body(), exc.status, exc.headers)
     except web.HTTPException as exc:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.catalogue import CatalogueUnavailable, CommitConflict
-from storaged.errors import ApiError, unavailable
+from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
 from storaged.node.index import STATES
 
@@ -48,7 +48,7 @@ class Checkpoints:
         node = self.node
         existing = await node.catalogue.find(name)
         if existing is not None and existing.deleted is None and existing.digest != checked.digest:
-            raise ApiError(409, "exists", f"checkpoint {name!r} exists with other contents")
+            raise Conflict("exists", f"checkpoint {name!r} exists with other contents")
         checked_at = time.monotonic()
         await self._check_chunks(checked)
         record = CatalogRecord(
@@ -65,7 +65,7 @@ class Checkpoints:
             async with asyncio.timeout(max(left, 0.0)):
                 created = await node.catalogue.commit(record)
         except CommitConflict as exc:
-            raise ApiError(409, "exists", str(exc)) from exc
+            raise Conflict("exists", str(exc)) from exc
         except CatalogueUnavailable as exc:
             raise unavailable("insufficient_replicas", str(exc), retry_after=1.0) from exc
         except TimeoutError:
@@ -86,8 +86,7 @@ class Checkpoints:
         states = await node.chunk_states(ids, touch=until)
         missing = [cid for cid in ids if cid not in states]
         if missing:
-            raise ApiError(
-                409,
+            raise Conflict(
                 "missing_chunks",
                 f"{len(missing)} chunk(s) named by the manifest are not held by the cluster",
                 missing=missing,
@@ -109,7 +108,7 @@ class Checkpoints:
         try:
             return await self.node.catalogue.get(name)
         except CheckpointNotFound:
-            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}") from None
+            raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
 
     async def list(self, prefix: str) -> list[CatalogRecord]:
         return await self.node.catalogue.list(prefix)
@@ -118,7 +117,7 @@ class Checkpoints:
         try:
             await self.node.catalogue.delete(name)
         except CheckpointNotFound:
-            raise ApiError(404, "checkpoint_not_found", f"no checkpoint named {name!r}") from None
+            raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
 
     async def status(self, name: str) -> dict[str, Any]:
         """How many distinct chunks reached at least each state; ``lost``: held by no live

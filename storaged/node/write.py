@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from storaged.errors import ApiError, unavailable
+from storaged.errors import BadInput, unavailable
 from storaged.ids import chunk_id_of_async
 from storaged.node.index import state_name
 from storaged.peer import PeerError, PeerUnavailable, PutStream
@@ -116,9 +116,9 @@ class WritePath:
             refused: list[PeerError] = []
             received = await self._receive(body, buf, streams, refused)
             if received < size:
-                raise ApiError(400, "truncated", f"body ended after {received} of {size} bytes")
+                raise BadInput("truncated", f"body ended after {received} of {size} bytes")
             if await chunk_id_of_async(buf) != chunk_id:
-                raise ApiError(400, "checksum_mismatch", "the body's BLAKE3-256 is not the id")
+                raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
             holders, created = await self._finish_streams(chunk_id, buf, streams, targets, refused)
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
@@ -177,7 +177,7 @@ class WritePath:
         async for piece in body:
             n = len(piece)
             if pos + n > size:
-                raise ApiError(400, "bad_request", "body longer than its Content-Length")
+                raise BadInput("bad_request", "body longer than its Content-Length")
             buf[pos : pos + n] = piece  # the one copy into this node's RAM copy
             if streams:
                 view = buf[pos : pos + n]
