@@ -215,6 +215,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print(f"storaged up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        cluster.stop()
+        print("storaged up: interrupted", file=sys.stderr)
+        return 130
     print(f"storaged: {args.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
     for i, url in enumerate(cluster.urls):
         print(f"  {cluster.node_id(i)}  {url}", flush=True)
