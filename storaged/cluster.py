@@ -191,7 +191,8 @@ class LocalCluster:
         return self.config_path
 
     def _auth(self, old: Mapping[str, Any]) -> dict[str, Any]:
-        auth: dict[str, Any] = {}
+        # Other credentials of the file (the admin token) are kept as they are.
+        auth: dict[str, Any] = {k: v for k, v in old.items() if k.startswith("admin_token")}
         secret_keys = [key for key in ("cluster_secret", "cluster_secret_env") if key in old]
         if secret_keys and not self.new_secret:
             auth.update((key, old[key]) for key in secret_keys)

@@ -359,11 +359,13 @@ def test_cluster_file_is_private_after_a_rewrite(tmp_path: Path) -> None:
     cluster = LocalCluster(nodes=4, data=tmp_path, port=1, token="t")
     path = cluster.write_config()
     secret = tomllib.loads(path.read_text())["auth"]["cluster_secret"]
+    # An admin token added by hand stays too.
+    path.write_text(path.read_text().replace("[auth]", '[auth]\nadmin_token = "a"'))
     path.chmod(0o644)
     LocalCluster(nodes=4, data=tmp_path, port=1).write_config()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     auth = tomllib.loads(path.read_text())["auth"]
-    assert auth == {"cluster_secret": secret, "token": "t"}
+    assert auth == {"admin_token": "a", "cluster_secret": secret, "token": "t"}
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
