@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from storaged.config import ConfigError, config_field_names, load_config
+from storaged import __version__
+from storaged.config import Config, ConfigError, config_field_names, load_config
 
 
 def _state_dir() -> Path:
@@ -29,7 +33,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=cmd_serve)
 
 
+#: exit statuses of ``serve`` that ``up`` and service managers may tell apart
+EXIT_CONFIG = 2
+EXIT_IN_USE = 3
+
+
+class CannotListen(Exception):
+    """An address of this node is taken, or not one this host can listen on."""
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Run one node. A refusal to start is one line on stderr (``storaged serve: ...``)."""
+    from storaged.datalock import DataDirLocked, lock_data_dir
+
     overrides = {
         name: getattr(args, f"set_{name}")
         for name in config_field_names()
@@ -39,25 +55,73 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.node, overrides=overrides)
     except ConfigError as exc:
         print(f"storaged serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     from storaged.logs import setup_logging
 
     setup_logging(config.node_id, config.log_level, config.log_json)
     try:
-        import uvloop
+        lock = lock_data_dir(config.data_dir)
+    except DataDirLocked as exc:
+        print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
+        return EXIT_IN_USE
+    except OSError as exc:
+        print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    with lock:
+        try:
+            _check_listen(config)
+        except CannotListen as exc:
+            print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
+            return EXIT_IN_USE
+        if not config.token:
+            logging.getLogger("storaged.serve").warning(
+                "node %s: INSECURE: no client token, every client is accepted "
+                "(set [auth] token in the cluster file)",
+                config.node_id,
+            )
+        try:
+            import uvloop
 
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
-        pass
-    return asyncio.run(_serve(config))
+            uvloop.install()
+        except ImportError:  # pragma: no cover - uvloop is a dependency; stay usable without it
+            pass
+        try:
+            return asyncio.run(_serve(config))
+        except OSError as exc:
+            # _check_listen's probe and the bind race with other processes on the host.
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
+            return EXIT_IN_USE
 
 
-async def _serve(config: object) -> int:
-    from storaged.config import Config
+def _check_listen(config: Config) -> None:
+    """Raise ``CannotListen`` if the HTTP or peer address cannot be listened on now.
+
+    Before the node opens its tiers (which may take a while): a taken port is
+    reported at once, in one line, rather than as a traceback after start-up.
+    """
+    for what, (host, port) in (("HTTP", config.node.http_addr), ("peer", config.node.peer_addr)):
+        try:
+            # SO_REUSEADDR (create_server's default), as the node's own listeners use:
+            # connections of a previous run in TIME_WAIT do not count as taken.
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            probe = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CannotListen(
+                    f"{what} port {port} ({host}:{port}) is taken by another process"
+                ) from None
+            raise CannotListen(
+                f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}"
+            ) from None
+        probe.close()
+
+
+async def _serve(config: Config) -> int:
     from storaged.node import Node
     from storaged.server import serve
 
-    assert isinstance(config, Config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -68,42 +132,105 @@ async def _serve(config: object) -> int:
 
 
 def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("up", help="run a local cluster of N node processes on 127.0.0.1")
+    p = sub.add_parser(
+        "up",
+        help="run a local cluster of N node processes on 127.0.0.1",
+        description="Start N nodes on 127.0.0.1, report success once each of them serves, "
+        "and supervise them until Ctrl-C: a node that exits is reported with the tail of its "
+        "log and restarted. A new cluster gets a random client token unless --token or "
+        "--insecure; an existing cluster file keeps its token and cluster secret.",
+    )
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--data", default=None, help="data directory (default: user state dir)")
     p.add_argument("--port", type=int, default=7400, help="HTTP port of n0 (n<i>: port+i)")
     p.add_argument("--peer-port", type=int, default=0, help="peer port of n0 (default port+1000)")
-    p.add_argument("--token", default=os.environ.get("STORAGED_TOKEN", ""))
+    p.add_argument(
+        "--token",
+        default=os.environ.get("STORAGED_TOKEN", ""),
+        help="client token (default $STORAGED_TOKEN; a new cluster without one gets a random "
+        "token; an existing cluster keeps its own)",
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="no client token: every client is accepted"
+    )
+    p.add_argument(
+        "--replace-token",
+        action="store_true",
+        help="replace the client token of an existing cluster file (with --token, or drop it "
+        "with --insecure)",
+    )
+    p.add_argument(
+        "--new-secret",
+        action="store_true",
+        help="a new cluster secret (peer authentication) instead of the cluster file's",
+    )
+    p.add_argument(
+        "--no-restart", action="store_true", help="report a node that exits, do not restart it"
+    )
     p.add_argument("--memory", default="2GiB", help="RAM tier capacity per node")
     p.add_argument("--replication", type=int, default=3)
     p.set_defaults(func=cmd_up)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from storaged.cluster import ClusterError, LocalCluster, wait_forever_until_signal
+    """Start the cluster; 0 once its own nodes serve and a signal stopped them, else 1 or 2."""
+    import secrets
+    import shlex
 
+    from storaged.cluster import ClusterError, LocalCluster, supervise
+
+    if args.insecure and args.token:
+        print("storaged up: --insecure and --token exclude each other", file=sys.stderr)
+        return EXIT_CONFIG
     data = Path(args.data) if args.data else _state_dir()
     cluster = LocalCluster(
         nodes=args.nodes,
-        data=data,
+        data=data.absolute(),
         port=args.port,
         peer_port=args.peer_port,
         token=args.token,
         replication=args.replication,
         settings={"tiers": {"memory_capacity": args.memory}},
         die_with_parent=True,
+        replace_token=args.replace_token,
+        new_secret=args.new_secret,
     )
     try:
+        auth = cluster.read_auth()
+        has_token = auth is not None and ("token" in auth or "token_env" in auth)
+        if args.insecure and has_token and not args.replace_token:
+            raise ClusterError(
+                f"{cluster.config_path} has a client token; --insecure drops it only with "
+                "--replace-token"
+            )
+        if not (args.insecure or args.token or has_token):
+            if auth is not None:
+                raise ClusterError(
+                    f"{cluster.config_path} has no client token: give one with --token, or "
+                    "run it without with --insecure"
+                )
+            cluster.token = secrets.token_urlsafe(24)
         cluster.start()
     except ClusterError as exc:
         cluster.stop()
         print(f"storaged up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        cluster.stop()
+        print("storaged up: interrupted", file=sys.stderr)
+        return 130
     print(f"storaged: {args.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
     for i, url in enumerate(cluster.urls):
         print(f"  {cluster.node_id(i)}  {url}", flush=True)
-    print("Ctrl-C stops them.", flush=True)
-    return wait_forever_until_signal(cluster)
+    exports = f"export STORAGED_URL={','.join(cluster.urls)}"
+    if cluster.token:
+        exports += f" STORAGED_TOKEN={shlex.quote(cluster.token)}"
+    else:
+        print("INSECURE: no client token, every client is accepted (--insecure)", flush=True)
+    print(exports, flush=True)
+    restarts = "a node that exits is reported" + ("" if args.no_restart else " and restarted")
+    print(f"Ctrl-C stops them; {restarts}.", flush=True)
+    return supervise(cluster, restart=not args.no_restart)
 
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
@@ -133,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="storaged", description="A tiered checkpoint store for distributed training."
     )
+    parser.add_argument("--version", action="version", version=f"storaged {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_up(sub)

@@ -3,11 +3,17 @@
 Node ``n<i>`` serves HTTP on ``port + i`` and the peer protocol on
 ``peer_port + i`` (default ``port + 1000 + i``); its data lives under
 ``data/n<i>/``. The generated cluster file is ``data/cluster.toml`` (mode 0600:
-it holds the cluster secret); each node's pid is in ``data/n<i>/node.pid``.
+it holds the cluster secret); each node's pid is in ``data/n<i>/node.pid`` and its
+log in ``data/n<i>/node.log``.
+
+Node processes import the same ``storaged`` as this process, whatever the
+working directory: a clone's top folder is often named ``storaged`` too, and
+``python -m`` would otherwise import that folder instead of the package.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -19,12 +25,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from storaged.datalock import DataDirLocked, check_free
 
 
 class ClusterError(RuntimeError):
@@ -91,7 +99,19 @@ class LocalCluster:
     #: nodes get SIGTERM when the process that started them dies, even by SIGKILL (Linux);
     #: for ``storaged up`` and the demo, so no node outlives its supervisor
     die_with_parent: bool = False
+    #: an existing cluster file's client token may be replaced by ``token`` (or dropped,
+    #: when ``token`` is empty); without it a different ``token`` is refused
+    replace_token: bool = False
+    #: a new cluster secret even if the cluster file has one (every node must restart)
+    new_secret: bool = False
+    #: nodes inherit no STORAGED_* variable from this process: the cluster file (and
+    #: ``env``) alone configure them, as for the demo's cluster made for the occasion
+    clean_env: bool = False
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    #: where each node's log stood when it was last started: its exit cause is after that
+    _log_starts: dict[int, int] = field(default_factory=dict)
+    #: environment variables the cluster file takes its secrets from (token_env, ...)
+    _auth_env_names: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.data = Path(self.data)
@@ -115,20 +135,43 @@ class LocalCluster:
     def urls(self) -> list[str]:
         return [self.url(i) for i in range(self.nodes)]
 
-    def write_config(self) -> Path:
-        """Write the cluster file, keeping the secret of an existing one (restarts reuse it)."""
-        self.data.mkdir(parents=True, exist_ok=True)
-        secret = secrets.token_hex(32)
-        if self.config_path.exists():
-            import tomllib
+    def read_auth(self) -> dict[str, Any] | None:
+        """The ``[auth]`` table of the existing cluster file; None when there is no file."""
+        import tomllib
 
-            old = tomllib.loads(self.config_path.read_text())
-            secret = old.get("auth", {}).get("cluster_secret", secret)
+        try:
+            text = self.config_path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ClusterError(f"cannot read {self.config_path}: {exc}") from None
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            # It may hold the only copy of the cluster's secret: never overwrite it blindly.
+            raise ClusterError(
+                f"{self.config_path} is not valid TOML ({exc}): fix or remove it"
+            ) from None
+        auth = doc.get("auth", {})
+        return dict(auth) if isinstance(auth, dict) else {}
+
+    def write_config(self) -> Path:
+        """Write the cluster file (mode 0600, replaced atomically).
+
+        The ``[auth]`` of an existing file is kept: its cluster secret unless
+        ``new_secret``, its client token (or ``token_env``) unless ``replace_token``;
+        ``self.token`` becomes the kept token. A ``token`` other than the file's is
+        refused with ``ClusterError`` unless ``replace_token``. A file without a token
+        gets ``token`` if one is given.
+        """
+        self.data.mkdir(parents=True, exist_ok=True)
+        auth = self._auth(self.read_auth() or {})
+        self._auth_env_names = {str(v) for k, v in auth.items() if k.endswith("_env")}
         k, n = default_erasure(self.nodes)
         doc: dict[str, Any] = {
             "replication": self.replication,
             "erasure": {"codec": "zfec", "k": k, "n": n},
-            "auth": {"cluster_secret": secret},
+            "auth": auth,
             "nodes": [
                 {
                     "id": self.node_id(i),
@@ -139,20 +182,40 @@ class LocalCluster:
                 for i in range(self.nodes)
             ],
         }
-        if self.token:
-            doc["auth"]["token"] = self.token
         for key, value in self.settings.items():
             if key in ("codec", "k", "n"):
                 doc["erasure"][key] = value
             else:
                 doc[key] = value
-        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            tomli_w.dump(doc, f)
+        _write_private(self.config_path, doc)
         return self.config_path
+
+    def _auth(self, old: Mapping[str, Any]) -> dict[str, Any]:
+        # Other credentials of the file (the admin token) are kept as they are.
+        auth: dict[str, Any] = {k: v for k, v in old.items() if k.startswith("admin_token")}
+        secret_keys = [key for key in ("cluster_secret", "cluster_secret_env") if key in old]
+        if secret_keys and not self.new_secret:
+            auth.update((key, old[key]) for key in secret_keys)
+        else:
+            auth["cluster_secret"] = secrets.token_hex(32)
+        token_keys = [key for key in ("token", "token_env") if key in old]
+        if token_keys and not self.replace_token:
+            env = {**os.environ, **self.env}
+            kept = str(old.get("token") or env.get(str(old.get("token_env", "")), ""))
+            if self.token and self.token != kept:
+                raise ClusterError(
+                    f"{self.config_path} has another client token; --replace-token replaces "
+                    "it (check $STORAGED_TOKEN, the default of --token)"
+                )
+            auth.update((key, old[key]) for key in token_keys)
+            self.token = kept
+        elif self.token:
+            auth["token"] = self.token
+        return auth
 
     # ---- processes ----------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> None:
+        self.check_not_running()
         self.write_config()
         for i in range(self.nodes):
             self.start_node(i)
@@ -194,23 +257,43 @@ class LocalCluster:
             if pending:
                 time.sleep(0.1)
 
+    def _inherits(self, name: str) -> bool:
+        """Whether node processes get this process's environment variable ``name``.
+
+        STORAGED_TOKEN or STORAGED_CLUSTER_SECRET (left in a shell for the client
+        commands, say) would override the cluster file's auth: the nodes would then
+        refuse the token this cluster checks them with, and never look converged.
+        They pass only where the cluster file names them (``token_env``).
+        """
+        if not name.startswith("STORAGED_"):
+            return True
+        if name in self._auth_env_names:
+            return True
+        return not self.clean_env and name not in ("STORAGED_TOKEN", "STORAGED_CLUSTER_SECRET")
+
+    def check_not_running(self) -> None:
+        """``ClusterError`` if a node process runs on a node directory under ``data``."""
+        for node_dir in sorted(self.data.glob("n*")):
+            try:
+                check_free(node_dir)
+            except DataDirLocked as exc:
+                raise ClusterError(f"a cluster is already running on {self.data}: {exc}") from None
+
     def start_node(self, i: int) -> subprocess.Popen[bytes]:
         node_dir = self.data / self.node_id(i)
         node_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "storaged",
-            "serve",
-            "--config",
-            str(self.config_path),
-            "--node",
-            self.node_id(i),
-        ]
-        env = {**os.environ, **self.env}
+        # -P: the working directory is not put first on the node's sys.path (see above).
+        cmd = [sys.executable, "-P", "-m", "storaged", "serve"]
+        cmd += ["--config", str(self.config_path), "--node", self.node_id(i)]
+        env = {name: value for name, value in os.environ.items() if self._inherits(name)}
+        env.update(self.env)
+        root = _package_root()
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
         out: Any = subprocess.DEVNULL
         if self.log_to_files:
             out = open(node_dir / "node.log", "ab")  # noqa: SIM115
+            self._log_starts[i] = out.tell()
         proc = subprocess.Popen(
             cmd,
             stdout=out,
@@ -225,29 +308,82 @@ class LocalCluster:
         return proc
 
     def wait_healthy(self, indexes: list[int] | None = None, timeout: float = 60.0) -> None:
+        """Wait until each node's own process serves its URL (see ``serves``).
+
+        ``ClusterError`` at once when one exits, with the cause it gave.
+        """
         pending = set(range(self.nodes) if indexes is None else indexes)
         deadline = time.monotonic() + timeout
         while pending:
             for i in sorted(pending):
                 proc = self.procs.get(i)
                 if proc is not None and proc.poll() is not None:
-                    raise ClusterError(
-                        f"node {self.node_id(i)} exited with {proc.returncode}; "
-                        f"see {self.data / self.node_id(i) / 'node.log'}"
-                    )
-                try:
-                    with urllib.request.urlopen(
-                        self.url(i) + "/healthz", timeout=1, context=self._health_ssl()
-                    ) as resp:
-                        if resp.status == 200:
-                            pending.discard(i)
-                except (urllib.error.URLError, OSError):
-                    pass
+                    raise ClusterError(self.describe_exit(i))
+                if self.serves(i):
+                    pending.discard(i)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(self.node_id(i) for i in sorted(pending))
                 raise ClusterError(f"node(s) {names} not healthy after {timeout:.0f}s")
             if pending:
                 time.sleep(0.1)
+
+    def serves(self, i: int) -> bool:
+        """Whether node ``i``'s process runs and answers ``/healthz`` on its own socket.
+
+        A process of another cluster on the same port answers too: on Linux, the
+        listening socket must belong to our process.
+        """
+        proc = self.procs.get(i)
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(
+                self.url(i) + "/healthz", timeout=1, context=self._health_ssl()
+            ) as resp:
+                if resp.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+        return _listens_on(proc.pid, self.port + i) is not False
+
+    def log_path(self, i: int) -> Path:
+        return self.data / self.node_id(i) / "node.log"
+
+    def log_tail(self, i: int, lines: int = 10) -> list[str]:
+        """The last ``lines`` lines node ``i`` logged since it was last started."""
+        try:
+            with open(self.log_path(i), "rb") as f:
+                start = self._log_starts.get(i, 0)
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(start, size - 64 * 1024))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+    def describe_exit(self, i: int) -> str:
+        """One line: how node ``i`` ended and the cause it gave (its refusal, or last line)."""
+        proc = self.procs.get(i)
+        code = proc.poll() if proc is not None else None
+        if code is None:
+            how = "is not running"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        tail = [line for line in self.log_tail(i, 200) if line.strip()]
+        causes = [line for line in tail if line.startswith("storaged serve: ")]
+        if causes:
+            cause = causes[-1].removeprefix("storaged serve: ")
+            cause = ": " + cause.removeprefix(f"node {self.node_id(i)}: ")
+        elif tail and code is not None and code > 0:
+            cause = ": " + tail[-1].strip()
+        else:
+            cause = ""
+        return f"node {self.node_id(i)} {how}{cause} (log: {self.log_path(i)})"
 
     def _health_ssl(self) -> ssl.SSLContext | None:
         if not self.https:
@@ -306,17 +442,139 @@ def _term_with_parent() -> None:
         pass
 
 
-def wait_forever_until_signal(cluster: LocalCluster) -> int:
-    """Block until SIGINT/SIGTERM, then stop every node. Returns the exit status."""
+def _write_private(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` as TOML to ``path`` with mode 0600, replacing any old file at once.
+
+    A new file with its own mode, renamed over the old one: opening an existing
+    0644 file with mode 0600 would keep 0644.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # a leftover temp file keeps its mode otherwise
+            tomli_w.dump(dict(doc), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _package_root() -> str | None:
+    """The folder this ``storaged`` was imported from, if it is a source tree.
+
+    An installed package is found by the node's interpreter anyway; a source tree
+    (a checkout on the caller's path) is handed on explicitly.
+    """
+    import storaged
+
+    root = Path(storaged.__file__).resolve().parent.parent
+    if root.name in ("site-packages", "dist-packages"):
+        return None
+    return str(root)
+
+
+def _listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a TCP socket listening on ``port``; None: cannot tell."""
+    listening: set[str] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            fields = row.split()
+            # sl local_address rem_address st ... inode; st 0A is LISTEN
+            listens = len(fields) > 9 and fields[3] == "0A"
+            if listens and int(fields[1].rpartition(":")[2], 16) == port:
+                listening.add(f"socket:[{fields[9]}]")
+    if not readable:
+        return None
+    if not listening:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in listening:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def supervise(
+    cluster: LocalCluster,
+    *,
+    restart: bool = True,
+    say: Callable[[str], None] | None = None,
+    backoff: tuple[float, float] = (1.0, 30.0),
+    settle: float = 30.0,
+) -> int:
+    """Watch the nodes until SIGINT or SIGTERM, then stop them; returns the exit status.
+
+    A node that exits is reported in one line, with the tail of its log. With
+    ``restart`` it is started again after a delay that doubles (from ``backoff[0]``
+    up to ``backoff[1]``) each time it exits before it has served for ``settle``
+    seconds, and is reported back once it serves. Without ``restart`` it stays
+    down, and once every node is down this returns 1.
+    """
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stop
         stop = True
 
+    if say is None:
+        say = functools.partial(print, flush=True)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    while not stop:
-        time.sleep(0.2)
-    cluster.stop()
-    return 0
+    delay = dict.fromkeys(range(cluster.nodes), backoff[0])
+    due: dict[int, float] = {}  # node -> when to start it again
+    starting: set[int] = set()  # restarted, not serving yet
+    serving_since = dict.fromkeys(range(cluster.nodes), time.monotonic())
+    down: set[int] = set()  # exited, left down (no restart)
+    try:
+        while not stop:
+            now = time.monotonic()
+            for i in range(cluster.nodes):
+                if cluster.alive(i):
+                    if i in starting and cluster.serves(i):
+                        starting.discard(i)
+                        serving_since[i] = now
+                        say(f"storaged up: node {cluster.node_id(i)} is back ({cluster.url(i)})")
+                    elif i not in starting and now - serving_since[i] > settle:
+                        delay[i] = backoff[0]
+                    continue
+                if i in due:
+                    if now >= due[i]:
+                        del due[i]
+                        cluster.start_node(i)
+                        starting.add(i)
+                    continue
+                if i in down:
+                    continue
+                starting.discard(i)
+                say(f"storaged up: {cluster.describe_exit(i)}; its last lines:")
+                for line in cluster.log_tail(i):
+                    say(f"    {line}")
+                if restart:
+                    due[i] = now + delay[i]
+                    say(f"storaged up: restarting {cluster.node_id(i)} in {delay[i]:.0f} s")
+                    delay[i] = min(2 * delay[i], backoff[1])
+                else:
+                    down.add(i)
+                    say(f"storaged up: {cluster.node_id(i)} stays down (--no-restart)")
+            if len(down) == cluster.nodes:
+                say("storaged up: every node has exited")
+                return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        cluster.stop()

@@ -399,6 +399,7 @@ def _demo(args: argparse.Namespace, size: int) -> int:
 
     cluster: LocalCluster | None = None
     tmp: Path | None = None
+    failed = True  # until the run ends with every byte right: keeps the logs on any failure
     try:
         if args.url:
             urls, token = urls_of(args.url), args.token
@@ -420,6 +421,9 @@ def _demo(args: argparse.Namespace, size: int) -> int:
                 settings=settings,
                 # The nodes never inherit asyncio debug mode from a test run: it slows them.
                 env={"PYTHONASYNCIODEBUG": ""},
+                # A STORAGED_TOKEN left in the shell overrode the cluster file's token: the
+                # nodes refused the demo's token and start-up failed with "do not see alive".
+                clean_env=True,
                 die_with_parent=True,
             )
             mem = settings["tiers"]["memory_capacity"]
@@ -434,13 +438,37 @@ def _demo(args: argparse.Namespace, size: int) -> int:
             urls, token = cluster.urls, cluster.token
         figures = run_async(lambda: _run(args, size, urls, token, cluster))
         _report(figures, args)
+        failed = bool(figures.wrong)
         return 1 if figures.wrong else 0
+    except KeyboardInterrupt:
+        failed = False  # stopped on purpose: nothing to look into
+        raise
     finally:
         if cluster is not None:
             _say("stopping the cluster")
             cluster.stop()
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if failed and cluster is not None:
+                _say(f"node logs kept in {_keep_logs_only(tmp)}")
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _keep_logs_only(data: Path) -> Path:
+    """Remove the cluster's data but its node logs (for a look after a failure); returns where."""
+    for entry in data.iterdir():
+        if entry.is_dir() and (entry / "node.log").exists():
+            for inner in entry.iterdir():
+                if inner.name != "node.log":
+                    if inner.is_dir() and not inner.is_symlink():
+                        shutil.rmtree(inner, ignore_errors=True)
+                    else:
+                        inner.unlink(missing_ok=True)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)  # cluster.toml among them: it holds the secrets
+    return data
 
 
 async def _run(

@@ -543,6 +543,8 @@ async def cluster(request: web.Request) -> web.Response:
             "replication": cfg.replication,
             "erasure": {"codec": cfg.codec, "k": cfg.k, "n": cfg.n},
             "max_chunk_size": cfg.max_chunk_size,
+            # A cluster without a client token serves anyone: say so wherever it is looked at.
+            "insecure": not cfg.token,
         },
     )
 

@@ -523,3 +523,26 @@ def test_demo_interrupted_cleans_up(tmp_path: Path) -> None:
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_demo_keeps_node_logs_on_failure(tmp_path: Path) -> None:
+    # A STORAGED_TOKEN left in the shell (as `storaged up` suggests exporting) once reached
+    # the demo's nodes and overrode their token: start-up then failed after a minute with
+    # "nodes [...] do not see [...] alive", and the logs went with the data directory.
+    env = {**_demo_env(), "STORAGED_TOKEN": "a-token-of-another-cluster"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "storaged", "demo", "--size", "16MiB", "--data", str(tmp_path),
+         "--timeout", "0", "--no-progress"],
+        capture_output=True, text=True, timeout=200, env=env, cwd=REPO,
+    )  # fmt: skip
+    # The cluster started and the checkpoint was acknowledged; it cannot be cold at once.
+    assert "acknowledged after" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "waiting for cold" in proc.stderr and "Traceback" not in proc.stderr
+    kept = [line for line in proc.stdout.splitlines() if line.startswith("node logs kept in ")]
+    assert len(kept) == 1, proc.stdout
+    where = Path(kept[0].removeprefix("node logs kept in "))
+    assert where.parent == tmp_path
+    logs = sorted(p.relative_to(where).as_posix() for p in where.rglob("*") if p.is_file())
+    assert logs == [f"n{i}/node.log" for i in range(4)]  # the data and the secrets are gone
+    assert "serving http://127.0.0.1" in (where / "n0" / "node.log").read_text()

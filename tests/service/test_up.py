@@ -1,0 +1,386 @@
+"""``storaged up`` through the real CLI: it reports success only when its own nodes serve.
+
+Each test runs ``python -m storaged up`` as a subprocess on a temporary data
+directory and free ports, and stops it (and so its nodes) at the end: a second
+``up`` on a running data directory, a taken port, a node killed with SIGKILL
+(reported and restarted, or not with ``--no-restart``), the client token kept
+across restarts and never dropped silently, ``--insecure`` announced, the
+cluster file's mode, and a working directory that holds a folder named
+``storaged`` (the layout right after ``git clone``).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from storaged.cluster import LocalCluster, free_port_block
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parents[2]
+#: generous: the machine is shared; every wait below ends as soon as its condition holds
+START_TIMEOUT = 120.0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STORAGED_")}
+    # Small, quick nodes: no pre-faulted RAM, and never asyncio debug mode.
+    env.update(PYTHONPATH=str(REPO), PYTHONASYNCIODEBUG="", STORAGED_PREFAULT_FRACTION="0")
+    env.update(extra)
+    return env
+
+
+class Up:
+    """A running ``storaged up``; its output lines are collected by a thread as they come."""
+
+    def __init__(self, data: Path, port: int, *args: str, cwd: Path | None = None) -> None:
+        self.data = data
+        self.port = port
+        argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
+        argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
+        self.proc = subprocess.Popen(
+            [*argv, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            cwd=cwd or data.parent,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = START_TIMEOUT, after: int = 0) -> int:
+        """Index of the first line from ``after`` on that contains ``text``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for index in range(after, len(self.lines)):
+                if text in self.lines[index]:
+                    return index
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {text!r} from storaged up:\n{self.output}")
+
+    def started(self) -> Up:
+        self.wait_for("nodes up")
+        return self
+
+    def token(self) -> str:
+        line = self.lines[self.wait_for("export STORAGED_URL=")]
+        for word in line.split():
+            if word.startswith("STORAGED_TOKEN="):
+                return word.removeprefix("STORAGED_TOKEN=")
+        return ""
+
+    def pid(self, i: int) -> int:
+        return int((self.data / f"n{i}" / "node.pid").read_text())
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.port + i}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self._reader.join(timeout=10)
+
+
+@pytest.fixture
+def ups() -> Iterator[list[Up]]:
+    """Every ``Up`` a test appends is stopped after it, and any node left over is killed."""
+    started: list[Up] = []
+    yield started
+    for up in started:
+        up.stop()
+    for up in started:
+        for pid_file in up.data.glob("n*/node.pid"):
+            _kill_if_alive(int(pid_file.read_text()))
+
+
+def _kill_if_alive(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, dict[str, object]]:
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _run_up(
+    data: Path, port: int, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """An ``up`` expected to refuse: it must end by itself."""
+    argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
+    argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB", *args]
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=_env(), cwd=cwd or data.parent, timeout=150
+    )
+
+
+def _one_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{text}"
+    assert "Traceback" not in text
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- refusing to start
+
+
+def test_second_up_on_a_running_data_dir_is_refused(tmp_path: Path, ups: list[Up]) -> None:
+    data = tmp_path / "cluster"
+    first = Up(data, free_port_block(9))
+    ups.append(first)
+    first.started()
+    before = (data / "cluster.toml").read_bytes()
+    pids = [first.pid(i) for i in range(4)]
+
+    second = _run_up(data, free_port_block(9))
+    assert second.returncode != 0
+    line = _one_line(second.stderr)
+    assert "already running" in line and f"pid {pids[0]}" in line, line
+    assert "nodes up" not in second.stdout
+    # The running cluster is untouched: same nodes, same cluster file.
+    assert (data / "cluster.toml").read_bytes() == before
+    assert all(_alive(pid) for pid in pids)
+    assert _get(first.url(0) + "/healthz")[0] == 200
+
+    # A node started by hand on a data directory in use refuses at once, in one line.
+    serve = subprocess.run(
+        [sys.executable, "-m", "storaged", "serve", "--config", str(data / "cluster.toml"),
+         "--node", "n2"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert serve.returncode == 3
+    line = _one_line(serve.stderr.splitlines()[-1])
+    assert "in use by a running node" in line and f"pid {pids[2]}" in line, serve.stderr
+
+
+class _Impostor(http.server.BaseHTTPRequestHandler):
+    """Another service on our port that answers 200 to everything, /healthz included."""
+
+    def do_GET(self) -> None:
+        body = b'{"ok": true, "node": "n2"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_taken_port_is_reported_at_once(tmp_path: Path) -> None:
+    port = free_port_block(9)
+    impostor = http.server.ThreadingHTTPServer(("127.0.0.1", port + 2), _Impostor)
+    thread = threading.Thread(target=impostor.serve_forever, daemon=True)
+    thread.start()
+    try:
+        result = _run_up(tmp_path / "cluster", port)
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
+    assert result.returncode != 0
+    line = _one_line(result.stderr)
+    # The node's own refusal, relayed, not a health-check timeout.
+    assert f"node n2 exited with status 3: HTTP port {port + 2}" in line, line
+    assert "taken by another process" in line
+    assert "nodes up" not in result.stdout
+    for pid_file in (tmp_path / "cluster").glob("n*/node.pid"):
+        _kill_if_alive(int(pid_file.read_text()))  # up stopped the others; make sure
+
+
+def test_port_taken_by_a_non_http_listener(tmp_path: Path) -> None:
+    port = free_port_block(9)
+    with socket.create_server(("127.0.0.1", port + 4 + 1)):  # n1's peer port
+        result = _run_up(tmp_path / "cluster", port)
+    assert result.returncode != 0
+    line = _one_line(result.stderr)
+    assert f"node n1 exited with status 3: peer port {port + 5}" in line, line
+
+
+# --------------------------------------------------------------------------- supervision
+
+
+def test_killed_node_is_reported_and_restarted(tmp_path: Path, ups: list[Up]) -> None:
+    up = Up(tmp_path / "cluster", free_port_block(9))
+    ups.append(up)
+    up.started()
+    token = up.token()
+    victim = up.pid(1)
+    mark = len(up.lines)
+    os.kill(victim, signal.SIGKILL)
+
+    at = up.wait_for("node n1 was killed by SIGKILL", after=mark)
+    assert f"log: {up.data / 'n1' / 'node.log'}" in up.lines[at]
+    assert "serving http://127.0.0.1" in up.lines[at + 1] + up.lines[at + 2], up.output  # tail
+    up.wait_for("restarting n1 in 1 s", after=at)
+    up.wait_for("node n1 is back", after=at)
+    assert up.pid(1) != victim and _alive(up.pid(1))
+    assert _get(up.url(1) + "/v1/cluster", token)[0] == 200
+
+
+def test_no_restart_leaves_a_dead_node_down(tmp_path: Path, ups: list[Up]) -> None:
+    up = Up(tmp_path / "cluster", free_port_block(9), "--no-restart")
+    ups.append(up)
+    up.started()
+    victim = up.pid(1)
+    os.kill(victim, signal.SIGKILL)
+    up.wait_for("node n1 was killed by SIGKILL")
+    up.wait_for("n1 stays down")
+    # Once every node is gone, up ends by itself with a failure: n1 was never restarted.
+    for i in (0, 2, 3):
+        os.kill(up.pid(i), signal.SIGKILL)
+    assert up.proc.wait(timeout=60) == 1
+    up.wait_for("every node has exited")
+    assert up.pid(1) == victim
+    assert "is back" not in up.output
+
+
+# --------------------------------------------------------------------------- tokens and secrets
+
+
+def test_restart_keeps_the_token_and_secret(tmp_path: Path, ups: list[Up]) -> None:
+    data = tmp_path / "cluster"
+    port = free_port_block(9)
+    first = Up(data, port, "--token", "first-token")
+    ups.append(first)
+    first.started()
+    assert first.token() == "first-token"
+    assert first.stop() == 0
+    config = data / "cluster.toml"
+    before = tomllib.loads(config.read_text())["auth"]
+    config.chmod(0o644)  # as an editor or a copy might leave it
+
+    again = Up(data, port)  # no --token, no $STORAGED_TOKEN
+    ups.append(again)
+    again.started()
+    assert again.token() == "first-token"
+    assert tomllib.loads(config.read_text())["auth"] == before
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert _get(again.url(0) + "/v1/cluster")[0] == 401
+    status, doc = _get(again.url(0) + "/v1/cluster", "first-token")
+    assert status == 200 and doc["insecure"] is False
+    assert again.stop() == 0
+
+    other = _run_up(data, port, "--token", "second-token")
+    assert other.returncode != 0
+    assert "--replace-token" in _one_line(other.stderr)
+    dropped = _run_up(data, port, "--insecure")
+    assert dropped.returncode != 0
+    assert "--replace-token" in _one_line(dropped.stderr)
+    assert tomllib.loads(config.read_text())["auth"] == before
+
+
+def test_new_cluster_gets_a_random_token(tmp_path: Path, ups: list[Up]) -> None:
+    up = Up(tmp_path / "cluster", free_port_block(9))
+    ups.append(up)
+    up.started()
+    token = up.token()
+    assert len(token) >= 16
+    assert tomllib.loads((up.data / "cluster.toml").read_text())["auth"]["token"] == token
+    assert _get(up.url(2) + "/v1/cluster")[0] == 401
+    assert _get(up.url(2) + "/v1/cluster", token)[0] == 200
+
+
+def test_a_cluster_without_token_must_be_asked_for(tmp_path: Path, ups: list[Up]) -> None:
+    data = tmp_path / "cluster"
+    port = free_port_block(9)
+    # A cluster file without a client token, as older versions of `up` wrote one.
+    LocalCluster(nodes=4, data=data, port=port, peer_port=port + 4).write_config()
+    before = (data / "cluster.toml").read_bytes()
+
+    refused = _run_up(data, port)
+    assert refused.returncode != 0
+    assert "no client token" in _one_line(refused.stderr) and "--insecure" in refused.stderr
+    assert (data / "cluster.toml").read_bytes() == before
+
+    up = Up(data, port, "--insecure")
+    ups.append(up)
+    up.started()
+    up.wait_for("INSECURE: no client token")
+    assert up.token() == ""
+    status, doc = _get(up.url(0) + "/v1/cluster")  # no token needed
+    assert status == 200 and doc["insecure"] is True
+    for i in range(4):
+        assert "INSECURE" in (data / f"n{i}" / "node.log").read_text()
+
+
+def test_cluster_file_is_private_after_a_rewrite(tmp_path: Path) -> None:
+    cluster = LocalCluster(nodes=4, data=tmp_path, port=1, token="t")
+    path = cluster.write_config()
+    secret = tomllib.loads(path.read_text())["auth"]["cluster_secret"]
+    # An admin token added by hand stays too.
+    path.write_text(path.read_text().replace("[auth]", '[auth]\nadmin_token = "a"'))
+    path.chmod(0o644)
+    LocalCluster(nodes=4, data=tmp_path, port=1).write_config()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    auth = tomllib.loads(path.read_text())["auth"]
+    assert auth == {"admin_token": "a", "cluster_secret": secret, "token": "t"}
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+# --------------------------------------------------------------------------- the caller's folder
+
+
+def test_up_from_a_folder_holding_a_storaged_directory(tmp_path: Path, ups: list[Up]) -> None:
+    # Right after `git clone`: the clone (a folder named storaged) is in the working
+    # directory, and `python -m storaged` there would import it instead of the package.
+    shadow = tmp_path / "storaged"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text('"""Not the package: no __version__ here."""\n')
+    up = Up(tmp_path / "data", free_port_block(9), cwd=tmp_path)
+    ups.append(up)
+    up.started()
+    assert "ImportError" not in up.output
+    status, doc = _get(up.url(3) + "/healthz")
+    assert status == 200 and doc["node"] == "n3"
