@@ -83,6 +83,11 @@ def free_port_block(count: int, start: int = 10000, end: int | None = None) -> i
     raise ClusterError("no free block of ports found")
 
 
+#: how long a stop waits for nodes to drain and exit before killing them: a bit over the
+#: nodes' own ``stop_timeout`` (Config), so a graceful stop is never cut short from here
+STOP_TIMEOUT = 150.0
+
+
 @dataclass
 class LocalCluster:
     nodes: int
@@ -398,7 +403,8 @@ class LocalCluster:
         proc = self.procs.get(i)
         if proc is not None and proc.poll() is None:
             proc.send_signal(sig)
-            proc.wait(timeout=30)
+            # A SIGTERM drains the node's RAM-only chunks first (I5): give it that time.
+            proc.wait(timeout=STOP_TIMEOUT if sig == signal.SIGTERM else 30)
 
     def restart(self, i: int, timeout: float = 60.0) -> None:
         self.kill(i, signal.SIGTERM)
@@ -410,7 +416,10 @@ class LocalCluster:
         proc = self.procs.get(i)
         return proc is not None and proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 0.0) -> None:
+        """SIGTERM every node and wait for them (``timeout``, default ``STOP_TIMEOUT``: a
+        graceful stop drains RAM-only chunks to disk first); SIGKILL what is left."""
+        timeout = timeout or STOP_TIMEOUT
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

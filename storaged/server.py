@@ -530,10 +530,20 @@ async def cluster(request: web.Request) -> web.Response:
     for spec in node.membership.nodes():
         alive = node.membership.is_alive(spec.id)
         usage = node.usage() if spec.id == node.id else node.membership.info(spec.id).get("usage")
+        info = node.heartbeat() if spec.id == node.id else node.membership.info(spec.id)
         entry: dict[str, Any] = {"id": spec.id, "url": spec.url, "alive": alive}
         for tier in STATES:
             u = (usage or {}).get(tier, {})
-            entry[tier] = {"used": u.get("used", 0), "capacity": u.get("capacity", 0)}
+            entry[tier] = {
+                "used": u.get("used", 0),
+                "capacity": u.get("capacity", 0),
+                "count": u.get("count", 0),
+            }
+        # As of the node's last heartbeat (its own figures for this node).
+        entry["down_since"] = node.membership.down_since(spec.id)
+        entry["up_since"] = info.get("up_since")
+        entry["drain_backlog"] = info.get("drain_backlog")
+        entry["encode_backlog"] = info.get("encode_backlog")
         nodes.append(entry)
     cfg = node.config
     return reply(

@@ -399,6 +399,17 @@ class Node:
             out[tier.name] = {"used": u.used, "capacity": u.capacity, "count": u.count}
         return out
 
+    def heartbeat(self) -> dict[str, Any]:
+        """What this node tells its peers (and ``/v1/cluster``) about itself."""
+        return {
+            "id": self.id,
+            "usage": self.usage(),
+            "stopping": self.stopping,
+            "up_since": self.started,
+            "drain_backlog": self.drainer.backlog,
+            "encode_backlog": self.encoder.backlog,
+        }
+
     def note_stored(self, chunk_id: str, size: int) -> None:
         """A verified copy of ``chunk_id`` is now here (RAM): index it, counted as used now."""
         now = time.time()

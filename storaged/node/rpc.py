@@ -44,15 +44,7 @@ class PeerRpc:
         return await handler(args, body)
 
     async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        node = self.node
-        return {
-            "id": node.id,
-            "usage": node.usage(),
-            "stopping": node.stopping,
-            "up_since": node.started,
-            "drain_backlog": node.drainer.backlog,
-            "encode_backlog": node.encoder.backlog,
-        }, None
+        return self.node.heartbeat(), None
 
     async def rpc_chunk_info(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         node = self.node

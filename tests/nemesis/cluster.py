@@ -103,7 +103,7 @@ class NemesisCluster(LocalCluster):
         proc.send_signal(sig)
         return True
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 0.0) -> None:
         # A SIGSTOPped node would sit out the SIGTERM until the timeout: wake every node first.
         for i in list(self.procs):
             self.signal_node(i, signal.SIGCONT)
