@@ -57,7 +57,9 @@ class WritePath:
         if node.stopping:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
         started = time.perf_counter()
-        targets = node.hot_targets(chunk_id)
+        # One membership view for the whole PUT: targets, replacements and the reply's order.
+        order = node.live_order(chunk_id)
+        targets = order[: node.config.replication]
         if len(targets) < node.config.replication:
             raise unavailable(
                 "insufficient_replicas",
@@ -70,7 +72,7 @@ class WritePath:
                 return 200, held
         self.inflight += 1
         try:
-            return await self._put_new(chunk_id, size, body, targets, started)
+            return await self._put_new(chunk_id, size, body, order, started)
         finally:
             self.inflight -= 1
 
@@ -102,9 +104,10 @@ class WritePath:
         }
 
     async def _put_new(
-        self, chunk_id: str, size: int, body: BodyPieces, targets: list[str], started: float
+        self, chunk_id: str, size: int, body: BodyPieces, order: list[str], started: float
     ) -> tuple[int, dict[str, Any]]:
         node = self.node
+        targets = order[: node.config.replication]
         try:
             buf = await node.memory.allocate(size, timeout=node.config.put_wait)
         except TierFull as exc:
@@ -119,7 +122,7 @@ class WritePath:
                 raise BadInput("truncated", f"body ended after {received} of {size} bytes")
             if await chunk_id_of_async(buf) != chunk_id:
                 raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
-            holders, created = await self._finish_streams(chunk_id, buf, streams, targets, refused)
+            holders, created = await self._finish_streams(chunk_id, buf, streams, order, refused)
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
             for stream in streams.values():
@@ -201,14 +204,16 @@ class WritePath:
         chunk_id: str,
         buf: memoryview,
         streams: dict[str, PutStream],
-        targets: list[str],
+        order: list[str],
         refused: list[PeerError],
     ) -> tuple[list[str], list[str]]:
-        """Collect the peers' verdicts; replace failed holders from our own (checked) copy.
+        """Collect the peers' verdicts; replace failed holders from our own (checked) copy,
+        with the next nodes of ``order`` (the PUT's one view of the membership).
 
         Returns (the holders in placement order, the remote ones that did not have it before).
         """
         node = self.node
+        targets = order[: node.config.replication]
         holders: list[str] = [node.id] if node.id in targets else []
         created: list[str] = []
         damaged: list[str] = []
@@ -243,7 +248,7 @@ class WritePath:
                     created.append(node_id)
         # Fill the gaps (a dead or full peer) with the next live nodes of the order.
         tried = set(targets)
-        for candidate in node.live_order(chunk_id):
+        for candidate in order:
             if len(holders) >= node.config.replication:
                 break
             if candidate in tried or candidate in holders:
@@ -268,7 +273,7 @@ class WritePath:
                 f"only {len(holders)} node(s) could take the chunk; need {node.config.replication}",
                 retry_after=node.config.down_after,
             )
-        rank = {n: i for i, n in enumerate(node.live_order(chunk_id))}
+        rank = {n: i for i, n in enumerate(order)}
         return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
 
     async def _push_with_resends(
