@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
+import functools
 import logging
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgpack
 import numpy as np
@@ -66,14 +69,46 @@ from storaged.client.layout import (
     pack_stream,
     plan_restore,
 )
+from storaged.ids import chunk_id_of
 from tiers.base import ByteRange
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Below this many bytes a copy runs on the loop: a thread hop would cost more.
 _INLINE_COPY_BYTES = 1 << 20
 #: Staging buffers restore may hold at once.
 DEFAULT_RESTORE_BUDGET = 256 << 20
+#: Chunks below this size are hashed on the loop (as ``chunk_id_of_async`` does).
+_INLINE_HASH_BYTES = 64 << 10
+#: Chunks the saver hashes before it hands them to ``put_chunks``: the next group hashes
+#: while this one uploads (the client's own ``missing`` batch, so nothing is lost).
+_HASH_GROUP = 512
+
+
+async def _to_thread_to_the_end(func: Callable[..., T], /, *args: Any) -> T:
+    """``asyncio.to_thread``, except that a cancelled caller resumes only once the thread
+    has finished.
+
+    A thread cannot be stopped: cancelled, ``to_thread`` returns at once while its thread
+    goes on reading or writing the memory it was handed. After this one returns or raises,
+    nothing it started touches that memory any more, so the caller may hand it on.
+    """
+    loop = asyncio.get_running_loop()
+    call = functools.partial(contextvars.copy_context().run, func, *args)
+    thread = loop.run_in_executor(None, call)
+    try:
+        return await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        while not thread.done():  # bounded by the thread's own work; cancels are deferred
+            try:
+                await asyncio.wait([thread])
+            except asyncio.CancelledError:
+                continue
+        if not thread.cancelled():
+            thread.exception()  # the caller was cancelled: its outcome is nobody's to see
+        raise
 
 
 class CheckpointStore(Protocol):
@@ -498,7 +533,9 @@ class AsyncSaver:
         self._free: asyncio.Queue[dict[int, StagingBuffer]] = asyncio.Queue()
         for _ in range(buffers):
             self._free.put_nowait({})
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # At most one hashing thread per core, as the client's own hashing.
+        self._hash_slots = asyncio.Semaphore(max(1, os.cpu_count() or 1))
 
     async def __aenter__(self) -> AsyncSaver:
         return self
@@ -523,17 +560,21 @@ class AsyncSaver:
         began = time.perf_counter()
         size = _chunk_size_for(self._store, self._chunk_size)
         buffers = await self._free.get()
-        try:
-            staged = await run_all(
-                [
-                    asyncio.to_thread(
-                        stage_shard, rank, state, size, buffers.setdefault(rank, StagingBuffer())
-                    )
-                    for rank, state in states.items()
-                ]
+        loop = asyncio.get_running_loop()
+        copies = [
+            loop.create_task(
+                _to_thread_to_the_end(
+                    stage_shard, rank, state, size, buffers.setdefault(rank, StagingBuffer())
+                )
             )
+            for rank, state in states.items()
+        ]
+        try:
+            staged = await run_all(copies)
         except BaseException:
-            self._free.put_nowait(buffers)
+            # A rank failed or the caller was cancelled while other ranks' threads may still
+            # be copying into their buffers: the set goes back only once they are done.
+            self._give_back_after(buffers, copies)
             raise
         handle = SaveHandle(
             self._store,
@@ -558,7 +599,7 @@ class AsyncSaver:
         commit: bool,
     ) -> None:
         try:
-            entries = await run_all([upload_shard(self._store, shard) for shard in staged])
+            entries = await run_all([self._upload_shard(shard) for shard in staged])
             result = None
             if commit:
                 result = await _commit_staged(self._store, handle.name, staged, entries, meta)
@@ -569,10 +610,57 @@ class AsyncSaver:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            # run_all has waited for every rank's upload, and each of those for its hashing
+            # threads: nothing reads the staged bytes any more.
+            self._free.put_nowait(buffers)
+
+    async def _upload_shard(self, staged: StagedShard) -> dict[str, Any]:
+        """``upload_shard`` whose hashing threads are the saver's own, so that a failed or
+        cancelled upload ends only once none of them reads the staging buffer any more
+        (the client's hashing threads would go on after a cancel)."""
+
+        async def group(lo: int) -> list[str]:
+            chunks = staged.chunks[lo : lo + _HASH_GROUP]
+            ids = await run_all([self._chunk_id(chunk) for chunk in chunks])
+            return await self._store.put_chunks(chunks, ids)
+
+        groups = await run_all([group(lo) for lo in range(0, len(staged.chunks), _HASH_GROUP)])
+        return staged.entry([chunk for ids in groups for chunk in ids])
+
+    async def _chunk_id(self, chunk: memoryview) -> str:
+        if len(chunk) <= _INLINE_HASH_BYTES:
+            return chunk_id_of(chunk)
+        async with self._hash_slots:
+            return await _to_thread_to_the_end(chunk_id_of, chunk)
+
+    def _give_back_after(
+        self, buffers: dict[int, StagingBuffer], tasks: Sequence[asyncio.Task[Any]]
+    ) -> None:
+        """Return ``buffers`` to the pool once every one of ``tasks`` (each ending with its
+        thread) is done; ``aclose`` waits for that too."""
+        pending = {task for task in tasks if not task.done()}
+
+        def done(task: asyncio.Task[Any]) -> None:
+            pending.discard(task)
+            if not task.cancelled():
+                task.exception()  # save raised the first failure; the others are its echo
+            if not pending:
+                self._free.put_nowait(buffers)
+
+        for task in tasks:
+            if task.done():
+                if not task.cancelled():
+                    task.exception()
+                continue
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(done)
+        if not pending:
             self._free.put_nowait(buffers)
 
     async def aclose(self) -> None:
-        """Wait for the saves in flight to finish (their outcome stays on their handles)."""
+        """Wait for the saves in flight to finish (their outcome stays on their handles),
+        and for the staging threads of failed saves."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -412,3 +413,139 @@ async def test_commit_resends_chunks_the_cluster_lost(fragile: LocalCluster) -> 
         assert len(client.refused) == 1 and set(client.refused[0].missing) == ids
         assert result.created and client.stats.chunks_uploaded == 2 * len(ids)
         await restore_on(client, "lost/1", m, 3)
+
+
+# --------------------------------------------------------------- staging buffer ownership
+
+#: Bounded wait of a gated staging thread for the other save's (seconds): long enough for
+#: a loaded machine, and the fixed saver only pays it once per test.
+GATE_TIMEOUT = 5.0
+
+
+class GatedCopies:
+    """Orders the staging copies of two saves of key ``"x"`` the way the race needs them.
+
+    The first save's copy of ``x`` (values 1) stops before writing and waits until the
+    second save (values 2) has copied its ``x``; the second, after copying, waits until the
+    first has written. A saver that hands a buffer out while a staging thread still writes
+    into it thus ends up with the first save's bytes in the second save's stream. A saver
+    that waits for the thread never runs the second copy before the first ends: the first
+    then waits ``GATE_TIMEOUT`` in vain and writes alone. Waits are in the staging threads
+    (off the event loop) and bounded.
+    """
+
+    def __init__(self, copy: Any) -> None:
+        self._copy = copy
+        self.first_started = threading.Event()
+        self.second_copied = threading.Event()
+        self.first_written = threading.Event()
+
+    def __call__(self, item: Any, into: np.ndarray[Any, Any]) -> None:
+        if item.key != "x":
+            self._copy(item, into)
+        elif item.source.flat[0] == 1:
+            self.first_started.set()
+            self.second_copied.wait(GATE_TIMEOUT)
+            self._copy(item, into)
+            self.first_written.set()
+        else:
+            self._copy(item, into)
+            self.second_copied.set()
+            self.first_written.wait(GATE_TIMEOUT)
+
+
+def filled(value: int) -> dict[str, Any]:
+    return {"x": np.full((64, 1024), value, np.float32), "step": value}
+
+
+@pytest.mark.parametrize("failure", ["cancelled", "other rank fails"])
+async def test_failed_save_gives_its_staging_buffer_back_only_after_its_copies_end(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    import storaged.client.checkpoint as checkpoint
+
+    gated = GatedCopies(checkpoint._copy_item)
+    monkeypatch.setattr(checkpoint, "_copy_item", gated)
+    prefix = f"owned-{'cancel' if failure == 'cancelled' else 'rank'}/"
+    async with client_for(cluster) as client:
+        saver = AsyncSaver(client, chunk_size=16384, buffers=1)
+        try:
+            if failure == "cancelled":
+                first = asyncio.ensure_future(saver.save(prefix + "1", {0: filled(1)}))
+                assert await asyncio.to_thread(gated.first_started.wait, 30)
+                first.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+            else:
+                # Rank 1 fails in its staging thread while rank 0's copy is under way.
+                broken = {0: filled(1), 1: {"bad": object()}}
+                with pytest.raises(TypeError):
+                    await saver.save(prefix + "1", broken)
+                assert gated.first_started.is_set() or await asyncio.to_thread(
+                    gated.first_started.wait, 30
+                )
+            # The next save reuses the (only) staging buffer set.
+            handle = await asyncio.wait_for(saver.save(prefix + "2", {0: filled(2)}), 60)
+            assert (await asyncio.wait_for(handle.acked(), 60)).commit is not None
+        finally:
+            await saver.aclose()
+        assert await names(client, prefix) == [prefix + "2"]
+        restored = await restore_checkpoint(client, prefix + "2")
+        assert restored["step"] == 2
+        assert np.array_equal(restored["x"], filled(2)["x"]), "bytes of the failed save"
+
+
+async def test_failed_upload_gives_its_staging_buffer_back_only_after_its_hashing_ends(
+    fragile: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import storaged.client.checkpoint as checkpoint
+    import storaged.ids as ids
+
+    ones = np.float32(1).tobytes()
+    hashing_first = threading.Event()
+    second_copied = threading.Event()
+    overlapped: list[bool] = []  # per copy of the second save: was the first still hashing?
+    real_hash, real_copy = ids.chunk_id_of, checkpoint._copy_item
+
+    def gated_hash(data: Any) -> str:
+        if len(data) <= 64 << 10 or bytes(memoryview(data)[:4]) != ones:
+            return real_hash(data)
+        hashing_first.set()
+        second_copied.wait(GATE_TIMEOUT)  # a saver that does not wait lets the copy in now
+        try:
+            return real_hash(data)
+        finally:
+            hashing_first.clear()
+
+    def watched_copy(item: Any, into: np.ndarray[Any, Any]) -> None:
+        if item.key == "x" and item.source.flat[0] == 2:
+            overlapped.append(hashing_first.is_set())
+            second_copied.set()
+        real_copy(item, into)
+
+    # The client's hashing and the saver's own (whichever hashes the staged chunks).
+    monkeypatch.setattr(ids, "chunk_id_of", gated_hash)
+    monkeypatch.setattr(checkpoint, "chunk_id_of", gated_hash)
+    monkeypatch.setattr(checkpoint, "_copy_item", watched_copy)
+    quick = RetryPolicy(max_attempts=3, max_delay=0.1, max_retry_after=0.1, deadline=10)
+    async with client_for(fragile, retry=quick) as client:
+        await all_alive(client, fragile)
+        saver = AsyncSaver(client, chunk_size=1 << 20, buffers=1)
+        try:
+            async with nodes_down(fragile, [2, 3]):  # no PUT can be acknowledged
+                # Rank 1's one small chunk fails at once; rank 0's is still being hashed.
+                first = await saver.save("hashed/1", {0: filled(1), 1: {"step": 1}})
+                second = asyncio.ensure_future(saver.save("hashed/2", {0: filled(2)}))
+                with pytest.raises(Unavailable):
+                    await asyncio.wait_for(first.acked(), 60)
+                with pytest.raises(Unavailable):
+                    await asyncio.wait_for((await asyncio.wait_for(second, 60)).acked(), 60)
+            await all_alive(client, fragile)
+            third = await saver.save("hashed/3", {0: filled(3)})
+            assert (await asyncio.wait_for(third.acked(), 60)).commit is not None
+        finally:
+            await saver.aclose()
+        assert overlapped == [False], "the second save copied while the first still hashed"
+        assert await names(client, "hashed/") == ["hashed/3"]
+        restored = await restore_checkpoint(client, "hashed/3")
+        assert np.array_equal(restored["x"], filled(3)["x"])
