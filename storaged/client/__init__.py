@@ -56,7 +56,11 @@ from storaged.client.layout import (
     Manifest,
     RegionNotCovered,
     ShapeMismatch,
+    ShardGap,
+    ShardingError,
+    ShardOverlap,
     build_manifest,
+    check_layout,
 )
 from tiers.base import ByteRange
 
@@ -97,6 +101,9 @@ __all__ = [
     "SaveResult",
     "ShapeMismatch",
     "Shard",
+    "ShardGap",
+    "ShardOverlap",
+    "ShardingError",
     "StagedShard",
     "StagingBuffer",
     "StateDict",
@@ -105,6 +112,7 @@ __all__ = [
     "Unavailable",
     "WaitTimeout",
     "build_manifest",
+    "check_layout",
     "commit_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",

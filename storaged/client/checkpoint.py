@@ -65,6 +65,7 @@ from storaged.client.layout import (
     ShardEntry,
     StagedCopy,
     build_manifest,
+    check_layout,
     numpy_dtype,
     pack_stream,
     plan_restore,
@@ -443,12 +444,14 @@ async def save_checkpoint(
 
     Large contiguous arrays are uploaded from their own memory: do not change the
     state until this returns. Either the checkpoint is committed, or this raises and
-    nothing is visible under ``name``.
+    nothing is visible under ``name``. Ranks whose boxes of a key leave a gap or overlap
+    are refused before any upload (``ShardGap``, ``ShardOverlap``).
     """
     size = _chunk_size_for(store, chunk_size)
     staged = await run_all(
         [asyncio.to_thread(stage_shard, rank, state, size, None) for rank, state in states.items()]
     )
+    check_layout({shard.rank: shard.items for shard in staged})
     entries = await run_all([upload_shard(store, shard) for shard in staged])
     return await _commit_staged(store, name, staged, entries, meta)
 
@@ -555,7 +558,8 @@ class AsyncSaver:
 
         When this returns the state may be changed freely. With ``commit=False`` the
         ranks' shard entries are the result (``SaveResult.shards``), for a coordinator
-        to commit; ``name`` is then only a label.
+        to commit; ``name`` is then only a label. With ``commit``, ranks whose boxes of
+        a key leave a gap or overlap are refused here (``ShardGap``, ``ShardOverlap``).
         """
         began = time.perf_counter()
         size = _chunk_size_for(self._store, self._chunk_size)
@@ -571,6 +575,8 @@ class AsyncSaver:
         ]
         try:
             staged = await run_all(copies)
+            if commit:  # the ranks saved here are all of them: refuse a bad layout now
+                check_layout({shard.rank: shard.items for shard in staged})
         except BaseException:
             # A rank failed or the caller was cancelled while other ranks' threads may still
             # be copying into their buffers: the set goes back only once they are done.

@@ -18,7 +18,9 @@ manifest; ``plan_restore`` turns requested boxes into chunk byte-range fetches.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -66,6 +68,31 @@ class RegionNotCovered(LayoutError):
 
 class InvalidManifest(LayoutError):
     """A manifest breaks the schema of API.md (caught before the server sees it)."""
+
+
+class ShardingError(InvalidManifest):
+    """The ranks' boxes of one key do not tile its global shape exactly.
+
+    ``key``; ``element``, the first element (row-major order) saved by no rank or by
+    several; ``boxes``, ``(rank, box)`` of the ranks that saved that element, or for a
+    gap of every rank that saved a box of the key.
+    """
+
+    def __init__(
+        self, message: str, key: str, element: Shape, boxes: Sequence[tuple[int, Box]]
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.element = element
+        self.boxes = tuple(boxes)
+
+
+class ShardGap(ShardingError):
+    """An element of a key no rank saved: a restore of it would fail."""
+
+
+class ShardOverlap(ShardingError):
+    """An element of a key several ranks saved, with no telling which bytes are right."""
 
 
 # --------------------------------------------------------------------------- boxes
@@ -384,8 +411,9 @@ class ShardEntry:
         return shard
 
 
-def _check_keys(shards: Sequence[ShardEntry]) -> None:
-    """Per key: one dtype, one global shape, and no two boxes sharing an element."""
+def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None:
+    """Per key: one dtype, one global shape, and no two boxes sharing an element; with
+    ``complete``, also no element left out (``ShardGap``)."""
     by_key: dict[str, list[tuple[int, Item]]] = {}
     for shard in shards:
         for item in shard.items:
@@ -398,18 +426,84 @@ def _check_keys(shards: Sequence[ShardEntry]) -> None:
                     f"{key}: rank {rank} saved {item.dtype}{list(item.global_shape)}, "
                     f"another rank {first.dtype}{list(first.global_shape)}"
                 )
-        boxes = sorted(
-            ((_promote(item.box), rank) for rank, item in entries if item.box.size > 0),
-            key=lambda entry: entry[0].offsets,
+        boxes = [(rank, _promote(item.box)) for rank, item in entries if item.box.size > 0]
+        fault = tiling_fault(key, first.global_shape, boxes)
+        if fault is None:
+            continue
+        if complete or isinstance(fault, ShardOverlap):
+            raise fault
+        # A gap is restore's to report, for the region it is asked for; an overlap
+        # elsewhere is still an error.
+        _check_disjoint(key, first.global_shape, boxes)
+
+
+def _describe(rank: int, box: Box) -> str:
+    return f"rank {rank} {list(box.offsets)}+{list(box.shape)}"
+
+
+def tiling_fault(
+    key: str, global_shape: Shape, boxes: Sequence[tuple[int, Box]]
+) -> ShardingError | None:
+    """None when ``(rank, box)`` ``boxes`` hold every element of ``global_shape`` exactly
+    once; else the error for the first element (row-major) held by none or by several.
+
+    O(n 2^d) for n boxes of d dimensions: every box adds its corners to a map with sign
+    (-1)^(number of upper bounds), the whole shape subtracts its own. That signed corner
+    sum is the mixed difference of each element's coverage count minus one, so the
+    boxes tile the shape exactly iff every point sums to zero; and the smallest point
+    that does not is the first element whose count is wrong (its prefix sum is itself).
+    """
+    whole = _promote(Box((0,) * len(global_shape), global_shape))
+    weights: defaultdict[Shape, int] = defaultdict(int)
+    for sign, box in itertools.chain([(-1, whole)], ((1, b) for _, b in boxes)):
+        bounds = [((o, 1), (o + n, -1)) for o, n in zip(box.offsets, box.shape, strict=True)]
+        for corner in itertools.product(*bounds):
+            point = tuple(c for c, _ in corner)
+            weights[point] += sign * math.prod(w for _, w in corner)
+    wrong = [point for point, weight in weights.items() if weight]
+    if not wrong:
+        return None
+    element = min(wrong)  # an element of the shape: see the docstring
+    holders = [
+        (rank, box)
+        for rank, box in boxes
+        if all(o <= x < e for o, x, e in zip(box.offsets, element, box.stop, strict=True))
+    ]
+    at = list(element[: len(global_shape)])  # a 0-d key's one element is []
+    if not holders:
+        saved = ", ".join(_describe(rank, box) for rank, box in boxes[:8])
+        more = f" and {len(boxes) - 8} more" if len(boxes) > 8 else ""
+        return ShardGap(
+            f"{key}: gap at element {at} of global shape {list(global_shape)}, saved by no "
+            f"rank (boxes saved: {saved or 'none'}{more})",
+            key,
+            element,
+            boxes,
         )
-        # Sweep along dimension 0: only boxes still open there can overlap the next one.
-        open_boxes: list[tuple[Box, int]] = []
-        for box, rank in boxes:
-            open_boxes = [(b, r) for b, r in open_boxes if b.stop[0] > box.offsets[0]]
-            for other, other_rank in open_boxes:
-                if other.intersect(box) is not None:
-                    raise InvalidManifest(f"{key}: boxes of ranks {other_rank} and {rank} overlap")
-            open_boxes.append((box, rank))
+    named = " and ".join(_describe(rank, box) for rank, box in holders)
+    return ShardOverlap(f"{key}: boxes overlap at element {at}: {named}", key, element, holders)
+
+
+def _check_disjoint(key: str, global_shape: Shape, boxes: Sequence[tuple[int, Box]]) -> None:
+    """``ShardOverlap`` if two boxes share an element (for boxes that leave gaps, where
+    ``tiling_fault`` only finds the first wrong element)."""
+    ordered = sorted(boxes, key=lambda entry: entry[1].offsets)
+    # Sweep along dimension 0: only boxes still open there can overlap the next one.
+    open_boxes: list[tuple[int, Box]] = []
+    for rank, box in ordered:
+        open_boxes = [(r, b) for r, b in open_boxes if b.stop[0] > box.offsets[0]]
+        for other_rank, other in open_boxes:
+            common = other.intersect(box)
+            if common is not None:
+                pair = [(other_rank, other), (rank, box)]
+                raise ShardOverlap(
+                    f"{key}: boxes overlap at element {list(common.offsets[: len(global_shape)])}: "
+                    f"{_describe(other_rank, other)} and {_describe(rank, box)}",
+                    key,
+                    common.offsets,
+                    pair,
+                )
+        open_boxes.append((rank, box))
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,8 +547,12 @@ class Manifest:
         }
 
     @classmethod
-    def from_wire(cls, doc: Any) -> Manifest:
-        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong."""
+    def from_wire(cls, doc: Any, *, complete: bool = False) -> Manifest:
+        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong.
+
+        A key whose boxes leave part of its global shape unsaved is let through (restore
+        refuses to read that part, ``RegionNotCovered``) unless ``complete``.
+        """
         if not isinstance(doc, Mapping):
             raise InvalidManifest("manifest must be a map")
         if doc.get("format") != FORMAT:
@@ -472,8 +570,35 @@ class Manifest:
         ranks = [s.rank for s in shards]
         if len(set(ranks)) != len(ranks):
             raise InvalidManifest(f"duplicate ranks in {ranks}")
-        _check_keys(shards)
+        _check_keys(shards, complete=complete)
         return cls(float(created), meta, shards)
+
+
+def _without_repeats(shards: Iterable[ShardEntry]) -> list[ShardEntry]:
+    """By rank; where several ranks saved the same box of a key (a replicated array, or a
+    non-array value every rank passed), only the lowest rank's item is kept."""
+    entries = sorted(shards, key=lambda s: s.rank)
+    seen: set[tuple[str, Shape, Shape]] = set()
+    kept: list[ShardEntry] = []
+    for shard in entries:
+        items = []
+        for item in shard.items:
+            box_key = (item.key, item.offsets, item.shape)
+            if box_key in seen and item.box.size > 0:
+                continue
+            seen.add(box_key)
+            items.append(item)
+        kept.append(ShardEntry(shard.rank, shard.chunks, tuple(items)))
+    return kept
+
+
+def check_layout(items: Mapping[int, Sequence[Item]]) -> None:
+    """Check the ranks' items (``{rank: items}``) as ``build_manifest`` will, before any
+    byte is uploaded: ``ShardGap``, ``ShardOverlap``, ``InvalidManifest``."""
+    _check_keys(
+        _without_repeats(ShardEntry(rank, (), tuple(its)) for rank, its in items.items()),
+        complete=True,
+    )
 
 
 def build_manifest(
@@ -486,23 +611,14 @@ def build_manifest(
 
     Shards are ordered by rank. Where several ranks saved the same box of a key (a
     replicated array, or a non-array value every rank passed), only the lowest rank's
-    item is kept: boxes of one key must not overlap. ``InvalidManifest`` otherwise.
+    item is kept. The other boxes of a key must tile its global shape exactly:
+    ``ShardGap`` names an element no rank saved, ``ShardOverlap`` one several ranks
+    saved (both ``InvalidManifest``, as is any other fault).
     """
     entries = [s if isinstance(s, ShardEntry) else ShardEntry.from_wire(s) for s in shards]
-    entries.sort(key=lambda s: s.rank)
-    seen: set[tuple[str, Shape, Shape]] = set()
-    kept: list[ShardEntry] = []
-    for shard in entries:
-        items = []
-        for item in shard.items:
-            box_key = (item.key, item.offsets, item.shape)
-            if box_key in seen and item.box.size > 0:
-                continue
-            seen.add(box_key)
-            items.append(item)
-        kept.append(ShardEntry(shard.rank, shard.chunks, tuple(items)))
+    kept = _without_repeats(entries)
     doc = Manifest(float(created), dict(meta or {}), tuple(kept)).to_wire()
-    Manifest.from_wire(doc)  # the same checks as a manifest read back
+    Manifest.from_wire(doc, complete=True)  # the same checks as a manifest read back, and more
     return doc
 
 

@@ -15,6 +15,7 @@ import itertools
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -42,7 +43,14 @@ from storaged.client.errors import (
     MissingChunks,
     Unavailable,
 )
-from storaged.client.layout import KeyNotSaved, RegionNotCovered
+from storaged.client.layout import (
+    KeyNotSaved,
+    Manifest,
+    RegionNotCovered,
+    ShardEntry,
+    ShardGap,
+    ShardOverlap,
+)
 from storaged.client.retry import RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
@@ -252,7 +260,10 @@ async def test_commit_of_chunks_never_uploaded_is_refused(cluster: LocalCluster)
 async def test_restore_errors_before_any_read(cluster: LocalCluster) -> None:
     g = np.zeros((10, 4), np.float32)
     async with client_for(cluster) as client:
-        await save_checkpoint(client, "early/e", {0: {"g": Shard(g[:5], (10, 4), (0, 0))}})
+        # Half of g, committed as a foreign client may (this one refuses gaps at save time).
+        entry = await save_shard(client, 0, {"g": Shard(g[:5], (10, 4), (0, 0))})
+        partial = Manifest(time.time(), {}, (ShardEntry.from_wire(entry),))
+        await client.commit("early/e", partial.to_wire())
         client.stats.reset()
         with pytest.raises(KeyNotSaved):
             await restore_checkpoint(client, "early/e", {"h": np.zeros(3)})
@@ -283,6 +294,40 @@ async def test_async_save_without_commit_yields_entries_for_a_coordinator(
                 await handle.durable()
         await commit_checkpoint(client, "coord/c", list(result.shards.values()))
         await restore_on(client, "coord/c", m, 2)
+
+
+async def test_gaps_and_overlaps_are_refused_before_any_upload(cluster: LocalCluster) -> None:
+    g = np.arange(40, dtype=np.float32).reshape(10, 4)
+    gap = {0: {"g": Shard(g[:4], (10, 4), (0, 0))}, 1: {"g": Shard(g[5:], (10, 4), (5, 0))}}
+    overlap = {0: {"g": Shard(g[:6], (10, 4), (0, 0))}, 1: {"g": Shard(g[5:], (10, 4), (5, 0))}}
+    async with client_for(cluster) as client:
+        with pytest.raises(ShardGap, match=r"g: gap at element \[4, 0\]") as missing:
+            await save_checkpoint(client, "tiling/sync", gap)
+        assert [rank for rank, _ in missing.value.boxes] == [0, 1]
+        assert client.stats.chunks_uploaded == client.stats.chunks_skipped == 0
+        saver = AsyncSaver(client, buffers=1)
+        try:
+            with pytest.raises(ShardOverlap, match=r"element \[5, 0\]: rank 0") as twice:
+                await saver.save("tiling/async", overlap)
+            assert twice.value.key == "g"
+            assert client.stats.chunks_uploaded == client.stats.chunks_skipped == 0
+            # Without commit the coordinator finds out, before its one request.
+            handle = await saver.save("tiling/entries", gap, commit=False)
+            entries = list((await handle.acked()).shards.values())
+            with pytest.raises(ShardGap):
+                await commit_checkpoint(client, "tiling/entries", entries)
+            # The refused save gave its staging buffers back.
+            whole = {
+                0: {"g": Shard(g[:5], (10, 4), (0, 0))},
+                1: {"g": Shard(g[5:], (10, 4), (5, 0))},
+            }
+            handle = await asyncio.wait_for(saver.save("tiling/whole", whole), 60)
+            assert (await handle.acked()).commit is not None
+        finally:
+            await saver.aclose()
+        assert await names(client, "tiling/") == ["tiling/whole"]
+        restored = await restore_checkpoint(client, "tiling/whole")
+        assert np.array_equal(restored["g"], g)
 
 
 # --------------------------------------------------------------------------- real failures

@@ -30,11 +30,17 @@ from storaged.client.layout import (
     Request,
     RestorePlan,
     ShapeMismatch,
+    ShardEntry,
+    ShardGap,
+    ShardingError,
+    ShardOverlap,
     build_manifest,
+    check_layout,
     pack_stream,
     plan_restore,
     run_dim,
     run_starts,
+    tiling_fault,
 )
 from storaged.ids import chunk_id_of
 
@@ -46,9 +52,12 @@ DTYPES = ["uint8", "int16", "float32", "float64", "complex64", "bool", "int64"]
 
 
 def commit_local(
-    staged: list[StagedShard], meta: dict[str, Any] | None = None
+    staged: list[StagedShard], meta: dict[str, Any] | None = None, *, partial: bool = False
 ) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """Manifest document and chunk store for staged shards, as a cluster would hold them."""
+    """Manifest document and chunk store for staged shards, as a cluster would hold them.
+
+    ``partial``: the document as written without ``build_manifest``'s save-time checks
+    (as a foreign or older client may have committed it), so that it may leave gaps."""
     store: dict[str, bytes] = {}
     entries = []
     for shard in staged:
@@ -58,6 +67,9 @@ def commit_local(
             store[cid] = bytes(chunk)
             ids.append(cid)
         entries.append(shard.entry(ids))
+    if partial:
+        shards = tuple(ShardEntry.from_wire(e) for e in entries)
+        return Manifest(1764403200.0, meta or {}, shards).to_wire(), store
     return build_manifest(entries, created=1764403200.0, meta=meta or {}), store
 
 
@@ -384,6 +396,131 @@ def test_overlapping_boxes_are_refused() -> None:
         commit_local(mismatch)
 
 
+# --------------------------------------------------------------------------- tiling
+
+
+@st.composite
+def box_sets(draw: st.DrawFn) -> tuple[Shape, list[Box]]:
+    """A small shape and boxes in it: often an exact tiling, often one spoiled a little
+    (a piece dropped, repeated, moved, grown or shrunk), sometimes boxes at random."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+
+    def any_box() -> Box:
+        lo = [draw(st.integers(0, s)) for s in shape]
+        extent = [draw(st.integers(0, s - o)) for o, s in zip(lo, shape, strict=True)]
+        return Box(tuple(lo), tuple(extent))
+
+    boxes = draw(splits(shape))
+    spoil = draw(st.sampled_from(["none", "drop", "repeat", "move", "resize", "add", "random"]))
+    if spoil == "random":
+        return shape, [any_box() for _ in range(draw(st.integers(0, 6)))]
+    if spoil == "add":
+        boxes.append(any_box())
+    elif boxes and spoil != "none":
+        index = draw(st.integers(0, len(boxes) - 1))
+        box = boxes[index]
+        if spoil == "drop":
+            del boxes[index]
+        elif spoil == "repeat":
+            boxes.append(box)
+        else:
+            d = draw(st.integers(0, len(shape) - 1))
+            offsets, extent = list(box.offsets), list(box.shape)
+            if spoil == "move":
+                offsets[d] = draw(st.integers(0, shape[d] - extent[d]))
+            else:
+                extent[d] = draw(st.integers(0, shape[d] - offsets[d]))
+            boxes[index] = Box(tuple(offsets), tuple(extent))
+    return shape, boxes
+
+
+@settings(max_examples=400, deadline=None)
+@given(box_sets())
+def test_tiling_fault_matches_a_brute_force_cell_count(case: tuple[Shape, list[Box]]) -> None:
+    shape, boxes = case
+    counts = np.zeros(shape, np.int64)
+    for box in boxes:
+        counts[box.slices()] += 1
+    ranked = [(rank, box) for rank, box in enumerate(boxes) if box.size > 0]
+    fault = tiling_fault("k", shape, ranked)
+    wrong = np.argwhere(counts != 1)
+    if not len(wrong):
+        assert fault is None
+        return
+    assert fault is not None and fault.key == "k"
+    element = tuple(int(x) for x in wrong[0])  # the first wrong element in row-major order
+    assert fault.element == element and str(list(element)) in str(fault)
+    if counts[element] == 0:
+        assert isinstance(fault, ShardGap) and fault.boxes == tuple(ranked)
+    else:
+        assert isinstance(fault, ShardOverlap)
+        holders = [(r, b) for r, b in ranked if _holds(b, element)]
+        assert list(fault.boxes) == holders and len(holders) == counts[element]
+
+
+def _holds(box: Box, element: Shape) -> bool:
+    return all(o <= x < e for o, x, e in zip(box.offsets, element, box.stop, strict=True))
+
+
+def test_scalars_tile_with_one_box() -> None:
+    assert tiling_fault("s", (), [(0, Box((0,), (1,)))]) is None
+    gap = tiling_fault("s", (), [])
+    assert isinstance(gap, ShardGap) and "element []" in str(gap)
+    two = tiling_fault("s", (), [(0, Box((0,), (1,))), (3, Box((0,), (1,)))])
+    assert isinstance(two, ShardOverlap) and [r for r, _ in two.boxes] == [0, 3]
+    assert tiling_fault("e", (0, 3), []) is None  # nothing to save
+
+
+def test_save_time_layout_check_names_the_key_and_the_boxes() -> None:
+    g = np.zeros((6, 4), np.float32)
+    gap = [
+        stage_shard(0, {"w": Shard(g[:2], (6, 4), (0, 0)), "b": g[0]}, 64),
+        stage_shard(1, {"w": Shard(g[3:], (6, 4), (3, 0)), "b": g[0]}, 64),  # row 2 lost
+    ]
+    with pytest.raises(ShardGap) as missing:
+        commit_local(gap)
+    assert missing.value.key == "w" and missing.value.element == (2, 0)
+    assert "rank 0 [0, 0]+[2, 4]" in str(missing.value) and "rank 1 [3, 0]+[3, 4]" in str(
+        missing.value
+    )
+    with pytest.raises(ShardGap, match="w: gap at element"):
+        check_layout({shard.rank: shard.items for shard in gap})
+    overlap = [
+        stage_shard(0, {"w": Shard(g[:, :3], (6, 4), (0, 0))}, 64),
+        stage_shard(1, {"w": Shard(g[:, 2:], (6, 4), (0, 2))}, 64),
+    ]
+    with pytest.raises(ShardOverlap) as twice:
+        check_layout({shard.rank: shard.items for shard in overlap})
+    assert twice.value.element == (0, 2) and [r for r, _ in twice.value.boxes] == [0, 1]
+    assert isinstance(twice.value, ShardingError) and isinstance(twice.value, InvalidManifest)
+    # Replicated boxes (the same box on every rank) are one save, not an overlap.
+    replicated = [stage_shard(r, {"w": g, "step": 3}, 64) for r in range(3)]
+    check_layout({shard.rank: shard.items for shard in replicated})
+    commit_local(replicated)
+
+
+def test_manifest_read_back_may_leave_gaps_but_not_overlaps() -> None:
+    g = np.zeros((6, 4), np.float32)
+    gap = [
+        stage_shard(0, {"w": Shard(g[:2], (6, 4), (0, 0))}, 64),
+        stage_shard(1, {"w": Shard(g[4:], (6, 4), (4, 0))}, 64),
+    ]
+    doc, _ = commit_local(gap, partial=True)
+    manifest = Manifest.from_wire(doc)  # restore reports what a request cannot get
+    with pytest.raises(RegionNotCovered):
+        plan_restore(manifest, [Request("w", (6, 4), Box((0, 0), (6, 4)), g.dtype)])
+    with pytest.raises(ShardGap):
+        Manifest.from_wire(doc, complete=True)
+    # A gap first in row-major order, and an overlap further on: still refused.
+    both = [
+        stage_shard(0, {"w": Shard(g[1:4], (6, 4), (1, 0))}, 64),
+        stage_shard(1, {"w": Shard(g[3:5], (6, 4), (3, 0))}, 64),
+    ]
+    doc, _ = commit_local(both, partial=True)
+    with pytest.raises(ShardOverlap, match=r"element \[3, 0\]"):
+        Manifest.from_wire(doc)
+
+
 # --------------------------------------------------------------------------- resharding
 
 
@@ -491,7 +628,7 @@ def test_small_items_of_one_chunk_share_a_fetch() -> None:
 
 
 def _manifest_of(state: dict[str, Any], rank: int = 0) -> Manifest:
-    doc, _ = commit_local([stage_shard(rank, state, 64)])
+    doc, _ = commit_local([stage_shard(rank, state, 64)], partial=True)
     return Manifest.from_wire(doc)
 
 
