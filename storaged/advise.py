@@ -15,8 +15,10 @@ between failures, with what it costs:
 The cost and the restore time come, by strength: from ``--stall`` / ``--restore``; from a
 live cluster (``--url``: a quick save of ``--size`` bytes with ``AsyncSaver`` for the stall,
 then ``restore_checkpoint``); from the scale model's projection (``--nodes``,
-``--model-bytes``, see ``loadtest.model``); from the load tests' results
-(``loadtest/results/save.json`` and ``restore.json``).
+``--model-bytes``, see ``storaged.model``, with the rates of any ``--results`` files);
+from the load tests' result files named by ``--results`` (``save.json`` and
+``restore.json`` as ``python -m loadtest save`` / ``restore`` write them, or a directory
+holding them).
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from storaged.config import ConfigError, parse_size
+from storaged.model import RESULT_KINDS, Assumptions, load_rates, project
 
-RESULTS = Path(__file__).resolve().parent.parent / "loadtest" / "results"
 #: The state of a 405e9-parameter model at 16 bytes per parameter.
 DEFAULT_MODEL_BYTES = 405e9 * 16
 RESTORE_TIERS = ("ram", "nvme", "cold")
@@ -180,16 +182,39 @@ def _pick(doc: Any, keys: tuple[str, ...], tier: str | None = None) -> Mapping[s
     return max(rows, key=lambda r: int(r.get("concurrency") or 0))
 
 
-def from_results(results: Path, tier: str = "ram") -> Measured:
-    """The stall, ack and restore time measured by ``python -m loadtest save`` / ``restore``.
+def named_results(paths: Sequence[Path]) -> dict[str, Path]:
+    """Result kind (``storaged.model.RESULT_KINDS``) -> file, from ``--results`` paths: a
+    file whose name ends in ``<kind>.json``, or a directory holding such files."""
+    files: dict[str, Path] = {}
+    for path in paths:
+        if path.is_dir():
+            for kind in RESULT_KINDS:
+                files.setdefault(kind, path / f"{kind}.json")
+            continue
+        named = [k for k in RESULT_KINDS if path.name.endswith(f"{k}.json")]
+        if not named:
+            names = ", ".join(f"{k}.json" for k in RESULT_KINDS)
+            raise AdviceError(
+                f"--results {path}: neither a directory nor a result file (a name ending in "
+                f"one of {names}, as python -m loadtest writes them)"
+            )
+        files[named[0]] = path
+    return files
+
+
+def from_results(results: Mapping[str, Path], tier: str = "ram") -> Measured:
+    """The stall, ack and restore time measured by ``python -m loadtest save`` / ``restore``,
+    from the result files ``results`` names by kind (``named_results``).
 
     The stall is the warm one (staging buffers reused, as in a training loop) when
     measured, at the highest concurrency measured. A restore measured on another number
     of bytes than the save is scaled to the save's bytes (linearly, and the source says so).
     """
 
-    def load(file: str) -> tuple[Any, str]:
-        path = results / file
+    def load(kind: str) -> tuple[Any, str]:
+        path = results.get(kind)
+        if path is None:
+            return None, f"no {kind}.json named (--results)"
         try:
             return json.loads(path.read_text()), ""
         except FileNotFoundError:
@@ -199,32 +224,32 @@ def from_results(results: Path, tier: str = "ram") -> Measured:
 
     stall = restore = ack = None
     save_bytes = None
-    doc, stall_source = load("save.json")
+    doc, stall_source = load("save")
     if doc is not None:
         keys = ("stall_warm_s", "stall_s", "stall_seconds")
         try:
             row = _pick(doc, keys)
         except (KeyError, ValueError) as exc:
-            stall_source = f"{results / 'save.json'}: {exc}"
+            stall_source = f"{results['save']}: {exc}"
         else:
             key = next(k for k in keys if _positive(row.get(k)))
             stall = _positive(row[key])
             ack = _positive(row.get("ack_seconds"))
             save_bytes = _positive(row.get("bytes"))
             at = f"c={row['concurrency']} " if "concurrency" in row else ""
-            stall_source = f"measured: {results / 'save.json'} {at}{key}"
-    doc, restore_source = load("restore.json")
+            stall_source = f"measured: {results['save']} {at}{key}"
+    doc, restore_source = load("restore")
     if doc is not None:
         keys = ("restore_s", "restore_seconds", "seconds")
         try:
             row = _pick(doc, keys, tier)
         except (KeyError, ValueError) as exc:
-            restore_source = f"{results / 'restore.json'}: {exc}"
+            restore_source = f"{results['restore']}: {exc}"
         else:
             key = next(k for k in keys if _positive(row.get(k)))
             restore = _positive(row[key])
             at = f"c={row['concurrency']} " if "concurrency" in row else ""
-            restore_source = f"measured: {results / 'restore.json'} {at}{key}"
+            restore_source = f"measured: {results['restore']} {at}{key}"
             restore_bytes = _positive(row.get("bytes"))
             if restore is not None and save_bytes and restore_bytes and save_bytes != restore_bytes:
                 restore *= save_bytes / restore_bytes
@@ -233,14 +258,13 @@ def from_results(results: Path, tier: str = "ram") -> Measured:
 
 
 def from_model(
-    nodes: int, model_bytes: float, results: Path, tier: str
+    nodes: int, model_bytes: float, results: Mapping[str, Path], tier: str
 ) -> tuple[float, str, float, str, float]:
-    """The scale model's stall, restore (from ``tier``) and ack for ``nodes`` nodes."""
-    from loadtest.model import Assumptions, load_rates, project
-
+    """The scale model's stall, restore (from ``tier``) and ack for ``nodes`` nodes, with the
+    rates of the ``results`` files (documented defaults for what they do not measure)."""
     assumptions = Assumptions(model_bytes=model_bytes)
     phases = project(nodes, assumptions, load_rates(results, k=assumptions.k, n=assumptions.n))
-    where = f"loadtest.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"
+    where = f"storaged.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"
     stall, restore = phases["stall"], phases[f"restore_{tier}"]
     return (
         stall.seconds,
@@ -312,19 +336,22 @@ def gather_inputs(args: argparse.Namespace) -> Inputs:
             raise AdviceError(f"--nodes must be >= 1, got {args.nodes}")
         model_bytes = DEFAULT_MODEL_BYTES if args.model_bytes is None else args.model_bytes
         stall, s_source, restored, r_source, ack = from_model(
-            args.nodes, model_bytes, args.results, args.restore_tier
+            args.nodes, model_bytes, named_results(args.results), args.restore_tier
         )
         if cost is None:
             cost, cost_source = stall, s_source
         if restore is None:
             restore, restore_source = restored, r_source
-    else:
-        measured = from_results(args.results, args.restore_tier)
+    elif args.results:
+        measured = from_results(named_results(args.results), args.restore_tier)
         if cost is None:
             cost, cost_source = measured.stall, measured.stall_source
         if restore is None:
             restore, restore_source = measured.restore, measured.restore_source
         ack = measured.ack
+    else:
+        cost_source = cost_source or "not given"
+        restore_source = restore_source or "not given"
     if cost is None or restore is None:
         lacking = ", ".join(
             f"{what} ({why})"
@@ -335,7 +362,8 @@ def gather_inputs(args: argparse.Namespace) -> Inputs:
             if value is None
         )
         raise AdviceError(
-            f"no {lacking}; give --stall and --restore, --url of a cluster, or --nodes"
+            f"no {lacking}; give --stall and --restore, --url of a cluster, --nodes, or "
+            "--results with the load tests' save.json and restore.json"
         )
     return Inputs(cost, restore, cost_source, restore_source, ack)
 
@@ -434,7 +462,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="ram",
         help="which tier's restore figure to use, modelled or measured (default ram)",
     )
-    p.add_argument("--results", type=Path, default=RESULTS, help="the load tests' result files")
+    p.add_argument(
+        "--results",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a load test's result file (save.json, restore.json, ack.json, nvme.json) or a "
+        "directory of them; repeatable",
+    )
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.set_defaults(func=cmd_advise)
 

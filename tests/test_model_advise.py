@@ -1,4 +1,5 @@
-"""The scale model (``loadtest.model``) and the checkpoint-interval advice (``storaged.advise``).
+"""The scale model (``storaged.model``, printed by ``loadtest.model``) and the
+checkpoint-interval advice (``storaged.advise``).
 
 Formulas against values worked out by hand, the model's shape (monotone in the node
 count, the filesystem constant, the bounding resource moving where it should), result
@@ -21,18 +22,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.model import (
-    NODE_COUNTS,
-    Assumptions,
-    Rates,
-    load_rates,
-    markdown,
-    override_rates,
-    phase,
-    pipelined,
-    project,
-    run,
-)
+from loadtest.model import NODE_COUNTS, markdown, override_rates, run
 from storaged.advise import (
     AdviceError,
     advise,
@@ -41,6 +31,7 @@ from storaged.advise import (
     register,
     young_interval,
 )
+from storaged.model import Assumptions, Rates, load_rates, phase, pipelined, project
 from tests.conftest import ClusterFactory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -481,6 +472,53 @@ def test_advise_reads_the_save_and_restore_benchmarks(
     (tmp_path / "restore.json").write_text(json.dumps({"runs": []}))
     assert advise_cli("--mtbf", "1", "--results", str(tmp_path)) == 2
     assert "no storaged row with" in capsys.readouterr().err
+
+
+def test_advise_reads_the_result_files_it_is_given(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Files named by the user, wherever they are, recognised by the end of their name.
+    (tmp_path / "run3-save.json").write_text(json.dumps(SAVE_DOC))
+    (tmp_path / "run3-restore.json").write_text(json.dumps(RESTORE_DOC))
+    files = ["--results", str(tmp_path / "run3-save.json")]
+    files += ["--results", str(tmp_path / "run3-restore.json")]
+    assert advise_cli("--mtbf", "1", *files, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["cost"], doc["restore"]) == (0.6, pytest.approx(2.0))
+    assert "run3-save.json" in doc["sources"]["cost"]
+    # Only the save named: the restore time is missing, and the message says so.
+    assert advise_cli("--mtbf", "1", *files[:2]) == 2
+    assert "no restore.json named (--results)" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("{}")
+    assert advise_cli("--mtbf", "1", "--results", str(tmp_path / "notes.txt")) == 2
+    assert "neither a directory nor a result file" in capsys.readouterr().err
+    # Nothing to go on: no default location is read behind the user's back.
+    assert advise_cli("--mtbf", "1") == 2
+    assert "--results" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_advise_works_without_the_load_tests(tmp_path: Path) -> None:
+    """The product does not import ``loadtest`` (made unimportable here) nor read its
+    results: the scale model's projection runs from its documented default rates."""
+    script = (
+        "import sys; sys.modules['loadtest'] = None\n"
+        "from storaged.cli import main\n"
+        "sys.argv = ['storaged', 'advise', '--mtbf', '24', '--nodes', '1000', '--json']\n"
+        "sys.exit(main())\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["cost"] > 0 and doc["restore"] > 0
+    assert doc["sources"]["cost"].startswith("storaged.model, 1000 nodes")
 
 
 def test_advise_unparsable_mtbf_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
