@@ -18,7 +18,8 @@ What a caller may rely on:
 - ``markdown_table``, ``write_json``, ``progress``, ``interrupt_on_sigterm``.
 - The command line of both: ``add_workload_arguments``, ``add_cluster_arguments``,
   ``add_output_arguments`` (the flags they share), ``resolve_workload`` (their ``--quick``
-  defaults and checks) and ``run_and_write`` (run, then write ``<name>.json/.md/.png``).
+  defaults and checks) and ``run_and_write`` (run, then write ``<name>.json/.md/.png``;
+  without matplotlib the JSON and markdown, and how to get the plot).
 - Their plots: ``figure`` (one PNG, closed on errors too), ``plot_baselines``,
   ``finish_levels_axes``.
 - Their shared steps: ``traced_runner``, ``raw_baselines``, ``complete_baselines``,
@@ -955,9 +956,24 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     tmp.replace(path)
 
 
+#: What a run without matplotlib says instead of drawing its plot.
+NO_MATPLOTLIB = (
+    "no plot: matplotlib is not installed; install the plots extra "
+    "(pip install -e '.[plots]', or .venv/bin/pip install 'matplotlib>=3.8') and run again"
+)
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed (the ``plots`` extra): the figures are written, not the plot."""
+
+
 def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    """matplotlib.pyplot on the Agg backend (no display needed); ``PlotUnavailable`` when
+    matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable(NO_MATPLOTLIB) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1102,12 +1118,21 @@ def run_and_write(
     md = render_markdown(doc)
     paths = {"json": out / f"{stem}.json", "markdown": out / f"{stem}.md",
              "png": out / f"{stem}.png"}  # fmt: skip
+    no_plot = None
+    try:
+        render_plot(doc, paths["png"])
+    except PlotUnavailable as exc:
+        # The figures are the result; the plot is a view of them, for those who have it.
+        no_plot = str(exc)
+        del paths["png"]
+        doc["plot"] = no_plot
     doc["files"] = {k: str(v) for k, v in paths.items()}
     write_json(paths["json"], doc)
     paths["markdown"].write_text(md)
-    render_plot(doc, paths["png"])
     print(md)
     print(f"# results: {', '.join(str(p) for p in paths.values())}")
+    if no_plot is not None:
+        print(f"# {no_plot}")
     return doc
 
 

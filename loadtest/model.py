@@ -35,6 +35,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
+from loadtest.common import PlotUnavailable, pyplot
 from storaged.model import (
     GB,
     Assumptions,
@@ -239,10 +240,7 @@ MARKERS = {
 
 def plot(doc: Mapping[str, Any], path: Path, *, dpi: int = 110) -> None:
     """Time vs nodes per phase, log-log, markers by bounding resource, FS as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     rows = doc["rows"]
@@ -428,7 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{out / 'model.json'}, {out / 'model.md'}", end="")
     if not args.no_plot:
         png = out / "scale.png"
-        plot(doc, png, dpi=60 if args.quick else 110)
+        try:
+            plot(doc, png, dpi=60 if args.quick else 110)
+        except PlotUnavailable as exc:
+            print(f"\n({time.perf_counter() - started:.1f} s)\n{exc}")
+            return 0
         print(f", {png}", end="")
         copy_to = args.docs_png
         if copy_to is None and out.resolve() == RESULTS.resolve():

@@ -464,3 +464,46 @@ def test_table_and_ratio_helpers() -> None:
     ]  # fmt: skip
     assert ratio(1.0, 4.0) == 0.25
     assert ratio(None, 1.0) is None and ratio(1.0, 0.0) is None and ratio(1.0, None) is None
+
+
+# -- without the plots extra ----------------------------------------------------------------------
+
+
+def test_a_run_without_matplotlib_writes_its_figures_and_says_how_to_get_the_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadtest import restore
+    from loadtest.common import run_and_write
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    figures = {"kind": "restore", "runs": [{"tier": "memory", "gbps": 1.5}], "baselines": {}}
+    doc = run_and_write(
+        "python -m loadtest restore --quick",
+        lambda: dict(figures),
+        tmp_path,
+        "restore",
+        lambda d: "| tier | GB/s |\n| ---: | ---: |\n| memory | 1.5 |\n",
+        restore.render_plot,  # the benchmark's own plot: matplotlib is its first need
+    )
+    assert doc is not None
+    written = json.loads((tmp_path / "restore.json").read_text())
+    assert written["runs"] == figures["runs"] and "plots" in written["plot"]
+    assert set(written["files"]) == {"json", "markdown"}
+    assert (tmp_path / "restore.md").read_text().startswith("| tier |")
+    assert not (tmp_path / "restore.png").exists()
+    out = capsys.readouterr().out
+    assert "# no plot: matplotlib is not installed" in out and "[plots]" in out
+
+
+def test_model_without_matplotlib_writes_its_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadtest import model
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "out"
+    assert model.main(["--quick", "--results", str(tmp_path), "--out", str(out)]) == 0
+    assert json.loads((out / "model.json").read_text())["rows"]
+    assert (out / "model.md").is_file() and not (out / "scale.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out
