@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.baselines import raw_baselines
 from loadtest.common import (
     ADMIN_TOKEN,
     GB,
@@ -84,7 +85,6 @@ from loadtest.common import (
     new_loop,
     plot_baselines,
     ratio,
-    raw_baselines,
     read_bytes,
     read_bytes_delta,
     remove_tree,

@@ -43,6 +43,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from loadtest.baselines import raw_baselines
 from loadtest.common import (
     GB,
     HOST,
@@ -73,7 +74,6 @@ from loadtest.common import (
     node_cpu,
     plot_baselines,
     ratio,
-    raw_baselines,
     remove_tree,
     resolve_workload,
     run_and_write,
