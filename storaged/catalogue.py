@@ -100,22 +100,39 @@ class Catalogue(abc.ABC):
 
 
 class EmbeddedCatalogue(Catalogue):
-    """Records on the ``replication`` nodes the name's placement picks; the first of them
-    (the *primary*) decides concurrent commits by its create-if-absent store.
+    """Records on ``replication`` nodes: the name's *primary* (the first node of the name's
+    rendezvous order over every member, alive or not) and the next live nodes of that
+    order. The primary's create-if-absent store decides between concurrent commits; since
+    every node computes the same primary from the cluster file alone, two views of who is
+    alive cannot make two primaries. The price: while a name's primary is down, commits
+    of that name (about 1 in N) answer 503 until it is back; reads go on.
 
-    Limits, as built: with a split membership view two nodes can each believe they are a
-    name's primary (heartbeats are not consensus), and a listing or a GC snapshot is
-    complete only while at most ``replication - 1`` nodes are unreachable."""
+    A lookup answers "no such checkpoint" only when enough nodes answered that a committed
+    record would have been among them (all but ``replication - 1``); otherwise it raises
+    ``CatalogueUnavailable``. A GC snapshot is complete on the same condition."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
 
+    def holders(self, name: str) -> tuple[str, list[str]]:
+        """(the primary, the live secondaries) of ``name``'s record."""
+        targets = self.node.name_targets(name)
+        return targets[0], targets[1:]
+
+    def _enough(self, answered: int) -> bool:
+        node = self.node
+        return answered >= len(node.membership.all_ids()) - (node.config.replication - 1)
+
     async def commit(self, record: CatalogRecord) -> bool:
         node = self.node
-        targets = node.name_targets(record.name)
-        if len(targets) < node.config.replication:
+        primary, others = self.holders(record.name)
+        if not node.membership.is_alive(primary):
             raise CatalogueUnavailable(
-                f"{len(targets)} live node(s), replication needs {node.config.replication}"
+                f"{primary}, the catalogue primary of {record.name!r}, is down; retry later"
+            )
+        if len(others) < node.config.replication - 1:
+            raise CatalogueUnavailable(
+                f"{len(others) + 1} live holder(s), replication needs {node.config.replication}"
             )
         existing = await self.find(record.name)
         if existing is not None and existing.deleted is None:
@@ -124,7 +141,6 @@ class EmbeddedCatalogue(Catalogue):
             record, created = existing, False
         else:
             created = True
-        primary, others = targets[0], targets[1:]
         try:
             reply, _ = await node.call(primary, "catalog_put", {"record": record.to_wire()})
         except PeerError as exc:
@@ -140,34 +156,46 @@ class EmbeddedCatalogue(Catalogue):
             return_exceptions=True,
         )
         stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
-        if stored < len(targets):
+        if stored < 1 + len(others):
             raise CatalogueUnavailable(
-                f"the manifest reached {stored} of {len(targets)} nodes; retry completes it"
+                f"the manifest reached {stored} of {1 + len(others)} nodes; retry completes it"
             )
         return created
 
     async def find(self, name: str) -> CatalogRecord | None:
         node = self.node
-        order = rendezvous_order("checkpoint/" + name, node.membership.alive_ids())
+        members = node.membership
+        order = [
+            n
+            for n in rendezvous_order("checkpoint/" + name, members.all_ids())
+            if members.is_alive(n)
+        ]
         best: CatalogRecord | None = None
+        answered = 0
 
         async def ask(node_id: str) -> CatalogRecord | None:
+            nonlocal answered
             try:
                 reply, _ = await node.call(node_id, "catalog_get", {"name": name})
             except PeerError:
                 return None
+            answered += 1
             wire = reply.get("record")
             return CatalogRecord.from_wire(wire) if wire else None
 
-        # Its placement first; the rest only if none of those has it (membership changed).
+        # Its holders first; the rest only if none of those has it (or answered).
         rf = node.config.replication
         for group in (order[: rf + 1], order[rf + 1 :]):
             for record in await asyncio.gather(*(ask(n) for n in group)):
                 if record is not None and (best is None or newer(record, best)):
                     best = record
             if best is not None:
-                break
-        return best
+                return best
+        if not self._enough(answered):
+            raise CatalogueUnavailable(
+                f"only {answered} node(s) answered about {name!r}: too few to say it is absent"
+            )
+        return None
 
     async def _gather(
         self, prefix: str, *, with_chunks: bool
@@ -205,7 +233,8 @@ class EmbeddedCatalogue(Catalogue):
             raise CheckpointNotFound(name)
         record.deleted = time.time()
         record.manifest = None
-        holders = set(node.name_targets(name)) | set(node.membership.alive_ids())
+        primary, others = self.holders(name)
+        holders = {primary, *others} | set(node.membership.alive_ids())
         await asyncio.gather(
             *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
             return_exceptions=True,
@@ -217,7 +246,7 @@ class EmbeddedCatalogue(Catalogue):
         merged, answered = await self._gather("", with_chunks=True)
         # Every committed record is on `replication` holders: hearing from all nodes but
         # replication - 1 guarantees one of them answered.
-        complete = answered >= len(node.membership.all_ids()) - (node.config.replication - 1)
+        complete = self._enough(answered)
         if complete:
             # Tombstones seen anywhere are applied here, so this node cannot bring back a
             # deleted checkpoint.
@@ -238,8 +267,9 @@ class EmbeddedCatalogue(Catalogue):
         node = self.node
         by_target: dict[str, list[CatalogRecord]] = {}
         for record in node.catalog.records(tombstones=True):
-            for target in node.name_targets(record.name):
-                if target != node.id:
+            primary, others = self.holders(record.name)
+            for target in (primary, *others):
+                if target != node.id and node.membership.is_alive(target):
                     by_target.setdefault(target, []).append(record)
         written = 0
         for target, records in by_target.items():

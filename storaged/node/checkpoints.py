@@ -46,7 +46,7 @@ class Checkpoints:
     # ---- commit ----------------------------------------------------------------------------
     async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
         node = self.node
-        existing = await node.catalogue.find(name)
+        existing = await self._find(name)
         if existing is not None and existing.deleted is None and existing.digest != checked.digest:
             raise Conflict("exists", f"checkpoint {name!r} exists with other contents")
         checked_at = time.monotonic()
@@ -104,11 +104,19 @@ class Checkpoints:
             raise err
 
     # ---- reads -------------------------------------------------------------------------
+    async def _find(self, name: str) -> CatalogRecord | None:
+        try:
+            return await self.node.catalogue.find(name)
+        except CatalogueUnavailable as exc:
+            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
+
     async def get(self, name: str) -> CatalogRecord:
         try:
             return await self.node.catalogue.get(name)
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
+        except CatalogueUnavailable as exc:
+            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
 
     async def list(self, prefix: str) -> list[CatalogRecord]:
         return await self.node.catalogue.list(prefix)
@@ -118,6 +126,8 @@ class Checkpoints:
             await self.node.catalogue.delete(name)
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
+        except CatalogueUnavailable as exc:
+            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
 
     async def status(self, name: str) -> dict[str, Any]:
         """How many distinct chunks reached at least each state; ``lost``: held by no live

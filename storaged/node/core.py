@@ -290,9 +290,12 @@ class Node:
         return [order[i % len(order)] for i in range(self.config.n)]
 
     def name_targets(self, name: str) -> list[str]:
-        return rendezvous_order("checkpoint/" + name, self.membership.alive_ids())[
-            : self.config.replication
-        ]
+        """Where a checkpoint's record lives in the embedded catalogue: its primary (the first
+        node of the name's order over every member, alive or not: the same on every node
+        whatever each thinks is alive) and the next ``replication - 1`` live nodes."""
+        order = rendezvous_order("checkpoint/" + name, self.membership.all_ids())
+        secondaries = [n for n in order[1:] if self.membership.is_alive(n)]
+        return [order[0], *secondaries[: self.config.replication - 1]]
 
     def spec(self, node_id: str) -> NodeSpec:
         return self.membership.node(node_id)

@@ -538,3 +538,69 @@ async def test_catalogue_records_survive_their_holders_losing_them_one_at_a_time
         assert on == holders, f"after repair the record is on {on}, not {holders}"
     r = await api_of(http, cluster, holders[-1]).request("GET", f"/v1/checkpoints/{name}")
     assert r.status == 200, r.raw
+
+
+# ---- split views and unanswered lookups (found by the nemesis soak) --------------------------
+async def test_racing_commits_with_split_views_of_who_is_alive(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Two entry nodes disagree on whether the name's primary is up (as under a partition):
+    they must not both act as its primary. At most one commit wins, and only it is seen."""
+    cluster = await inproc.start(4, heartbeat_interval=3600.0, down_after=3600.0)
+    data, _ = new_chunk()
+    assert (await api_of(http, cluster, 0).put_chunk(data)).status == 201
+    manifests = [manifest_for([data], created=1764403200.0 + k) for k in range(2)]
+    for round_ in range(4):
+        name = f"split/round-{round_}"
+        targets = [cluster.index_of(t) for t in cluster.node(0).name_targets(name)]
+        primary = targets[0]
+        a, b = [i for i in range(4) if i != primary][:2]
+        # a believes the primary is down (a failed call), b does not
+        cluster.node(a).membership.report_failure(cluster.node_id(primary))
+        replies = await asyncio.gather(
+            api_of(http, cluster, a).commit(name, manifests[0]),
+            api_of(http, cluster, b).commit(name, manifests[1]),
+        )
+        statuses = [r.status for r in replies]
+        assert statuses[0] == 503, [r.raw for r in replies]  # no primary of its own making
+        assert statuses[1] in (201, 409, 503), replies[1].raw
+        got = await api_of(http, cluster, primary).request("GET", f"/v1/checkpoints/{name}")
+        if statuses[1] == 201:
+            assert got.status == 200 and got.doc["created"] == manifests[1]["created"]
+        else:
+            assert got.status == 404, f"{statuses} yet one is visible"
+
+
+async def test_a_lookup_nobody_answered_is_503_not_404(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """A node cut off from the record's holders must not say the checkpoint does not exist
+    (a client would take a 404 as a completed delete, or start anew)."""
+    cluster = await inproc.start(4)
+    data, _ = new_chunk()
+    api = api_of(http, cluster, 0)
+    assert (await api.put_chunk(data)).status == 201
+    name = next(
+        f"cut/{k}"
+        for k in range(100)
+        if cluster.node_id(3) not in cluster.node(0).name_targets(f"cut/{k}")
+    )
+    assert (await api.commit(name, manifest_for([data]))).status == 201
+    for i in (0, 1, 2):
+        await cluster.kill(i)
+    survivor = api_of(http, cluster, 3)
+    await wait_until(
+        "n3 sees the others down",
+        lambda: cluster.node(3).membership.alive_ids() == [cluster.node_id(3)],
+    )
+    for method in ("GET", "DELETE"):
+        r = await survivor.request(method, f"/v1/checkpoints/{name}")
+        assert r.status == 503 and r.doc["error"] == "catalogue_unavailable", r.raw
+    # a name that was never committed is not provably absent either: also 503
+    r = await survivor.request("GET", "/v1/checkpoints/cut/never")
+    assert r.status == 503, r.raw
+    await cluster.start_node(0)
+    await cluster.start_node(1)
+    await cluster.wait_converged()
+    assert (await survivor.request("GET", f"/v1/checkpoints/{name}")).status == 200
+    assert (await survivor.request("GET", "/v1/checkpoints/cut/never")).status == 404
