@@ -49,6 +49,12 @@ class NodeMetrics:
             "storaged_corrupt_total", "Stored copies that failed their check", ["tier"], registry=r
         )
         self.gc_freed = Counter("storaged_gc_freed_total", "Chunks freed by GC", registry=r)
+        self.repair_backlog = Gauge(
+            "storaged_repair_backlog",
+            "Chunks this node leads the repair of that lacked copies or fragments at its last "
+            "repair pass",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

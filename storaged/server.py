@@ -544,6 +544,7 @@ async def cluster(request: web.Request) -> web.Response:
         entry["up_since"] = info.get("up_since")
         entry["drain_backlog"] = info.get("drain_backlog")
         entry["encode_backlog"] = info.get("encode_backlog")
+        entry["repair_backlog"] = info.get("repair_backlog")
         nodes.append(entry)
     cfg = node.config
     return reply(

@@ -331,7 +331,12 @@ class Node:
         return reply
 
     async def holdings(
-        self, node_ids: Iterable[str], ids: list[str], *, touch: float | None = None
+        self,
+        node_ids: Iterable[str],
+        ids: list[str],
+        *,
+        touch: float | None = None,
+        timeout: float = 30.0,
     ) -> dict[str, list[Holding]]:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
 
@@ -345,7 +350,7 @@ class Node:
         async def ask(node_id: str, batch: list[str]) -> None:
             try:
                 reply, _ = await self.call(
-                    node_id, "chunk_info", {"ids": batch, **args_extra}, timeout=30.0
+                    node_id, "chunk_info", {"ids": batch, **args_extra}, timeout=timeout
                 )
             except PeerError:
                 return
@@ -411,6 +416,7 @@ class Node:
             "up_since": self.started,
             "drain_backlog": self.drainer.backlog,
             "encode_backlog": self.encoder.backlog,
+            "repair_backlog": self.repairer.backlog,
         }
 
     def note_stored(self, chunk_id: str, size: int) -> None:

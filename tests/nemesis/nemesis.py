@@ -14,11 +14,13 @@ Faults (each lasts a drawn 1-3 s unless said otherwise, then is undone):
 
 At most ``replication - 1`` nodes are impaired at once (killed, stopped, flipped, full,
 partitioned): the failure model the cluster promises to survive. A node whose data was
-lost (kill -9, flips) still counts as impaired for ``settle`` seconds after its restart,
-so that losses of successive faults do not add up beyond that model before repair can
-act. The first faults go through every kind once (in a seeded order), so that even a
-short run sees each; then kinds and targets are drawn from the seed. The sequence of
-draws is seeded; its timing against the workload is not.
+lost (kill -9, flips) still counts as impaired after its restart, for ``settle`` seconds
+and then until the nodes' repair passes report nothing left to repair (``repair_backlog``
+in ``/v1/cluster``; ``settle_max`` at most), so that losses of successive faults do not
+add up beyond that model before repair has acted. The first faults go through every
+kind once (in a seeded order), so that even a short run sees each; then kinds and
+targets are drawn from the seed. The sequence of draws is seeded; its timing against
+the workload is not.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import math
 import random
 import signal
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +62,8 @@ class NemesisShape:
     duration: tuple[float, float] = (1.0, 3.0)
     gap: tuple[float, float] = (0.3, 1.2)
     settle: float = 6.0
+    #: a node that lost data counts as impaired until repair is done, or this long at most
+    settle_max: float = 60.0
     #: faults start after ``warm_acks`` acknowledged commits, or ``warmup`` seconds
     warm_acks: int = 3
     warmup: float = 20.0
@@ -176,8 +182,50 @@ class Nemesis:
         return nodes
 
     def _release(self, nodes: list[int], hold: float = 0.0) -> None:
-        for i in nodes:
-            self.impaired[i] = time.monotonic() + hold
+        if hold <= 0:
+            for i in nodes:
+                self.impaired[i] = time.monotonic()
+            return
+        # Lost data stays lost until repair has put it back: the node counts as impaired
+        # until then (at least ``hold`` s, so that the scrubber has found what was flipped),
+        # or the failure model would be exceeded by faults that only add up over time.
+        task = asyncio.create_task(self._settle(nodes, hold))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _settle(self, nodes: list[int], hold: float) -> None:
+        try:
+            await self._sleep(hold)
+            deadline = time.monotonic() + self.shape.settle_max
+            quiet = 0
+            while quiet < 2 and time.monotonic() < deadline and not self.stopping.is_set():
+                backlog = await asyncio.to_thread(self._repair_backlog)
+                quiet = quiet + 1 if backlog == 0 else 0
+                await self._sleep(1.0)
+        finally:
+            for i in nodes:
+                self.impaired[i] = time.monotonic()
+
+    def _repair_backlog(self) -> int | None:
+        """Chunks the nodes' last repair passes found short of copies or fragments (None
+        when no node answers)."""
+        for i in range(self.cluster.nodes):
+            if not self.cluster.alive(i):
+                continue
+            request = urllib.request.Request(
+                self.cluster.url(i) + "/v1/cluster",
+                headers={
+                    "Accept": "application/json",
+                    "Authorization": f"Bearer {self.cluster.token}",
+                },
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5) as resp:
+                    doc = json.loads(resp.read())
+            except (OSError, ValueError):
+                continue
+            return sum(int(n.get("repair_backlog") or 0) for n in doc["nodes"] if n["alive"])
+        return None
 
     def _launch(self, kind: str) -> bool:
         room = self._room()

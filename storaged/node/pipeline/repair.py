@@ -27,9 +27,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("storaged.node.repair")
 
 
+#: chunks repaired at once by one node (each may fetch k fragments and store some)
+_PARALLEL = 8
+#: a holder that does not answer a repair pass's question within this is skipped this pass
+_ASK_TIMEOUT = 5.0
+
+
 class Repair:
     def __init__(self, node: Node) -> None:
         self.node = node
+        #: chunks this node leads the repair of that lacked something at the last pass
+        self.backlog = 0
 
     async def repair_pass(self) -> None:
         node = self.node
@@ -40,28 +48,41 @@ class Repair:
         except Exception:
             log.exception("catalogue repair failed")
         ids = list(node.index)
-        for start in range(0, len(ids), 256):
-            batch = ids[start : start + 256]
-            held = await node.holdings(node.membership.alive_ids(), batch)
-            for cid in batch:
+        lacking = 0
+        slots = asyncio.Semaphore(_PARALLEL)
+
+        async def one(cid: str, held: list[Holding]) -> None:
+            nonlocal lacking
+            async with slots:
                 try:
-                    await self.repair_one(cid, held[cid])
+                    if await self.repair_one(cid, held):
+                        lacking += 1
                 except asyncio.CancelledError:
                     raise
                 except Exception:
+                    lacking += 1
                     log.exception("repair of %s failed", cid)
 
-    async def repair_one(self, chunk_id: str, held: list[Holding]) -> None:
+        for start in range(0, len(ids), 256):
+            batch = ids[start : start + 256]
+            # A stalled holder must not hold up every other chunk's repair for long.
+            held = await node.holdings(node.membership.alive_ids(), batch, timeout=_ASK_TIMEOUT)
+            await asyncio.gather(*(one(cid, held[cid]) for cid in batch))
+        self.backlog = lacking
+        node.metrics.repair_backlog.set(lacking)
+
+    async def repair_one(self, chunk_id: str, held: list[Holding]) -> bool:
+        """Repair ``chunk_id`` if this node leads it; True if it lacked copies or fragments."""
         node = self.node
         cfg = node.config
         if node.collector.is_garbage(chunk_id):
-            return  # garbage waiting for GC: copying it back would undo the collection
+            return False  # garbage waiting for GC: copying it back would undo the collection
         order = node.live_order(chunk_id)
         hot = {h.node for h in held if h.hot}
         with_fragments = {h.node for h in held if h.fragments}
         leader = next((n for n in order if n in (hot or with_fragments)), None)
         if leader != node.id:
-            return
+            return False
         state = max((h.state for h in held), default=0)
         frags = {i for h in held for i in h.fragments}
         if state >= COLD or len(frags) >= cfg.n:
@@ -73,7 +94,7 @@ class Repair:
                         chunk_id, data, missing
                     ):
                         node.metrics.repaired.labels("fragment").inc(len(missing))
-            return
+            return bool(missing)
         targets = order[: cfg.replication]
         lacking = [n for n in targets if n not in hot]
         if len(hot) >= cfg.replication or not lacking:
@@ -82,12 +103,12 @@ class Repair:
                 if node.owner(chunk_id) != node.id:
                     with contextlib.suppress(PeerError):
                         await node.call(node.owner(chunk_id), "drained", {"id": chunk_id})
-            return
+            return False
         async with node.reads.local_copy(chunk_id) as local:
             data = local if local is not None else await node.reads.whole_copy(chunk_id)
             if data is None:
                 log.warning("repair of %s: no copy and too few fragments to read", chunk_id)
-                return
+                return True
             view = memoryview(data)
             for target in lacking[: cfg.replication - len(hot)]:
                 try:
@@ -98,3 +119,4 @@ class Repair:
                     node.metrics.repaired.labels("copy").inc()
                 except (PeerError, TierFull) as exc:
                     log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)
+        return True
