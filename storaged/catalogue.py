@@ -42,6 +42,12 @@ class CatalogueUnavailable(CatalogueError):
     """The record could not be made durable on enough holders; a retry completes it."""
 
 
+class CoordinatorUnavailable(CatalogueUnavailable):
+    """The coordination service (etcd) could not be reached in time; nothing was decided.
+
+    The HTTP layer answers 503 ``coordinator_unavailable`` with ``Retry-After``."""
+
+
 @dataclass(frozen=True, slots=True)
 class References:
     """The chunks named by live checkpoints, read at one point (``taken_at``, wall clock).

@@ -24,8 +24,10 @@ def _state_dir() -> Path:
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run one node of a cluster")
-    p.add_argument("--config", required=True, help="the cluster file (TOML)")
-    p.add_argument("--node", required=True, help="this node's id in the cluster file")
+    p.add_argument(
+        "--config", default=None, help="the cluster file (TOML); optional with --coordinator"
+    )
+    p.add_argument("--node", required=True, help="this node's id (in the cluster file)")
     for name in config_field_names():
         if name in ("node_id",):
             continue
@@ -126,7 +128,13 @@ async def _serve(config: Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    node = await Node.open(config)
+    if config.coordinator:
+        from storaged.coord.etcd_membership import open_etcd
+
+        membership, catalogue = open_etcd(config)
+        node = await Node.open(config, membership=membership, catalogue=catalogue)
+    else:
+        node = await Node.open(config)
     await serve(node, stop)
     return 0
 

@@ -149,6 +149,13 @@ class Config:
     #: ``"n1=127.0.0.1:9101,n2=127.0.0.1:9102"``. For fault-injection proxies on the peer
     #: links (tests/nemesis) and for NAT; empty: dial every peer where the cluster file says.
     peer_routes: str = ""
+    #: where membership and the catalogue live: "" = embedded (cluster file, heartbeats,
+    #: records on the nodes); "etcd://host:port[,host:port...][/prefix]" = an etcd cluster
+    #: (then no cluster file is needed: this node is ``node_id`` at ``url`` and ``peer``)
+    coordinator: str = ""
+    #: this node's advertised HTTP URL and peer address when no cluster file lists it
+    url: str = ""
+    peer: str = ""
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -158,6 +165,8 @@ class Config:
         for spec in self.nodes:
             if spec.id == self.node_id:
                 return spec
+        if self.coordinator and self.url and self.peer:
+            return NodeSpec(self.node_id, self.url.rstrip("/"), self.peer, self.data)
         raise ConfigError(f"node {self.node_id!r} is not in the cluster file")
 
     @property
@@ -178,6 +187,8 @@ class Config:
                 "no cluster secret: set [auth] cluster_secret / cluster_secret_env or "
                 "STORAGED_CLUSTER_SECRET (peer traffic is always authenticated)"
             )
+        if self.coordinator:
+            return self._validate_coordinated()
         ids = [n.id for n in self.nodes]
         if len(set(ids)) != len(ids):
             raise ConfigError("node ids must be unique")
@@ -204,6 +215,9 @@ class Config:
             )
         if self.max_chunk_size <= 0 or self.max_chunk_size > self.memory_capacity:
             raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
+        return self._validate_links()
+
+    def _validate_links(self) -> Config:
         for route in filter(None, (r.strip() for r in self.peer_routes.split(","))):
             _, eq, addr = route.partition("=")
             if not eq or not re.fullmatch(r"\S+:\d+", addr.strip()):
@@ -226,6 +240,30 @@ class Config:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
         return self
+
+    def _validate_coordinated(self) -> Config:
+        """With a coordinator the members come and go at run time: no static checks of
+        their number (replication, fragments per node); this node must say where it is."""
+        from storaged.coord.target import parse_etcd_url
+
+        try:
+            parse_etcd_url(self.coordinator)
+        except ValueError as exc:
+            raise ConfigError(f"coordinator: {exc}") from None
+        if not self.node_id:
+            raise ConfigError("with a coordinator, name this node: --node ID")
+        if not any(n.id == self.node_id for n in self.nodes):
+            if not re.fullmatch(r"https?://\S+", self.url):
+                raise ConfigError(f"url {self.url!r}: write this node's http://host:port")
+            if not re.fullmatch(r"\S+:\d+", self.peer):
+                raise ConfigError(f"peer {self.peer!r}: write this node's peer host:port")
+        if not self.data_dir.parts:
+            raise ConfigError(f"node {self.node_id}: no data directory (set --data)")
+        if self.replication < 1 or not (1 <= self.k < self.n <= 256):
+            raise ConfigError("replication >= 1 and 1 <= k < n <= 256 are needed")
+        if self.max_chunk_size <= 0 or self.max_chunk_size > self.memory_capacity:
+            raise ConfigError("max_chunk_size must be positive and fit in memory_capacity")
+        return self._validate_links()
 
 
 _SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nodes",)}

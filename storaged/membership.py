@@ -12,11 +12,27 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from storaged.config import NodeSpec
 
 log = logging.getLogger("storaged.membership")
+
+#: a member's states: ``draining`` is on its way out (decommission) but still serves
+ACTIVE = "active"
+DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipView:
+    """One consistent snapshot: the members, who is alive and who is draining, and the
+    coordinator's revision it reflects (0 where there is no such thing)."""
+
+    members: tuple[NodeSpec, ...]
+    alive: frozenset[str]
+    draining: frozenset[str]
+    revision: int
 
 
 class Membership(abc.ABC):
@@ -54,6 +70,34 @@ class Membership(abc.ABC):
     def down_since(self, node_id: str) -> float | None:
         """Wall-clock time since which ``node_id`` counts as down (None: alive or unknown)."""
         return None
+
+    def view(self) -> MembershipView:
+        """The members, alive and draining ones, as one snapshot."""
+        nodes = self.nodes()
+        return MembershipView(
+            nodes,
+            frozenset(n.id for n in nodes if self.is_alive(n.id)),
+            frozenset(self._marked_draining()),
+            0,
+        )
+
+    def _marked_draining(self) -> set[str]:
+        # Created on first use, so that implementations need not call an __init__ here.
+        try:
+            return self._draining_ids
+        except AttributeError:
+            self._draining_ids: set[str] = set()
+            return self._draining_ids
+
+    async def mark_draining(self, node_id: str, draining: bool = True) -> None:
+        """Mark ``node_id`` draining (or active again). Here, in this node's view only: a
+        static cluster has nowhere to share it; a coordinator makes it cluster-wide."""
+        self.node(node_id)  # KeyError for a stranger
+        marked = self._marked_draining()
+        if draining:
+            marked.add(node_id)
+        else:
+            marked.discard(node_id)
 
     async def start(self) -> None:  # noqa: B027
         pass

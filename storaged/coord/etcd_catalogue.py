@@ -1,0 +1,397 @@
+"""The checkpoint catalogue in etcd: a commit is one transaction, GC reads one revision.
+
+Upholds, for the node (see ``storaged.catalogue.Catalogue``):
+
+- **I4 commits**: a commit creates ``ckpt/<name>`` only if it does not exist (compare
+  ``create_revision == 0``) or replaces a tombstone only if that tombstone is unchanged
+  (compare ``mod_revision``); the record, its inline manifest and its chunk ids go in the
+  same transaction, so of two racing commits one wins and the other writes nothing. Once
+  etcd answers, the record is on a quorum of etcd members.
+- **I3, the catalogue's part**: ``references()`` pages through the records and the chunk
+  ids at *one* etcd revision, read after ``taken_at``: every commit that answered before
+  ``taken_at`` is in it.
+
+etcd refuses requests over about 1.5 MiB. A manifest over ``inline_manifest`` bytes is
+stored as a content-addressed chunk on the data plane (``node.writes.put_chunk``: three
+RAM copies, then drained and encoded like any chunk); etcd keeps its id and size, and
+``references()`` names that chunk so GC keeps it. Chunk ids over ``inline_refs`` bytes are
+written in parts before the transaction, which then checks each part still exists (a
+delete in between removes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import blake3
+import msgpack
+from etcd3aio.kv import KVService
+
+from storaged.catalog import CatalogRecord, CheckpointNotFound
+from storaged.catalogue import Catalogue, CommitConflict, CoordinatorUnavailable, References
+from storaged.coord.etcd import (
+    EtcdSession,
+    RevisionCompacted,
+    compare_mod_revision,
+    kv_response,
+)
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.coord.catalogue")
+
+_FORMAT = 1
+_HEX_ID = re.compile(r"[0-9a-f]{64}")
+#: chunk ids per refs part (32 bytes each: 256 KiB)
+_IDS_PER_PART = 8192
+#: keys per page of a listing or a references() read
+_PAGE = 200
+#: a commit, a delete: tries against concurrent changes of the same name
+_TRIES = 8
+#: reads of references() started again after their revision was compacted
+_SNAPSHOT_TRIES = 3
+
+
+def pack_ids(ids: list[str]) -> bytes:
+    """Chunk ids as 32 bytes each (half their hex); anything else as a msgpack list."""
+    if all(_HEX_ID.fullmatch(c) for c in ids):
+        return b"\x01" + b"".join(bytes.fromhex(c) for c in ids)
+    packed: bytes = msgpack.packb(ids, use_bin_type=True)
+    return b"\x02" + packed
+
+
+def unpack_ids(blob: bytes) -> list[str]:
+    view = memoryview(blob)
+    if blob[:1] == b"\x01":
+        return [view[i : i + 32].hex() for i in range(1, len(blob), 32)]
+    if blob[:1] == b"\x02":
+        return [str(c) for c in msgpack.unpackb(view[1:], raw=False)]
+    raise ValueError("unknown chunk-id part format")
+
+
+class EtcdCatalogue(Catalogue):
+    """``name -> record`` in etcd; the node's data plane holds manifests too big for it."""
+
+    def __init__(
+        self,
+        node: Node | None,
+        session: EtcdSession,
+        *,
+        inline_manifest: int = 512 * 2**10,
+        inline_refs: int = 512 * 2**10,
+        tombstone_ttl: float = 24 * 3600.0,
+        compact_interval: float = 300.0,
+    ) -> None:
+        self.node = node
+        self.s = session
+        self.inline_manifest = inline_manifest
+        self.inline_refs = inline_refs
+        self.tombstone_ttl = tombstone_ttl
+        self.compact_interval = compact_interval
+        self._last_compaction = 0.0
+
+    # ---- keys --------------------------------------------------------------------------
+    def _ckpt(self, name: str = "") -> str:
+        return self.s.key("ckpt", name)
+
+    def _manifest(self, name: str, digest: str = "") -> str:
+        return self.s.key("manifest", f"{name}#{digest}")
+
+    def _refs(self, name: str, digest: str = "", part: int | None = None) -> str:
+        tail = "" if part is None else f"#{part:06d}"
+        return self.s.key("refs", f"{name}#{digest}{tail}")
+
+    # ---- commit ------------------------------------------------------------------------
+    async def commit(self, record: CatalogRecord) -> bool:
+        if record.manifest is None:
+            raise ValueError("a commit needs the manifest")
+        kv = await self.s.kv()
+        summary: dict[str, Any] = {
+            "format": _FORMAT,
+            "name": record.name,
+            "digest": record.digest,
+            "created": record.created,
+            "committed": record.committed,
+            "bytes": record.total_bytes,
+            "count": len(record.chunks),
+            "deleted": None,
+        }
+        ops = []
+        if len(record.manifest) > self.inline_manifest:
+            summary["manifest_chunk"] = await self._store_manifest_chunk(record.manifest)
+        else:
+            ops.append(
+                KVService.txn_op_put(self._manifest(record.name, record.digest), record.manifest)
+            )
+        parts = [
+            pack_ids(record.chunks[i : i + _IDS_PER_PART])
+            for i in range(0, len(record.chunks), _IDS_PER_PART)
+        ]
+        summary["parts"] = len(parts)
+        part_keys = [self._refs(record.name, record.digest, i) for i in range(len(parts))]
+        inline = sum(len(p) for p in parts) <= self.inline_refs
+        if inline:
+            ops += [KVService.txn_op_put(k, p) for k, p in zip(part_keys, parts, strict=True)]
+        ops.append(KVService.txn_op_put(self._ckpt(record.name), _pack(summary)))
+        key = self._ckpt(record.name)
+        # The first try expects a free name; after that, the tombstone seen last.
+        expect = KVService.txn_compare_create_revision(key, 0)
+        for _ in range(_TRIES):
+            compares = [expect]
+            if not inline:
+                await self._put_parts(part_keys, parts)
+                # A delete between those puts and this txn removed them: then retry.
+                compares += [
+                    KVService.txn_compare_create_revision(k, 0, result=_GREATER) for k in part_keys
+                ]
+            reply = await self.s.call(
+                f"commit of {record.name!r}",
+                kv.txn(compares, ops, [KVService.txn_op_get(key)]),
+            )
+            if reply.succeeded:
+                return True
+            kvs = kv_response(reply)
+            if not kvs:
+                expect = KVService.txn_compare_create_revision(key, 0)
+                continue  # a refs part was deleted under us, or the tombstone compacted
+            existing = _unpack(kvs[0].value)
+            if existing.get("deleted") is None:
+                if existing["digest"] == record.digest:
+                    return False
+                raise CommitConflict(f"checkpoint {record.name!r} exists with other contents")
+            expect = compare_mod_revision(key, kvs[0].mod_revision)
+        raise CommitConflict(f"checkpoint {record.name!r} keeps changing: committed concurrently")
+
+    async def _put_parts(self, keys: list[str], parts: list[bytes]) -> None:
+        kv = await self.s.kv()
+        for k, p in zip(keys, parts, strict=True):
+            await self.s.call("a chunk-id part", kv.put(k, p))
+
+    async def _store_manifest_chunk(self, manifest: bytes) -> list[Any]:
+        """Put the manifest on the data plane as a chunk; [id, size]."""
+        node = self.node
+        if node is None:
+            raise CoordinatorUnavailable("a manifest this large needs the node's data plane")
+        if len(manifest) > node.config.max_chunk_size:
+            raise CommitConflict(
+                f"the manifest ({len(manifest)} bytes) exceeds max_chunk_size "
+                f"({node.config.max_chunk_size})"
+            )
+        chunk_id = await asyncio.to_thread(lambda: blake3.blake3(manifest).hexdigest())
+
+        async def body() -> AsyncIterator[bytes | bytearray | memoryview]:
+            yield memoryview(manifest)
+
+        await node.writes.put_chunk(chunk_id, len(manifest), body())
+        return [chunk_id, len(manifest)]
+
+    # ---- reads ---------------------------------------------------------------------------
+    async def find(self, name: str) -> CatalogRecord | None:
+        kv = await self.s.kv()
+        prefix = self._refs(name)
+        reply = await self.s.call(
+            f"read of {name!r}",
+            kv.txn(
+                [],
+                [
+                    KVService.txn_op_get(self._ckpt(name)),
+                    KVService.txn_op_get(prefix, range_end=self.s.range_end(prefix)),
+                    KVService.txn_op_get(
+                        self._manifest(name), range_end=self.s.range_end(self._manifest(name))
+                    ),
+                ],
+            ),
+        )
+        kvs = kv_response(reply, 0)
+        if not kvs:
+            return None
+        summary = _unpack(kvs[0].value)
+        record = _record(summary)
+        if record.deleted is not None:
+            return record
+        mine = self._refs(name, record.digest).encode() + b"#"
+        parts = sorted((p for p in kv_response(reply, 1) if p.key.startswith(mine)), key=_key)
+        if len(parts) != summary["parts"]:
+            raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
+        record.chunks = [c for p in parts for c in unpack_ids(p.value)]
+        chunk = summary.get("manifest_chunk")
+        if chunk is not None:
+            record.manifest = await self._read_manifest_chunk(str(chunk[0]))
+        else:
+            want = self._manifest(name, record.digest).encode()
+            found = [m.value for m in kv_response(reply, 2) if m.key == want]
+            if not found:
+                raise CoordinatorUnavailable(f"checkpoint {name!r}: its manifest is missing")
+            record.manifest = bytes(found[0])
+        return record
+
+    async def _read_manifest_chunk(self, chunk_id: str) -> bytes:
+        node = self.node
+        if node is None:
+            raise CoordinatorUnavailable("the manifest lives on the data plane: no node here")
+        data, _ = await node.read_chunk(chunk_id)
+        return bytes(data)  # deliberate copy: the record owns its manifest
+
+    async def _pages(self, prefix: str, revision: int = 0) -> AsyncIterator[tuple[Any, int]]:
+        """(key-value, revision) over ``prefix`` in key order, every page at one revision."""
+        kv = await self.s.kv()
+        start: bytes = prefix.encode()
+        end = self.s.range_end(prefix)
+        while True:
+            reply = await self.s.call(
+                f"range over {prefix!r}",
+                kv.get(start, end, revision=revision, limit=_PAGE),
+            )
+            revision = revision or int(reply.header.revision)
+            for item in reply.kvs:
+                yield item, revision
+            if not reply.more or not reply.kvs:
+                return
+            start = bytes(reply.kvs[-1].key) + b"\x00"
+
+    async def list(self, prefix: str = "") -> list[CatalogRecord]:
+        out = []
+        async for item, _ in self._pages(self._ckpt(prefix)):
+            record = _record(_unpack(item.value))
+            if record.deleted is None:
+                out.append(record)
+        return out
+
+    async def delete(self, name: str) -> None:
+        kv = await self.s.kv()
+        key = self._ckpt(name)
+        for _ in range(_TRIES):
+            got = await self.s.call(f"read of {name!r}", kv.get(key))
+            if not got.kvs:
+                raise CheckpointNotFound(name)
+            summary = _unpack(got.kvs[0].value)
+            if summary.get("deleted") is not None:
+                raise CheckpointNotFound(name)
+            summary["deleted"] = time.time()
+            summary.pop("manifest_chunk", None)
+            refs, manifests = self._refs(name), self._manifest(name)
+            reply = await self.s.call(
+                f"delete of {name!r}",
+                kv.txn(
+                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
+                    [
+                        KVService.txn_op_put(key, _pack(summary)),
+                        KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
+                        KVService.txn_op_delete(manifests, range_end=self.s.range_end(manifests)),
+                    ],
+                ),
+            )
+            if reply.succeeded:
+                return
+        raise CoordinatorUnavailable(f"checkpoint {name!r} keeps changing: delete not done")
+
+    # ---- GC ------------------------------------------------------------------------------
+    async def references(self) -> References:
+        for _ in range(_SNAPSHOT_TRIES):
+            taken_at = time.time()
+            try:
+                return await self._snapshot(taken_at)
+            except RevisionCompacted:
+                log.info("references: the revision was compacted while reading; again")
+        raise CoordinatorUnavailable("references: etcd compacted every revision read at")
+
+    async def _snapshot(self, taken_at: float) -> References:
+        live: dict[tuple[str, str], tuple[CatalogRecord, int]] = {}
+        extra: set[str] = set()
+        revision = 0
+        async for item, at in self._pages(self._ckpt()):
+            revision = at
+            summary = _unpack(item.value)
+            record = _record(summary)
+            if record.deleted is None:
+                live[(record.name, record.digest)] = (record, int(summary["parts"]))
+                chunk = summary.get("manifest_chunk")
+                if chunk is not None:
+                    extra.add(str(chunk[0]))
+        seen: dict[tuple[str, str], int] = {}
+        if revision:
+            async for item, _ in self._pages(self.s.key("refs", ""), revision):
+                name, digest, _part = _key(item).rsplit("#", 2)
+                entry = live.get((name.removeprefix(self.s.key("refs", "")), digest))
+                if entry is None:
+                    continue  # a losing commit's parts, or a tombstone's leftovers
+                entry[0].chunks.extend(unpack_ids(item.value))
+                seen[(entry[0].name, digest)] = seen.get((entry[0].name, digest), 0) + 1
+        chunks = set(extra)
+        for (name, digest), (record, parts) in live.items():
+            if seen.get((name, digest), 0) != parts:
+                raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
+            chunks.update(record.chunks)
+        records = tuple(sorted((r for r, _ in live.values()), key=lambda r: r.name))
+        return References(frozenset(chunks), records, taken_at, complete=True)
+
+    async def repair(self) -> int:
+        """Compacts tombstones older than ``tombstone_ttl`` (at most every
+        ``compact_interval`` s); returns how many went."""
+        if time.monotonic() - self._last_compaction < self.compact_interval:
+            return 0
+        self._last_compaction = time.monotonic()
+        return await self.compact_tombstones(self.tombstone_ttl)
+
+    async def compact_tombstones(self, older_than: float) -> int:
+        """Remove tombstones deleted more than ``older_than`` s ago; each only if unchanged
+        since it was read (a commit may have reused the name)."""
+        kv = await self.s.kv()
+        cutoff = time.time() - older_than
+        removed = 0
+        async for item, _ in self._pages(self._ckpt()):
+            summary = _unpack(item.value)
+            deleted = summary.get("deleted")
+            if deleted is None or deleted > cutoff:
+                continue
+            reply = await self.s.call(
+                "tombstone compaction",
+                kv.txn(
+                    [compare_mod_revision(item.key, item.mod_revision)],
+                    [KVService.txn_op_delete(item.key)],
+                ),
+            )
+            removed += int(bool(reply.succeeded))
+        if removed:
+            log.info("compacted %d checkpoint tombstone(s)", removed)
+        return removed
+
+
+#: etcd's Compare.GREATER (etcd3aio exposes the enum only through protobuf)
+_GREATER = 1
+
+
+def _pack(doc: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(doc, use_bin_type=True)
+    return packed
+
+
+def _unpack(blob: bytes) -> dict[str, Any]:
+    doc = msgpack.unpackb(blob, raw=False)
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise CoordinatorUnavailable("a catalogue record in etcd has an unknown format")
+    return doc
+
+
+def _key(item: Any) -> str:
+    return bytes(item.key).decode()
+
+
+def _record(summary: dict[str, Any]) -> CatalogRecord:
+    """The record as listed: no manifest, no chunk list."""
+    return CatalogRecord(
+        name=str(summary["name"]),
+        digest=str(summary["digest"]),
+        created=float(summary["created"]),
+        committed=float(summary["committed"]),
+        total_bytes=int(summary["bytes"]),
+        chunks=[],
+        manifest=None,
+        deleted=summary.get("deleted"),
+    )

@@ -1,0 +1,330 @@
+"""Membership and liveness in etcd: a lease per node, a watch for every change.
+
+A node registers ``membership/nodes/<id>`` (id, url, peer address, state) and
+``membership/alive/<id>`` under a lease of ``ttl`` seconds that it keeps alive; a lease
+that expires (a crash, a partition from etcd) deletes the alive key, and every node's
+watch sees the node go down. A graceful close revokes the lease at once. No etcd locks and
+no leader election: the data path never waits on etcd.
+
+When this node cannot reach etcd it keeps its last view (it goes on serving reads with
+it) and keeps trying; on return it registers again if its lease expired meanwhile.
+``report_failure`` (a peer call failed to connect) counts a peer down at once, until the
+peer answers a ping or registers anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+from etcd3aio.kv import KVService
+
+from storaged.catalogue import CoordinatorUnavailable
+from storaged.config import Config, NodeSpec
+from storaged.coord.etcd import EtcdSession, compare_mod_revision, kv_response
+from storaged.coord.etcd_catalogue import EtcdCatalogue
+from storaged.membership import ACTIVE, DRAINING, Membership, MembershipView
+from storaged.peer import PeerClient
+
+if TYPE_CHECKING:
+    from storaged.node.core import Node
+
+log = logging.getLogger("storaged.coord.membership")
+
+
+class EtcdMembership(Membership):
+    """This node's registration and everyone's, as etcd says; ``nodes()`` in id order."""
+
+    def __init__(
+        self,
+        config: Config,
+        session: EtcdSession,
+        *,
+        ttl: int = 3,
+        start_timeout: float = 30.0,
+    ) -> None:
+        self.self_id = config.node_id
+        self.config = config
+        self.s = session
+        self.ttl = ttl
+        self.start_timeout = start_timeout
+        spec = config.node
+        self._spec = spec
+        self._members: dict[str, tuple[NodeSpec, str]] = {spec.id: (spec, ACTIVE)}
+        self._alive: set[str] = {spec.id}
+        self._failed: set[str] = set()
+        self._revision = 0
+        self._state = ACTIVE
+        self._lease = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._probe = PeerClient(self.self_id, config.cluster_secret.encode(), connect_timeout=2)
+
+    # ---- keys ----------------------------------------------------------------------------
+    def _node_key(self, node_id: str = "") -> str:
+        return self.s.key("membership", "nodes", node_id)
+
+    def _alive_key(self, node_id: str = "") -> str:
+        return self.s.key("membership", "alive", node_id)
+
+    # ---- the interface -------------------------------------------------------------------
+    def nodes(self) -> tuple[NodeSpec, ...]:
+        return tuple(spec for _, (spec, _) in sorted(self._members.items()))
+
+    def is_alive(self, node_id: str) -> bool:
+        if node_id == self.self_id:
+            return True
+        return node_id in self._alive and node_id not in self._failed
+
+    def report_failure(self, node_id: str) -> None:
+        if node_id != self.self_id and node_id not in self._failed:
+            log.warning("peer %s unreachable: treating it as down", node_id)
+            self._failed.add(node_id)
+
+    def view(self) -> MembershipView:
+        return MembershipView(
+            members=self.nodes(),
+            alive=frozenset(n for n in self._members if self.is_alive(n)),
+            draining=frozenset(n for n, (_, st) in self._members.items() if st == DRAINING),
+            revision=self._revision,
+        )
+
+    async def mark_draining(self, node_id: str, draining: bool = True) -> None:
+        """Set ``node_id``'s state (``draining`` or back to ``active``) for every node."""
+        kv = await self.s.kv()
+        key = self._node_key(node_id)
+        for _ in range(8):
+            got = await self.s.call("member read", kv.get(key))
+            if not got.kvs:
+                raise KeyError(node_id)
+            doc = msgpack.unpackb(got.kvs[0].value, raw=False)
+            doc["state"] = DRAINING if draining else ACTIVE
+            reply = await self.s.call(
+                "member update",
+                kv.txn(
+                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
+                    [KVService.txn_op_put(key, msgpack.packb(doc, use_bin_type=True))],
+                ),
+            )
+            if reply.succeeded:
+                if node_id == self.self_id:
+                    self._state = doc["state"]
+                return
+        raise CoordinatorUnavailable(f"member {node_id} keeps changing: state not set")
+
+    async def leave(self) -> None:
+        """Deregister this node for good (decommission): it leaves ``nodes()`` everywhere."""
+        kv = await self.s.kv()
+        await self.s.call(
+            "deregistration",
+            kv.txn(
+                [],
+                [
+                    KVService.txn_op_delete(self._node_key(self.self_id)),
+                    KVService.txn_op_delete(self._alive_key(self.self_id)),
+                ],
+            ),
+        )
+
+    # ---- life cycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Register (waits up to ``start_timeout`` for etcd), read the members, then keep
+        the lease alive and watch in the background."""
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                await self._register()
+                await self._reload()
+                break
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise CoordinatorUnavailable(
+                        f"node {self.self_id} could not join through etcd: {exc}"
+                    ) from exc
+                await asyncio.sleep(0.5)
+        self._tasks = [
+            asyncio.create_task(self._keepalive_loop(), name="etcd-lease"),
+            asyncio.create_task(self._watch_loop(), name="etcd-watch"),
+            asyncio.create_task(self._probe_loop(), name="etcd-probe"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._lease:
+            # Going down on purpose: the others see it now, not after the TTL.
+            lease = await self.s.lease()
+            with contextlib.suppress(CoordinatorUnavailable):
+                await self.s.call("lease revoke", lease.revoke(self._lease))
+            self._lease = 0
+        await self._probe.close()
+        await self.s.close()
+
+    # ---- registration and the lease --------------------------------------------------------
+    async def _register(self) -> None:
+        lease = await self.s.lease()
+        kv = await self.s.kv()
+        granted = await self.s.call("lease grant", lease.grant(self.ttl))
+        spec = self._spec
+        member = {"id": spec.id, "url": spec.url, "peer": spec.peer, "state": self._state}
+        alive = {"id": spec.id, "since": time.time()}
+        await self.s.call(
+            "registration",
+            kv.txn(
+                [],
+                [
+                    KVService.txn_op_put(
+                        self._node_key(spec.id), msgpack.packb(member, use_bin_type=True)
+                    ),
+                    KVService.txn_op_put(
+                        self._alive_key(spec.id),
+                        msgpack.packb(alive, use_bin_type=True),
+                        lease=int(granted.ID),
+                    ),
+                ],
+            ),
+        )
+        self._lease = int(granted.ID)
+        log.info("node %s registered in etcd (lease %x, ttl %d s)", spec.id, self._lease, self.ttl)
+
+    async def _keep_alive_once(self) -> bool:
+        """One keepalive of the lease; False if etcd says it expired."""
+        lease = await self.s.lease()
+
+        async def once() -> int:
+            stream = lease.keep_alive(self._lease)
+            try:
+                async for response in stream:
+                    return int(response.TTL)
+                return 0
+            finally:
+                stream.cancel()
+
+        return await self.s.call("lease keepalive", once()) > 0
+
+    async def _keepalive_loop(self) -> None:
+        interval = max(self.ttl / 3.0, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await self._keep_alive_once():
+                    log.warning("node %s: its etcd lease expired; registering again", self.self_id)
+                    await self._register()
+            except CoordinatorUnavailable as exc:
+                log.warning("node %s: etcd unreachable for the lease: %s", self.self_id, exc)
+
+    # ---- the view ----------------------------------------------------------------------------
+    async def _reload(self) -> None:
+        """Read every member and alive key at one revision."""
+        kv = await self.s.kv()
+        prefix = self.s.key("membership", "")
+        reply = await self.s.call(
+            "membership read",
+            kv.txn([], [KVService.txn_op_get(prefix, range_end=self.s.range_end(prefix))]),
+        )
+        members: dict[str, tuple[NodeSpec, str]] = {}
+        alive: set[str] = set()
+        for item in kv_response(reply):
+            self._apply(bytes(item.key).decode(), bytes(item.value), members, alive)
+        members.setdefault(self.self_id, (self._spec, self._state))
+        self._members, self._alive = members, alive | {self.self_id}
+        self._revision = int(reply.header.revision)
+
+    def _apply(
+        self,
+        key: str,
+        value: bytes | None,
+        members: dict[str, tuple[NodeSpec, str]],
+        alive: set[str],
+    ) -> None:
+        nodes, alives = self._node_key(), self._alive_key()
+        if key.startswith(nodes):
+            node_id = key[len(nodes) :]
+            if value is None:
+                members.pop(node_id, None)
+                return
+            doc = msgpack.unpackb(value, raw=False)
+            spec = NodeSpec(str(doc["id"]), str(doc["url"]), str(doc["peer"]))
+            members[node_id] = (spec, str(doc.get("state", ACTIVE)))
+        elif key.startswith(alives):
+            node_id = key[len(alives) :]
+            if value is None:
+                alive.discard(node_id)
+            else:
+                alive.add(node_id)
+                self._failed.discard(node_id)  # registered anew: it answers again
+
+    async def _watch_loop(self) -> None:
+        prefix = self.s.key("membership", "")
+        while True:
+            try:
+                watch = await self.s.watch()
+                stream = watch.watch(
+                    prefix, range_end=self.s.range_end(prefix), start_revision=self._revision + 1
+                )
+                async for response in stream:
+                    if response.canceled or response.compact_revision:
+                        break  # events were lost: read the whole view again
+                    self._on_events(response)
+                await self._reload_when_possible()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("membership watch failed (%s); reading the view again", exc)
+                await asyncio.sleep(0.5)
+                await self._reload_when_possible()
+
+    def _on_events(self, response: Any) -> None:
+        members, alive = dict(self._members), set(self._alive)
+        for event in response.events:
+            # mvccpb.Event.type: 0 = PUT, 1 = DELETE
+            value = None if event.type == 1 else bytes(event.kv.value)
+            self._apply(bytes(event.kv.key).decode(), value, members, alive)
+        members.setdefault(self.self_id, (self._spec, self._state))
+        before = (set(self._members), self._alive)
+        self._members, self._alive = members, alive | {self.self_id}
+        self._revision = max(self._revision, int(response.header.revision))
+        if before != (set(self._members), self._alive):
+            log.info("membership: %s alive of %s", sorted(self._alive), sorted(self._members))
+
+    async def _reload_when_possible(self) -> None:
+        while True:
+            try:
+                await self._reload()
+                return
+            except CoordinatorUnavailable:
+                await asyncio.sleep(0.5)
+
+    async def _probe_loop(self) -> None:
+        """Ping the peers reported failed: one that answers counts alive again."""
+        while True:
+            await asyncio.sleep(max(self.ttl / 3.0, 0.2))
+            for node_id in list(self._failed):
+                entry = self._members.get(node_id)
+                if entry is None:
+                    self._failed.discard(node_id)
+                    continue
+                try:
+                    await self._probe.call(self.config.dial_addr(entry[0]), "ping", {}, timeout=2.0)
+                except Exception:
+                    continue
+                log.info("peer %s is back", node_id)
+                self._failed.discard(node_id)
+
+
+def open_etcd(
+    config: Config, *, ttl: int = 3
+) -> tuple[EtcdMembership, Callable[[Node], EtcdCatalogue]]:
+    """The etcd membership and catalogue factory for ``Node.open``, from
+    ``config.coordinator`` (one session: the membership closes it)."""
+    session = EtcdSession(config.coordinator)
+    membership = EtcdMembership(config, session, ttl=ttl)
+    return membership, lambda node: EtcdCatalogue(node, session)
