@@ -163,5 +163,26 @@ class EtcdCluster:
                             ) from None
                         await asyncio.sleep(0.1)
 
+    async def leader(self, timeout: float = 30.0) -> int:
+        """The index of the member that leads now (as a running member reports it)."""
+        from etcd3aio import Etcd3Client, EtcdError
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for m in self.members:
+                if not self.running(m.index):
+                    continue
+                async with Etcd3Client([f"127.0.0.1:{m.client_port}"], rpc_max_attempts=1) as c:
+                    assert c.maintenance is not None
+                    try:
+                        status = await c.maintenance.status(timeout=2.0)
+                    except (EtcdError, TimeoutError):
+                        continue
+                    if status.leader and status.leader == status.header.member_id:
+                        return m.index
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no etcd leader within {timeout}s")
+            await asyncio.sleep(0.1)
+
     async def close(self) -> None:
         await self.kill_all()

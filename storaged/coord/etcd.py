@@ -10,11 +10,12 @@ Keys, under the URL's path (default ``/storaged``)::
     <root>/membership/nodes/<id>     a member: id, url, peer, state (no lease)
     <root>/membership/alive/<id>     under the node's lease: present while it is alive
     <root>/ckpt/<name>               a checkpoint record or tombstone (small)
-    <root>/manifest/<name>#<digest>  its manifest when stored inline
-    <root>/refs/<name>#<digest>#<n>  its chunk ids, part n (32 bytes per id)
+    <root>/manifest/<name>#<tag>     its manifest when stored inline
+    <root>/refs/<name>#<tag>#<n>     its chunk ids, part n (32 bytes per id)
 
-``#`` cannot occur in a checkpoint name, so ``<name>#`` ranges never reach into
-``<name>/child``.
+``<tag>`` is a 128-bit hash of the manifest's digest: parts of two racing commits of one
+name never mix. ``#`` cannot occur in a checkpoint name, so ``<name>#`` ranges never
+reach into ``<name>/child``.
 """
 
 from __future__ import annotations

@@ -100,12 +100,12 @@ class EtcdCatalogue(Catalogue):
     def _ckpt(self, name: str = "") -> str:
         return self.s.key("ckpt", name)
 
-    def _manifest(self, name: str, digest: str = "") -> str:
-        return self.s.key("manifest", f"{name}#{digest}")
+    def _manifest(self, name: str, digest: str | None = None) -> str:
+        return self.s.key("manifest", f"{name}#{_tag(digest)}")
 
-    def _refs(self, name: str, digest: str = "", part: int | None = None) -> str:
+    def _refs(self, name: str, digest: str | None = None, part: int | None = None) -> str:
         tail = "" if part is None else f"#{part:06d}"
-        return self.s.key("refs", f"{name}#{digest}{tail}")
+        return self.s.key("refs", f"{name}#{_tag(digest)}{tail}")
 
     # ---- commit ------------------------------------------------------------------------
     async def commit(self, record: CatalogRecord) -> bool:
@@ -310,22 +310,22 @@ class EtcdCatalogue(Catalogue):
             summary = _unpack(item.value)
             record = _record(summary)
             if record.deleted is None:
-                live[(record.name, record.digest)] = (record, int(summary["parts"]))
+                live[(record.name, _tag(record.digest))] = (record, int(summary["parts"]))
                 chunk = summary.get("manifest_chunk")
                 if chunk is not None:
                     extra.add(str(chunk[0]))
         seen: dict[tuple[str, str], int] = {}
         if revision:
             async for item, _ in self._pages(self.s.key("refs", ""), revision):
-                name, digest, _part = _key(item).rsplit("#", 2)
-                entry = live.get((name.removeprefix(self.s.key("refs", "")), digest))
+                name, tag, _part = _key(item).rsplit("#", 2)
+                entry = live.get((name.removeprefix(self.s.key("refs", "")), tag))
                 if entry is None:
                     continue  # a losing commit's parts, or a tombstone's leftovers
                 entry[0].chunks.extend(unpack_ids(item.value))
-                seen[(entry[0].name, digest)] = seen.get((entry[0].name, digest), 0) + 1
+                seen[(entry[0].name, tag)] = seen.get((entry[0].name, tag), 0) + 1
         chunks = set(extra)
-        for (name, digest), (record, parts) in live.items():
-            if seen.get((name, digest), 0) != parts:
+        for (name, tag), (record, parts) in live.items():
+            if seen.get((name, tag), 0) != parts:
                 raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
             chunks.update(record.chunks)
         records = tuple(sorted((r for r, _ in live.values()), key=lambda r: r.name))
@@ -377,6 +377,11 @@ def _unpack(blob: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise CoordinatorUnavailable("a catalogue record in etcd has an unknown format")
     return doc
+
+
+def _tag(digest: str | None) -> str:
+    """What stands for a manifest digest in keys: short and of fixed length."""
+    return "" if digest is None else blake3.blake3(digest.encode()).hexdigest()[:32]
 
 
 def _key(item: Any) -> str:

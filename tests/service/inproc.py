@@ -158,7 +158,7 @@ class InprocCluster:
         if member.node is not None:
             raise ClusterError(f"{self.node_id(i)} is already running")
         member.config = self._config(i)
-        node = await Node.open(member.config)
+        node = await self.open_node(member.config)
         runner = web.AppRunner(
             make_app(node),
             access_log=None,
@@ -178,6 +178,10 @@ class InprocCluster:
             await node.close()
             raise
         member.node, member.runner = node, runner
+
+    async def open_node(self, config: Config) -> Node:
+        """The node for ``config``, not started (a subclass injects its coordinator here)."""
+        return await Node.open(config)
 
     async def kill(self, i: int) -> None:
         """Stop node ``i`` like a dead process: nothing drains, its RAM is lost."""

@@ -1,0 +1,392 @@
+"""The etcd coordinator against a real 3-member etcd on loopback: the catalogue and
+membership conformance suites with in-process nodes, and what only etcd has to show — a
+member killed during commits, etcd entirely down, leases that expire, manifests and
+chunk lists too big for one etcd request."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import blake3
+import pytest
+
+from storaged.catalog import CheckpointNotFound
+from storaged.catalogue import Catalogue, CatalogueUnavailable, CommitConflict
+from storaged.config import Config, ConfigError, load_config
+from storaged.coord.etcd import EtcdSession
+from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
+from storaged.coord.etcd_membership import EtcdMembership
+from storaged.membership import Membership
+from storaged.node import Node
+from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
+from tests.coordination.membership_conformance import Members, MembershipTests
+from tests.etcd import EtcdCluster, etcd_binary
+from tests.service.inproc import InprocCluster, wait_until
+
+pytestmark = pytest.mark.skipif(
+    etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
+    reason="needs etcd (apt-get install etcd-server; scripts/test does it as root) and the "
+    "etcd extra (pip install -e .[etcd])",
+)
+
+T = TypeVar("T")
+_prefixes = itertools.count()
+
+#: generous: etcd elections and lease expiry on a loaded 2-core machine
+SLOW = 60.0
+
+
+@dataclass
+class EtcdInprocCluster(InprocCluster):
+    """In-process nodes whose membership and catalogue are etcd's."""
+
+    ttl: int = 3
+    catalogue_options: dict[str, Any] = field(default_factory=dict)
+
+    async def open_node(self, config: Config) -> Node:
+        session = EtcdSession(config.coordinator)
+        membership = EtcdMembership(config, session, ttl=self.ttl)
+        options = self.catalogue_options
+        return await Node.open(
+            config,
+            membership=membership,
+            catalogue=lambda node: EtcdCatalogue(node, session, **options),
+        )
+
+
+class EtcdRig:
+    """An etcd cluster and the node clusters started on it (each under its own prefix)."""
+
+    def __init__(self, root: Path, etcd: EtcdCluster) -> None:
+        self.root = root
+        self.etcd = etcd
+        self.clusters: list[EtcdInprocCluster] = []
+
+    def coordinator(self) -> str:
+        return f"{self.etcd.url}/t{next(_prefixes)}-{time.monotonic_ns()}"
+
+    async def start(
+        self, nodes: int = 4, *, catalogue_options: dict[str, Any] | None = None
+    ) -> EtcdInprocCluster:
+        cluster = EtcdInprocCluster(
+            self.root / f"etcd-nodes{len(self.clusters)}",
+            nodes,
+            {"coordinator": self.coordinator()},
+            catalogue_options=dict(catalogue_options or {}),
+        )
+        self.clusters.append(cluster)
+        await cluster.start()
+        return cluster
+
+    def session(self, cluster: EtcdInprocCluster) -> EtcdSession:
+        """A session of its own on ``cluster``'s keys (the caller closes it)."""
+        return EtcdSession(cluster.node(cluster.running()[0]).config.coordinator)
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdCluster]:
+    root = tmp_path / "etcd"
+    root.mkdir()
+    cluster = EtcdCluster(root)
+    await cluster.start()
+    try:
+        yield cluster
+    finally:
+        await cluster.close()
+
+
+@pytest.fixture
+async def rig(tmp_path: Path, etcd: EtcdCluster) -> AsyncIterator[EtcdRig]:
+    """Nodes stop before etcd does (their leases are revoked, not left to expire)."""
+    rig = EtcdRig(tmp_path, etcd)
+    try:
+        yield rig
+    finally:
+        if not all(etcd.running(m.index) for m in etcd.members):
+            await etcd.start_all()
+        for cluster in rig.clusters:
+            await cluster.close()
+
+
+async def retried(what: str, call: Callable[[], Awaitable[T]], tries: int = 60) -> T:
+    """``call`` until it does not raise ``CatalogueUnavailable`` (a client's retry)."""
+    for _ in range(tries):
+        try:
+            return await call()
+        except CatalogueUnavailable:
+            await asyncio.sleep(0.25)
+    raise AssertionError(f"{what}: still unavailable after {tries} tries")
+
+
+# ---- the conformance suites ----------------------------------------------------------------
+class TestEtcdCatalogue(CatalogueTests):
+    @pytest.fixture
+    async def catalogues(self, rig: EtcdRig) -> AsyncIterator[list[Catalogue]]:
+        cluster = await rig.start(4)
+        yield [cluster.node(i).catalogue for i in range(4)]
+
+
+class _EtcdMembers(Members):
+    def __init__(self, cluster: InprocCluster) -> None:
+        self.cluster = cluster
+
+    def ids(self) -> list[str]:
+        return [self.cluster.node_id(i) for i in range(self.cluster.nodes)]
+
+    def of(self, node_id: str) -> Membership:
+        return self.cluster.node(self.cluster.index_of(node_id)).membership
+
+    async def stop(self, node_id: str) -> None:
+        await self.cluster.kill(self.cluster.index_of(node_id))
+
+    async def start(self, node_id: str) -> None:
+        await self.cluster.start_node(self.cluster.index_of(node_id))
+
+
+class TestEtcdMembership(MembershipTests):
+    @pytest.fixture
+    async def members(self, rig: EtcdRig) -> AsyncIterator[Members]:
+        cluster = await rig.start(4)
+        yield _EtcdMembers(cluster)
+
+
+# ---- membership: leases, joins, leaves, draining ------------------------------------------
+async def test_a_node_whose_lease_expires_goes_down_and_its_restart_comes_back(
+    rig: EtcdRig,
+) -> None:
+    """A crashed node revokes nothing: its lease runs out and the others see it down."""
+    cluster = await rig.start(4)
+    victim = cluster.node(3)
+    assert isinstance(victim.membership, EtcdMembership)
+    victim.membership._lease = 0  # as after a crash: close() has no lease to revoke
+    await cluster.kill(3)
+    others = [cluster.node(i).membership for i in range(3)]
+    await wait_until("n3 down after its lease expired", lambda: all(
+        not m.is_alive("n3") for m in others), SLOW)  # fmt: skip
+    for m in others:
+        assert m.all_ids() == ["n0", "n1", "n2", "n3"]  # down, still a member
+        view = m.view()
+        assert view.alive == {"n0", "n1", "n2"} and view.revision > 0
+    await cluster.start_node(3)
+    await cluster.wait_converged(SLOW)
+
+
+async def test_joins_leaves_and_draining_reach_every_node(rig: EtcdRig) -> None:
+    cluster = await rig.start(3)
+    views = [cluster.node(i).membership for i in range(3)]
+    # a node that joins at run time (not in anyone's configuration)
+    cfg = load_config(
+        None,
+        "x9",
+        overrides={
+            "coordinator": cluster.node(0).config.coordinator,
+            "url": "http://127.0.0.1:1",
+            "peer": "127.0.0.1:2",
+            "data": str(rig.root / "x9"),
+            "cluster_secret": cluster.node(0).config.cluster_secret,
+        },
+    )
+    joiner = EtcdMembership(cfg, EtcdSession(cfg.coordinator))
+    await joiner.start()
+    try:
+        await wait_until("x9 joined everywhere", lambda: all(
+            "x9" in v.alive_ids() for v in views), SLOW)  # fmt: skip
+        assert views[0].node("x9").url == "http://127.0.0.1:1"
+        assert set(joiner.alive_ids()) == {"n0", "n1", "n2", "x9"}
+        await views[1].mark_draining("x9")
+        await wait_until("x9 draining everywhere", lambda: all(
+            v.view().draining == {"x9"} for v in [*views, joiner]), SLOW)  # fmt: skip
+        await views[1].mark_draining("x9", draining=False)
+        await wait_until("x9 active again", lambda: all(
+            not v.view().draining for v in views), SLOW)  # fmt: skip
+        with pytest.raises(KeyError):
+            await views[0].mark_draining("no-such-node")
+        await joiner.leave()
+        await wait_until("x9 left everywhere", lambda: all(
+            "x9" not in v.all_ids() for v in views), SLOW)  # fmt: skip
+    finally:
+        await joiner.close()
+    assert all(v.view().members == views[0].nodes() for v in views)
+    assert [n.id for n in views[0].nodes()] == ["n0", "n1", "n2"]
+
+
+# ---- the catalogue: what does not fit in one etcd request ---------------------------------
+async def test_a_big_manifest_lives_on_the_data_plane_and_gc_keeps_it(rig: EtcdRig) -> None:
+    cluster = await rig.start(4, catalogue_options={"inline_manifest": 1024})
+    a, b = cluster.node(0).catalogue, cluster.node(2).catalogue
+    name = fresh("big")
+    rec = record(name, [cid(7)])
+    rec.manifest = bytes(range(256)) * 64  # 16 KiB: over the inline limit
+    manifest_id = blake3.blake3(rec.manifest).hexdigest()
+    assert await a.commit(rec) is True
+    got = await b.get(name)
+    assert got.manifest == rec.manifest and got.chunks == [cid(7)]
+    # three RAM copies on the data plane, only its id in etcd
+    assert len(cluster.hot_holders(manifest_id)) == 3
+    session = rig.session(cluster)
+    try:
+        kv = await session.kv()
+        stored = await kv.get(session.key("manifest", f"{name}#{rec.digest}"))
+        assert not stored.kvs
+    finally:
+        await session.close()
+    refs = await b.references()
+    assert manifest_id in refs.chunks and cid(7) in refs.chunks
+    assert await b.commit(record(name, [cid(7)])) is False  # the retry: same digest
+    await a.delete(name)
+    assert manifest_id not in (await b.references()).chunks
+
+
+async def test_chunk_lists_over_one_request_are_written_in_parts(rig: EtcdRig) -> None:
+    cluster = await rig.start(4, catalogue_options={"inline_refs": 4096})
+    a, b = cluster.node(1).catalogue, cluster.node(3).catalogue
+    name = fresh("many")
+    ids = [cid(100_000 + i) for i in range(20_000)]  # 640 KB of ids: three parts
+    rec = record(name, ids)
+    rec.digest = blake3.blake3(rec.digest.encode()).hexdigest()  # as long as a real one
+    assert await a.commit(rec) is True
+    assert (await b.get(name)).chunks == ids
+    refs = await b.references()
+    assert set(ids) <= refs.chunks
+    [live] = [r for r in refs.live if r.name == name]
+    assert live.chunks == ids
+    # a delete takes the parts with it; the name can be committed again
+    await b.delete(name)
+    assert not set(ids) & (await a.references()).chunks
+    assert await a.commit(record(name, ids[:5], salt="again")) is True
+    assert (await b.get(name)).chunks == ids[:5]
+
+
+def test_chunk_id_parts_round_trip() -> None:
+    ids = [cid(i) for i in range(5)]
+    assert unpack_ids(pack_ids(ids)) == ids
+    assert len(pack_ids(ids)) == 1 + 32 * 5
+    odd = ["not-hex", cid(1)]
+    assert unpack_ids(pack_ids(odd)) == odd
+    with pytest.raises(ValueError):
+        unpack_ids(b"\x07junk")
+
+
+async def test_tombstones_are_compacted_and_the_name_is_free_after(rig: EtcdRig) -> None:
+    cluster = await rig.start(4)
+    cat = cluster.node(0).catalogue
+    assert isinstance(cat, EtcdCatalogue)
+    keep, gone = fresh("tomb"), fresh("tomb")
+    assert await cat.commit(record(keep, [cid(1)]))
+    assert await cat.commit(record(gone, [cid(2)]))
+    await cat.delete(gone)
+    assert await cat.compact_tombstones(older_than=3600.0) == 0  # too young
+    found = await cat.find(gone)
+    assert found is not None and found.deleted is not None
+    assert await cat.compact_tombstones(older_than=0.0) == 1
+    assert await cat.find(gone) is None
+    assert (await cat.get(keep)).chunks == [cid(1)]
+    with pytest.raises(CheckpointNotFound):
+        await cat.delete(gone)
+    assert await cat.commit(record(gone, [cid(3)], salt="new")) is True
+
+
+# ---- etcd members fail --------------------------------------------------------------------
+async def test_the_leader_killed_during_commits_loses_and_duplicates_none(
+    rig: EtcdRig, etcd: EtcdCluster
+) -> None:
+    cluster = await rig.start(4)
+    catalogues = [cluster.node(i).catalogue for i in range(4)]
+    names = [fresh("stream") for _ in range(60)]
+    created: dict[str, int] = {n: 0 for n in names}
+    halfway = asyncio.Event()
+
+    async def writer(w: int) -> None:
+        for i, name in enumerate(names[w::4]):
+            if i == 5:
+                halfway.set()
+            rec = record(name, [cid(i)])
+            if await retried(name, lambda: catalogues[w].commit(rec)):  # noqa: B023 - awaited here
+                created[name] += 1
+
+    async def chaos() -> None:
+        await halfway.wait()
+        leader = await etcd.leader()
+        await etcd.kill(leader)
+        await asyncio.sleep(1.0)  # commits go on against the other two members
+        await etcd.start_member(leader)
+
+    await asyncio.gather(*(writer(w) for w in range(4)), chaos())
+    listed = [r.name for r in await retried("list", lambda: catalogues[1].list("stream/"))]
+    assert sorted(listed) == sorted(names)  # none lost, none twice
+    # a retry after a lost answer returns False: so at most one True per name
+    assert all(count <= 1 for count in created.values()), created
+    refs = await retried("references", catalogues[2].references)
+    assert {n for n in names} <= {r.name for r in refs.live}
+
+
+async def test_etcd_entirely_down_reads_go_on_catalogue_fails_fast_then_recovers(
+    rig: EtcdRig, etcd: EtcdCluster
+) -> None:
+    cluster = await rig.start(4)
+    node = cluster.node(0)
+    data = b"held through the outage" * 1000
+    chunk = blake3.blake3(data).hexdigest()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield data
+
+    status, _ = await node.put_chunk(chunk, len(data), body())
+    assert status == 201
+    name = fresh("outage")
+    assert await node.catalogue.commit(record(name, [chunk]))
+    alive_before = node.membership.alive_ids()
+
+    await etcd.kill_all()
+    # reads of what the nodes hold go on, membership keeps its last view
+    for i in range(4):
+        got, _ = await cluster.node(i).read_chunk(chunk)
+        assert bytes(got) == data
+    assert node.membership.alive_ids() == alive_before
+    # every catalogue call gives up with CatalogueUnavailable, bounded by its deadline
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: node.catalogue.commit(record(fresh("outage"), [chunk])),
+        lambda: node.catalogue.find(name),
+        lambda: node.catalogue.list("outage/"),
+        lambda: node.catalogue.delete(name),
+        node.catalogue.references,
+    ]
+    for call in calls:
+        async with asyncio.timeout(SLOW):
+            with pytest.raises(CatalogueUnavailable):
+                await call()
+
+    await etcd.start_all()
+    assert (await retried("get", lambda: node.catalogue.get(name))).chunks == [chunk]
+    again = fresh("outage")
+    assert await retried("commit", lambda: cluster.node(1).catalogue.commit(record(again, [chunk])))
+    await cluster.wait_converged(SLOW)
+    with pytest.raises(CommitConflict):
+        await cluster.node(2).catalogue.commit(record(again, [chunk], salt="other"))
+
+
+# ---- configuration ---------------------------------------------------------------------------
+def test_coordinator_setting_is_checked() -> None:
+    base = {"cluster_secret": "s" * 32, "url": "http://127.0.0.1:7400", "peer": "127.0.0.1:8400",
+            "data": "/tmp/x"}  # fmt: skip
+    cfg = load_config(None, "n0", overrides={**base, "coordinator": "etcd://a:1,b:2/p"})
+    assert cfg.node.url == "http://127.0.0.1:7400" and cfg.node.peer == "127.0.0.1:8400"
+    for bad, says in [
+        ("http://a:1", "etcd://"),
+        ("etcd://", "names no endpoint"),
+        ("etcd://a:b", "not host:port"),
+        ("etcd://a:1/x#y", "'#'"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, "n0", overrides={**base, "coordinator": bad})
+    with pytest.raises(ConfigError, match="url"):
+        load_config(None, "n0", overrides={**base, "coordinator": "etcd://a:1", "url": "x"})
+    with pytest.raises(ConfigError, match=r"no \[\[nodes\]\]"):
+        load_config(None, "n0", overrides=base)  # without a coordinator: a cluster file
