@@ -8,27 +8,34 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import os
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import blake3
 import pytest
 
 from storaged.catalog import CheckpointNotFound
 from storaged.catalogue import Catalogue, CatalogueUnavailable, CommitConflict
+from storaged.cluster import free_port_block
 from storaged.config import Config, ConfigError, load_config
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
 from storaged.coord.etcd_membership import EtcdMembership
 from storaged.membership import Membership
 from storaged.node import Node
+from tests.conftest import TOKEN
 from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
 from tests.coordination.membership_conformance import Members, MembershipTests
 from tests.etcd import EtcdCluster, etcd_binary
-from tests.service.inproc import InprocCluster, wait_until
+from tests.service.http import Api, manifest_for, random_chunk
+from tests.service.inproc import SECRET, InprocCluster, wait_until
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
@@ -390,3 +397,74 @@ def test_coordinator_setting_is_checked() -> None:
         load_config(None, "n0", overrides={**base, "coordinator": "etcd://a:1", "url": "x"})
     with pytest.raises(ConfigError, match=r"no \[\[nodes\]\]"):
         load_config(None, "n0", overrides=base)  # without a coordinator: a cluster file
+
+
+# ---- storaged serve --coordinator, no cluster file ---------------------------------------
+async def test_serve_with_a_coordinator_and_no_cluster_file(
+    rig: EtcdRig, etcd: EtcdCluster, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    coordinator = rig.coordinator()
+    base = free_port_block(6)
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
+    env = {**os.environ, "STORAGED_CLUSTER_SECRET": SECRET, "STORAGED_TOKEN": TOKEN}
+    procs = []
+    try:
+        for i in range(3):
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "storaged.cli",
+                    "serve",
+                    "--coordinator",
+                    coordinator,
+                    "--node",
+                    f"s{i}",
+                    "--url",
+                    urls[i],
+                    "--peer",
+                    f"127.0.0.1:{base + 3 + i}",
+                    "--data",
+                    str(tmp_path / f"s{i}"),
+                    "--memory-capacity",
+                    "128MiB",
+                    "--nvme-capacity",
+                    "1GiB",
+                    "--cold-capacity",
+                    "1GiB",
+                    "--prefault-fraction",
+                    "0",
+                    "--log-level",
+                    "WARNING",
+                    stdin=asyncio.subprocess.DEVNULL,
+                    env=env,
+                )
+            )
+        api = Api(http, urls[0], TOKEN)
+
+        async def all_alive() -> bool:
+            try:
+                r = await api.request("GET", "/v1/cluster")
+            except aiohttp.ClientError:
+                return False
+            nodes = r.doc["nodes"] if r.status == 200 else []
+            return sorted(n["id"] for n in nodes if n["alive"]) == ["s0", "s1", "s2"]
+
+        await wait_until("three nodes joined through etcd", all_alive, SLOW)
+        data = random_chunk(64 * 1024)
+        assert (await api.put_chunk(data)).status == 201
+        assert (await api.commit("served/ckpt-1", manifest_for([data]))).status == 201
+        got = await api.request("GET", "/v1/checkpoints/served/ckpt-1", url=urls[2])
+        assert got.status == 200 and got.doc["shards"][0]["chunks"][0][1] == len(data)
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                async with asyncio.timeout(SLOW):
+                    await p.wait()
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0]
