@@ -96,9 +96,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         moved = 0
         real_pages = cat._pages
 
-        async def counting(prefix: str, revision: int = 0) -> Any:
+        async def counting(prefix: str, revision: int = 0, *, keys_only: bool = False) -> Any:
             nonlocal moved
-            async for item, rev in real_pages(prefix, revision):
+            async for item, rev in real_pages(prefix, revision, keys_only=keys_only):
                 moved += len(item.key) + len(item.value)
                 yield item, rev
 

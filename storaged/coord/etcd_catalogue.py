@@ -97,6 +97,8 @@ class EtcdCatalogue(Catalogue):
         self.tombstone_ttl = tombstone_ttl
         self.compact_interval = compact_interval
         self._last_compaction = 0.0
+        #: the etcd revision of the last orphan scan: parts created after it are too young
+        self._orphan_horizon = 0
 
     # ---- keys --------------------------------------------------------------------------
     def _ckpt(self, name: str = "") -> str:
@@ -240,7 +242,9 @@ class EtcdCatalogue(Catalogue):
         data, _ = await node.read_chunk(chunk_id)
         return bytes(data)  # deliberate copy: the record owns its manifest
 
-    async def _pages(self, prefix: str, revision: int = 0) -> AsyncIterator[tuple[Any, int]]:
+    async def _pages(
+        self, prefix: str, revision: int = 0, *, keys_only: bool = False
+    ) -> AsyncIterator[tuple[Any, int]]:
         """(key-value, revision) over ``prefix`` in key order, every page at one revision."""
         kv = await self.s.kv()
         start: bytes = prefix.encode()
@@ -248,7 +252,7 @@ class EtcdCatalogue(Catalogue):
         while True:
             reply = await self.s.call(
                 f"range over {prefix!r}",
-                kv.get(start, end, revision=revision, limit=_PAGE),
+                kv.get(start, end, revision=revision, limit=_PAGE, keys_only=keys_only),
             )
             revision = revision or int(reply.header.revision)
             for item in reply.kvs:
@@ -334,12 +338,47 @@ class EtcdCatalogue(Catalogue):
         return References(frozenset(chunks), records, taken_at, complete=True)
 
     async def repair(self) -> int:
-        """Compacts tombstones older than ``tombstone_ttl`` (at most every
-        ``compact_interval`` s); returns how many went."""
+        """Compacts tombstones older than ``tombstone_ttl`` and orphan chunk-id parts (at
+        most every ``compact_interval`` s); returns how many keys went."""
         if time.monotonic() - self._last_compaction < self.compact_interval:
             return 0
         self._last_compaction = time.monotonic()
-        return await self.compact_tombstones(self.tombstone_ttl)
+        return await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
+
+    async def compact_orphans(self) -> int:
+        """Remove chunk-id parts no live record owns (a commit that lost its race or died
+        between its parts and its transaction) that already existed at the previous call.
+
+        Safe against a commit in flight: its transaction checks that its parts exist, so
+        one whose parts went here retries and writes them again."""
+        kv = await self.s.kv()
+        owned: set[tuple[str, str]] = set()
+        revision = 0
+        async for item, at in self._pages(self._ckpt()):
+            revision = at
+            record = _record(_unpack(item.value))
+            if record.deleted is None:
+                owned.add((record.name, _tag(record.digest)))
+        horizon, self._orphan_horizon = self._orphan_horizon, revision
+        removed = 0
+        if not revision or not horizon:
+            return 0
+        refs = self.s.key("refs", "")
+        async for item, _ in self._pages(refs, revision, keys_only=True):
+            name, tag, _part = _key(item).removeprefix(refs).rsplit("#", 2)
+            if (name, tag) in owned or item.create_revision > horizon:
+                continue
+            reply = await self.s.call(
+                "orphan compaction",
+                kv.txn(
+                    [compare_mod_revision(item.key, item.mod_revision)],
+                    [KVService.txn_op_delete(item.key)],
+                ),
+            )
+            removed += int(bool(reply.succeeded))
+        if removed:
+            log.info("compacted %d orphan chunk-id part(s)", removed)
+        return removed
 
     async def compact_tombstones(self, older_than: float) -> int:
         """Remove tombstones deleted more than ``older_than`` s ago; each only if unchanged

@@ -468,3 +468,52 @@ async def test_serve_with_a_coordinator_and_no_cluster_file(
                 p.kill()
                 await p.wait()
     assert [p.returncode for p in procs] == [0, 0, 0]
+
+
+async def test_orphan_chunk_id_parts_go_and_a_commit_in_flight_survives_it(rig: EtcdRig) -> None:
+    cluster = await rig.start(4, catalogue_options={"inline_refs": 16})
+    cat = cluster.node(0).catalogue
+    assert isinstance(cat, EtcdCatalogue)
+    name = fresh("orphan")
+    winner, loser = record(name, [cid(1), cid(2)]), record(name, [cid(3)], salt="lost")
+    assert await cat.commit(winner) is True
+    with pytest.raises(CommitConflict):
+        await cat.commit(loser)  # its parts were written before its transaction lost
+    session = rig.session(cluster)
+    try:
+        kv = await session.kv()
+        prefix = session.key("refs", "")
+
+        async def parts() -> int:
+            got = await kv.get(prefix, session.range_end(prefix), keys_only=True)
+            return len(got.kvs)
+
+        assert await parts() == 2  # the winner's and the loser's
+        assert await cat.compact_orphans() == 0  # the first scan only sets the horizon
+        assert await cat.compact_orphans() == 1
+        assert await parts() == 1
+        assert (await cat.get(name)).chunks == [cid(1), cid(2)]
+        refs = await cat.references()
+        assert {cid(1), cid(2)} <= refs.chunks and cid(3) not in refs.chunks
+
+        # A commit whose parts go between their write and its transaction (as a
+        # compaction or a delete of the name would do) writes them again, never commits
+        # a record without its chunk ids.
+        real_put_parts = cat._put_parts
+        calls = 0
+
+        async def put_then_lose(keys: list[str], parts: list[bytes]) -> None:
+            nonlocal calls
+            await real_put_parts(keys, parts)
+            calls += 1
+            if calls == 1:
+                await kv.delete(keys[0])
+
+        cat._put_parts = put_then_lose  # type: ignore[method-assign]
+        other = fresh("orphan")
+        assert await cat.commit(record(other, [cid(4), cid(5)])) is True
+        assert calls == 2
+        assert (await cluster.node(1).catalogue.get(other)).chunks == [cid(4), cid(5)]
+        assert {cid(4), cid(5)} <= (await cat.references()).chunks
+    finally:
+        await session.close()
