@@ -58,6 +58,8 @@ class EtcdMembership(Membership):
         self._members: dict[str, tuple[NodeSpec, str]] = {spec.id: (spec, ACTIVE)}
         self._alive: set[str] = {spec.id}
         self._failed: set[str] = set()
+        #: wall-clock time this node saw each peer go down (lease gone or call failed)
+        self._down_at: dict[str, float] = {}
         self._revision = 0
         self._state = ACTIVE
         self._lease = 0
@@ -84,6 +86,12 @@ class EtcdMembership(Membership):
         if node_id != self.self_id and node_id not in self._failed:
             log.warning("peer %s unreachable: treating it as down", node_id)
             self._failed.add(node_id)
+            self._down_at.setdefault(node_id, time.time())
+
+    def down_since(self, node_id: str) -> float | None:
+        if self.is_alive(node_id) or node_id not in self._members:
+            return None
+        return self._down_at.get(node_id)
 
     def view(self) -> MembershipView:
         return MembershipView(
@@ -258,9 +266,11 @@ class EtcdMembership(Membership):
             node_id = key[len(alives) :]
             if value is None:
                 alive.discard(node_id)
+                self._down_at.setdefault(node_id, time.time())
             else:
                 alive.add(node_id)
                 self._failed.discard(node_id)  # registered anew: it answers again
+                self._down_at.pop(node_id, None)
 
     async def _watch_loop(self) -> None:
         prefix = self.s.key("membership", "")
@@ -318,6 +328,8 @@ class EtcdMembership(Membership):
                     continue
                 log.info("peer %s is back", node_id)
                 self._failed.discard(node_id)
+                if node_id in self._alive:
+                    self._down_at.pop(node_id, None)
 
 
 def open_etcd(

@@ -179,10 +179,14 @@ async def test_a_node_whose_lease_expires_goes_down_and_its_restart_comes_back(
         not m.is_alive("n3") for m in others), SLOW)  # fmt: skip
     for m in others:
         assert m.all_ids() == ["n0", "n1", "n2", "n3"]  # down, still a member
+        since = m.down_since("n3")
+        assert since is not None and since <= time.time()
+        assert m.down_since("n0") is None
         view = m.view()
         assert view.alive == {"n0", "n1", "n2"} and view.revision > 0
     await cluster.start_node(3)
     await cluster.wait_converged(SLOW)
+    assert all(m.down_since("n3") is None for m in others)
 
 
 async def test_joins_leaves_and_draining_reach_every_node(rig: EtcdRig) -> None:
