@@ -12,9 +12,9 @@ Upholds, for the node (see ``storaged.catalogue.Catalogue``):
   ``taken_at`` is in it.
 
 etcd refuses requests over about 1.5 MiB. A manifest over ``inline_manifest`` bytes is
-stored as a content-addressed chunk on the data plane (``node.writes.put_chunk``: three
+stored as content-addressed chunks (of at most ``max_chunk_size``) on the data plane (``node.writes.put_chunk``: three
 RAM copies, then drained and encoded like any chunk); etcd keeps its id and size, and
-``references()`` names that chunk so GC keeps it. Chunk ids over ``inline_refs`` bytes are
+``references()`` names those chunks so GC keeps them. Chunk ids over ``inline_refs`` bytes are
 written in parts before the transaction, which then checks each part still exists (a
 delete in between removes them).
 """
@@ -128,7 +128,7 @@ class EtcdCatalogue(Catalogue):
         }
         ops = []
         if len(record.manifest) > self.inline_manifest:
-            summary["manifest_chunk"] = await self._store_manifest_chunk(record.manifest)
+            summary["manifest_chunks"] = await self._store_manifest_chunks(record.manifest)
         else:
             ops.append(
                 KVService.txn_op_put(self._manifest(record.name, record.digest), record.manifest)
@@ -177,23 +177,24 @@ class EtcdCatalogue(Catalogue):
         for k, p in zip(keys, parts, strict=True):
             await self.s.call("a chunk-id part", kv.put(k, p))
 
-    async def _store_manifest_chunk(self, manifest: bytes) -> list[Any]:
-        """Put the manifest on the data plane as a chunk; [id, size]."""
+    async def _store_manifest_chunks(self, manifest: bytes) -> list[list[Any]]:
+        """Put the manifest on the data plane as chunks of at most ``max_chunk_size``;
+        their [id, size] in order."""
         node = self.node
         if node is None:
             raise CoordinatorUnavailable("a manifest this large needs the node's data plane")
-        if len(manifest) > node.config.max_chunk_size:
-            raise CommitConflict(
-                f"the manifest ({len(manifest)} bytes) exceeds max_chunk_size "
-                f"({node.config.max_chunk_size})"
-            )
-        chunk_id = await asyncio.to_thread(lambda: blake3.blake3(manifest).hexdigest())
+        step = node.config.max_chunk_size
+        out: list[list[Any]] = []
+        for start in range(0, len(manifest), step):
+            piece = memoryview(manifest)[start : start + step]
+            chunk_id = await asyncio.to_thread(_chunk_id, piece)
 
-        async def body() -> AsyncIterator[bytes | bytearray | memoryview]:
-            yield memoryview(manifest)
+            async def body(p: memoryview = piece) -> AsyncIterator[bytes | bytearray | memoryview]:
+                yield p
 
-        await node.writes.put_chunk(chunk_id, len(manifest), body())
-        return [chunk_id, len(manifest)]
+            await node.writes.put_chunk(chunk_id, len(piece), body())
+            out.append([chunk_id, len(piece)])
+        return out
 
     # ---- reads ---------------------------------------------------------------------------
     async def find(self, name: str) -> CatalogRecord | None:
@@ -224,9 +225,9 @@ class EtcdCatalogue(Catalogue):
         if len(parts) != summary["parts"]:
             raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
         record.chunks = [c for p in parts for c in unpack_ids(p.value)]
-        chunk = summary.get("manifest_chunk")
-        if chunk is not None:
-            record.manifest = await self._read_manifest_chunk(str(chunk[0]))
+        chunks = summary.get("manifest_chunks")
+        if chunks is not None:
+            record.manifest = await self._read_manifest_chunks([str(c[0]) for c in chunks])
         else:
             want = self._manifest(name, record.digest).encode()
             found = [m.value for m in kv_response(reply, 2) if m.key == want]
@@ -235,12 +236,12 @@ class EtcdCatalogue(Catalogue):
             record.manifest = bytes(found[0])
         return record
 
-    async def _read_manifest_chunk(self, chunk_id: str) -> bytes:
+    async def _read_manifest_chunks(self, ids: list[str]) -> bytes:
         node = self.node
         if node is None:
             raise CoordinatorUnavailable("the manifest lives on the data plane: no node here")
-        data, _ = await node.read_chunk(chunk_id)
-        return bytes(data)  # deliberate copy: the record owns its manifest
+        pieces = [(await node.read_chunk(chunk_id))[0] for chunk_id in ids]
+        return b"".join(pieces)  # deliberate copy: the record owns its manifest
 
     async def _pages(
         self, prefix: str, revision: int = 0, *, keys_only: bool = False
@@ -280,7 +281,7 @@ class EtcdCatalogue(Catalogue):
             if summary.get("deleted") is not None:
                 raise CheckpointNotFound(name)
             summary["deleted"] = time.time()
-            summary.pop("manifest_chunk", None)
+            summary.pop("manifest_chunks", None)
             refs, manifests = self._refs(name), self._manifest(name)
             reply = await self.s.call(
                 f"delete of {name!r}",
@@ -317,9 +318,7 @@ class EtcdCatalogue(Catalogue):
             record = _record(summary)
             if record.deleted is None:
                 live[(record.name, _tag(record.digest))] = (record, int(summary["parts"]))
-                chunk = summary.get("manifest_chunk")
-                if chunk is not None:
-                    extra.add(str(chunk[0]))
+                extra.update(str(c[0]) for c in summary.get("manifest_chunks") or ())
         seen: dict[tuple[str, str], int] = {}
         if revision:
             async for item, _ in self._pages(self.s.key("refs", ""), revision):
@@ -418,6 +417,11 @@ def _unpack(blob: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise CoordinatorUnavailable("a catalogue record in etcd has an unknown format")
     return doc
+
+
+def _chunk_id(data: memoryview) -> str:
+    digest: str = blake3.blake3(data).hexdigest()
+    return digest
 
 
 def _tag(digest: str | None) -> str:

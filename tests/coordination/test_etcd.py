@@ -254,6 +254,15 @@ async def test_a_big_manifest_lives_on_the_data_plane_and_gc_keeps_it(rig: EtcdR
     await a.delete(name)
     assert manifest_id not in (await b.references()).chunks
 
+    # over max_chunk_size (4 MiB here): in pieces, each a chunk
+    huge = record(fresh("big"), [cid(8)])
+    huge.manifest = bytes(range(256)) * (9 * 2**20 // 256)  # 9 MiB: three pieces
+    pieces = [huge.manifest[i : i + 4 * 2**20] for i in range(0, len(huge.manifest), 4 * 2**20)]
+    piece_ids = {blake3.blake3(p).hexdigest() for p in pieces}
+    assert await b.commit(huge) is True
+    assert (await a.get(huge.name)).manifest == huge.manifest
+    assert piece_ids <= (await a.references()).chunks
+
 
 async def test_chunk_lists_over_one_request_are_written_in_parts(rig: EtcdRig) -> None:
     cluster = await rig.start(4, catalogue_options={"inline_refs": 4096})
