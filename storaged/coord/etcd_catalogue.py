@@ -12,11 +12,11 @@ Upholds, for the node (see ``storaged.catalogue.Catalogue``):
   ``taken_at`` is in it.
 
 etcd refuses requests over about 1.5 MiB. A manifest over ``inline_manifest`` bytes is
-stored as content-addressed chunks (of at most ``max_chunk_size``) on the data plane (``node.writes.put_chunk``: three
-RAM copies, then drained and encoded like any chunk); etcd keeps its id and size, and
-``references()`` names those chunks so GC keeps them. Chunk ids over ``inline_refs`` bytes are
-written in parts before the transaction, which then checks each part still exists (a
-delete in between removes them).
+stored as content-addressed chunks of at most ``max_chunk_size`` on the data plane
+(``node.writes.put_chunk``: three RAM copies, then drained and encoded like any chunk);
+etcd keeps their ids and sizes, and ``references()`` names them so GC keeps them. Chunk
+ids over ``inline_refs`` bytes are written in parts before the transaction, which then
+checks that each part still exists (a delete in between removes them).
 """
 
 from __future__ import annotations
