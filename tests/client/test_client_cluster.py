@@ -411,8 +411,12 @@ async def test_restore_spreads_reads_over_the_holders(
     assert dst.tobytes() == g.tobytes()
     total = sum(served.values())
     assert total >= 48, served
-    # An even spread over the 4 nodes gives about a quarter each.
-    assert max(served.values()) <= total * 0.45, served
+    # An even spread over the 4 nodes gives about a quarter each. From RAM each chunk has
+    # its own 3 holders drawn by placement, so a node may hold far more of the 48 than
+    # another and fairly serve more (up to 45.8 % seen on a loaded machine); a pile-on
+    # (98 % before 52828fa) is what this must catch.
+    limit = 0.45 if tier == "cold" else 0.55
+    assert max(served.values()) <= total * limit, served
 
 
 async def test_evict_refuses_bad_input_and_unknown_checkpoints(cluster: LocalCluster) -> None:
