@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.peer import PeerError
-from storaged.placement import rendezvous_order
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -113,9 +112,12 @@ class EmbeddedCatalogue(Catalogue):
     alive cannot make two primaries. The price: while a name's primary is down, commits
     of that name (about 1 in N) answer 503 until it is back; reads go on.
 
-    A lookup answers "no such checkpoint" only when enough nodes answered that a committed
-    record would have been among them (all but ``replication - 1``); otherwise it raises
-    ``CatalogueUnavailable``. A GC snapshot is complete on the same condition."""
+    Lookups, deletes and GC snapshots work with a quorum ``Q = max(N - (replication - 1),
+    N // 2 + 1)`` of the ``N`` members: a lookup asks every live node and answers only once
+    ``Q`` did (else ``CatalogueUnavailable``), so it meets at least one holder of any
+    committed record (``Q + replication > N``); a delete's tombstone must reach ``Q`` nodes,
+    so every later lookup meets it too (``2Q > N``) and a node that missed the delete cannot
+    bring the checkpoint back. A GC snapshot is complete on the same condition."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -125,9 +127,13 @@ class EmbeddedCatalogue(Catalogue):
         targets = self.node.name_targets(name)
         return targets[0], targets[1:]
 
-    def _enough(self, answered: int) -> bool:
+    def quorum(self) -> int:
         node = self.node
-        return answered >= len(node.membership.all_ids()) - (node.config.replication - 1)
+        members = len(node.membership.all_ids())
+        return max(members - (node.config.replication - 1), members // 2 + 1)
+
+    def _enough(self, answered: int) -> bool:
+        return answered >= self.quorum()
 
     async def commit(self, record: CatalogRecord) -> bool:
         node = self.node
@@ -170,38 +176,27 @@ class EmbeddedCatalogue(Catalogue):
 
     async def find(self, name: str) -> CatalogRecord | None:
         node = self.node
-        members = node.membership
-        order = [
-            n
-            for n in rendezvous_order("checkpoint/" + name, members.all_ids())
-            if members.is_alive(n)
-        ]
         best: CatalogRecord | None = None
         answered = 0
 
-        async def ask(node_id: str) -> CatalogRecord | None:
-            nonlocal answered
+        async def ask(node_id: str) -> None:
+            nonlocal answered, best
             try:
                 reply, _ = await node.call(node_id, "catalog_get", {"name": name})
             except PeerError:
-                return None
+                return
             answered += 1
             wire = reply.get("record")
-            return CatalogRecord.from_wire(wire) if wire else None
+            record = CatalogRecord.from_wire(wire) if wire else None
+            if record is not None and (best is None or newer(record, best)):
+                best = record
 
-        # Its holders first; the rest only if none of those has it (or answered).
-        rf = node.config.replication
-        for group in (order[: rf + 1], order[rf + 1 :]):
-            for record in await asyncio.gather(*(ask(n) for n in group)):
-                if record is not None and (best is None or newer(record, best)):
-                    best = record
-            if best is not None:
-                return best
+        await asyncio.gather(*(ask(n) for n in node.membership.alive_ids()))
         if not self._enough(answered):
             raise CatalogueUnavailable(
-                f"only {answered} node(s) answered about {name!r}: too few to say it is absent"
+                f"only {answered} node(s) answered about {name!r}, {self.quorum()} needed"
             )
-        return None
+        return best
 
     async def _gather(
         self, prefix: str, *, with_chunks: bool
@@ -241,10 +236,18 @@ class EmbeddedCatalogue(Catalogue):
         record.manifest = None
         primary, others = self.holders(name)
         holders = {primary, *others} | set(node.membership.alive_ids())
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
             return_exceptions=True,
         )
+        # A holder that refuses has something newer (a later commit or delete): it still
+        # counts as having seen the delete.
+        reached = sum(1 for r in results if not isinstance(r, BaseException))
+        if not self._enough(reached):
+            raise CatalogueUnavailable(
+                f"the delete of {name!r} reached {reached} node(s), {self.quorum()} needed; "
+                "retry completes it"
+            )
 
     async def references(self) -> References:
         node = self.node

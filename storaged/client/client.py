@@ -649,6 +649,10 @@ class Client:
             except StoragedError as exc:
                 error = exc
                 lost_in_a_row = 0
+                if method != "GET" and exc.status == 503:
+                    # A refused write may have been partly carried out (a delete's tombstone
+                    # on some nodes): what a retry answers may reflect this attempt.
+                    replayed = True
                 if isinstance(exc, next_node_on):
                     refused_by.append(exc)
                     position += 1
