@@ -71,6 +71,11 @@ class Membership(abc.ABC):
         """Wall-clock time since which ``node_id`` counts as down (None: alive or unknown)."""
         return None
 
+    def coordinator_reachable(self) -> bool:
+        """Whether the coordination service this view comes from answers now (the embedded
+        membership has none: always True). Writes are refused while it does not."""
+        return True
+
     def view(self) -> MembershipView:
         """The members, alive and draining ones, as one snapshot."""
         nodes = self.nodes()

@@ -65,6 +65,8 @@ class EtcdMembership(Membership):
         self._lease = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._probe = PeerClient(self.self_id, config.cluster_secret.encode(), connect_timeout=2)
+        #: when the lease was last granted or renewed (monotonic)
+        self._renewed = 0.0
 
     # ---- keys ----------------------------------------------------------------------------
     def _node_key(self, node_id: str = "") -> str:
@@ -201,7 +203,12 @@ class EtcdMembership(Membership):
             ),
         )
         self._lease = int(granted.ID)
+        self._renewed = time.monotonic()
         log.info("node %s registered in etcd (lease %x, ttl %d s)", spec.id, self._lease, self.ttl)
+
+    def coordinator_reachable(self) -> bool:
+        # The lease's last renewal is the freshest sign that etcd hears us.
+        return time.monotonic() - self._renewed < self.ttl
 
     async def _keep_alive_once(self) -> bool:
         """One keepalive of the lease; False if etcd says it expired."""
@@ -216,7 +223,10 @@ class EtcdMembership(Membership):
             finally:
                 stream.cancel()
 
-        return await self.s.call("lease keepalive", once()) > 0
+        alive = await self.s.call("lease keepalive", once()) > 0
+        if alive:
+            self._renewed = time.monotonic()
+        return alive
 
     async def _keepalive_loop(self) -> None:
         interval = max(self.ttl / 3.0, 0.2)

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
-from storaged.catalogue import CatalogueUnavailable, CommitConflict
+from storaged.catalogue import CatalogueUnavailable, CommitConflict, CoordinatorUnavailable
 from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
 from storaged.node.index import STATES
@@ -67,7 +67,7 @@ class Checkpoints:
         except CommitConflict as exc:
             raise Conflict("exists", str(exc)) from exc
         except CatalogueUnavailable as exc:
-            raise unavailable("insufficient_replicas", str(exc), retry_after=1.0) from exc
+            raise _unavailable(exc, "insufficient_replicas") from exc
         except TimeoutError:
             raise unavailable(
                 "insufficient_replicas",
@@ -108,7 +108,7 @@ class Checkpoints:
         try:
             return await self.node.catalogue.find(name)
         except CatalogueUnavailable as exc:
-            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
+            raise _unavailable(exc, "catalogue_unavailable") from exc
 
     async def get(self, name: str) -> CatalogRecord:
         try:
@@ -116,10 +116,13 @@ class Checkpoints:
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
         except CatalogueUnavailable as exc:
-            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
+            raise _unavailable(exc, "catalogue_unavailable") from exc
 
     async def list(self, prefix: str) -> list[CatalogRecord]:
-        return await self.node.catalogue.list(prefix)
+        try:
+            return await self.node.catalogue.list(prefix)
+        except CatalogueUnavailable as exc:
+            raise _unavailable(exc, "catalogue_unavailable") from exc
 
     async def delete(self, name: str) -> None:
         try:
@@ -127,7 +130,7 @@ class Checkpoints:
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
         except CatalogueUnavailable as exc:
-            raise unavailable("catalogue_unavailable", str(exc), retry_after=1.0) from exc
+            raise _unavailable(exc, "catalogue_unavailable") from exc
 
     async def status(self, name: str) -> dict[str, Any]:
         """How many distinct chunks reached at least each state; ``lost``: held by no live
@@ -203,3 +206,11 @@ class Checkpoints:
             # Any node rebuilds from fragments; list those that hold some.
             plan[cid] = sources + frag_nodes
         return {"chunks": plan}
+
+
+def _unavailable(exc: CatalogueUnavailable, code: str) -> Exception:
+    """503 ``coordinator_unavailable`` when the coordination service is out of reach,
+    else ``code``."""
+    if isinstance(exc, CoordinatorUnavailable):
+        return unavailable("coordinator_unavailable", str(exc), retry_after=1.0)
+    return unavailable(code, str(exc), retry_after=1.0)

@@ -56,6 +56,12 @@ class WritePath:
         node = self.node
         if node.stopping:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+        if not node.membership.coordinator_reachable():
+            raise unavailable(
+                "coordinator_unavailable",
+                "the coordination service is unreachable: writes wait until it is back",
+                retry_after=1.0,
+            )
         started = time.perf_counter()
         # One membership view for the whole PUT: targets, replacements and the reply's order.
         order = node.live_order(chunk_id)

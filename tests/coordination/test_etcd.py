@@ -382,6 +382,23 @@ async def test_etcd_entirely_down_reads_go_on_catalogue_fails_fast_then_recovers
         async with asyncio.timeout(SLOW):
             with pytest.raises(CatalogueUnavailable):
                 await call()
+    # over HTTP: chunk reads served; writes and commits 503 coordinator_unavailable
+    async with aiohttp.ClientSession() as http:
+        api = Api(http, cluster.url(2), TOKEN)
+        assert (await api.get_chunk(chunk)).raw == data
+        other = random_chunk(4321)
+        await wait_until(
+            "the node notices its lease is not renewed",
+            lambda: not cluster.node(2).membership.coordinator_reachable(),
+            SLOW,
+        )
+        for reply in (
+            await api.put_chunk(other),
+            await api.commit(fresh("outage"), manifest_for([data])),
+        ):
+            assert reply.status == 503, reply.raw
+            assert reply.doc["error"] == "coordinator_unavailable", reply.raw
+            assert "Retry-After" in reply.headers
 
     await etcd.start_all()
     assert (await retried("get", lambda: node.catalogue.get(name))).chunks == [chunk]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from erasure import fragment_key
 from storaged.catalog import CatalogRecord
+from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD
 
 if TYPE_CHECKING:
@@ -66,7 +67,11 @@ class Collector:
     async def gc_pass(self) -> None:
         node = self.node
         cfg = node.config
-        refs = await node.catalogue.references()
+        try:
+            refs = await node.catalogue.references()
+        except CatalogueUnavailable as exc:
+            log.warning("GC pass skipped: %s", exc)
+            return
         if not refs.complete:
             return  # a manifest could be out of reach: freeing now could lose data
         referenced = set(refs.chunks)
