@@ -10,6 +10,10 @@ When this node cannot reach etcd it keeps its last view (it goes on serving read
 it) and keeps trying; on return it registers again if its lease expired meanwhile.
 ``report_failure`` (a peer call failed to connect) counts a peer down at once, until the
 peer answers a ping or registers anew.
+
+Peers' figures (usage, backlogs: ``info``) come from pinging them over the peer
+protocol, as the embedded membership's heartbeats do, not through etcd: a few peers per
+round in turn, so that a node's cost stays the same however large the cluster.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ if TYPE_CHECKING:
     from storaged.node.core import Node
 
 log = logging.getLogger("storaged.coord.membership")
+
+#: live peers asked for their figures per probe round (one round per ttl/3 s), in turn: a
+#: peer's figures are at most about members/FIGURES_PER_ROUND rounds old, and each node
+#: sends and answers that many pings per round whatever the cluster's size (a ping to
+#: every peer every round would be N^2 pings cluster-wide)
+FIGURES_PER_ROUND = 16
 
 
 class EtcdMembership(Membership):
@@ -65,6 +75,10 @@ class EtcdMembership(Membership):
         self._lease = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._probe = PeerClient(self.self_id, config.cluster_secret.encode(), connect_timeout=2)
+        #: each peer's last ping reply (its ``Node.heartbeat()``)
+        self._info: dict[str, dict[str, Any]] = {}
+        #: where the next round of figure pings starts in the sorted peer ids
+        self._figures_from = 0
         #: when the lease was last granted or renewed (monotonic)
         self._renewed = 0.0
 
@@ -89,6 +103,9 @@ class EtcdMembership(Membership):
             log.warning("peer %s unreachable: treating it as down", node_id)
             self._failed.add(node_id)
             self._down_at.setdefault(node_id, time.time())
+
+    def info(self, node_id: str) -> dict[str, Any]:
+        return self._info.get(node_id, {})
 
     def down_since(self, node_id: str) -> float | None:
         if self.is_alive(node_id) or node_id not in self._members:
@@ -324,22 +341,52 @@ class EtcdMembership(Membership):
                 await asyncio.sleep(0.5)
 
     async def _probe_loop(self) -> None:
-        """Ping the peers reported failed: one that answers counts alive again."""
+        """Ping the peers reported failed (one that answers counts alive again), and a few
+        live ones for their figures."""
         while True:
             await asyncio.sleep(max(self.ttl / 3.0, 0.2))
-            for node_id in list(self._failed):
-                entry = self._members.get(node_id)
-                if entry is None:
-                    self._failed.discard(node_id)
-                    continue
-                try:
-                    await self._probe.call(self.config.dial_addr(entry[0]), "ping", {}, timeout=2.0)
-                except Exception:
-                    continue
-                log.info("peer %s is back", node_id)
-                self._failed.discard(node_id)
-                if node_id in self._alive:
-                    self._down_at.pop(node_id, None)
+            failed = list(self._failed)
+            await asyncio.gather(
+                *(self._probe_failed(node_id) for node_id in failed),
+                # A live peer that does not answer keeps its last figures: liveness is the
+                # lease's business, and a data-path call that fails to connect reports it.
+                *(self._ping(node_id) for node_id in self._figures_round(set(failed))),
+            )
+
+    async def _ping(self, node_id: str) -> dict[str, Any] | None:
+        """The peer's ping reply (kept as its figures), or None if it did not answer."""
+        entry = self._members.get(node_id)
+        if entry is None:
+            return None
+        try:
+            reply, _ = await self._probe.call(
+                self.config.dial_addr(entry[0]), "ping", {}, timeout=2.0
+            )
+        except Exception:
+            return None
+        self._info[node_id] = reply
+        return reply
+
+    async def _probe_failed(self, node_id: str) -> None:
+        if node_id not in self._members:
+            self._failed.discard(node_id)
+            return
+        if await self._ping(node_id) is None:
+            return
+        log.info("peer %s is back", node_id)
+        self._failed.discard(node_id)
+        if node_id in self._alive:
+            self._down_at.pop(node_id, None)
+
+    def _figures_round(self, skip: set[str]) -> list[str]:
+        """The next ``FIGURES_PER_ROUND`` live peers in id order, wrapping around."""
+        peers = sorted(n for n in self._alive if n != self.self_id and n not in skip)
+        if not peers:
+            return []
+        start = self._figures_from % len(peers)
+        count = min(FIGURES_PER_ROUND, len(peers))
+        self._figures_from = start + count
+        return [peers[(start + k) % len(peers)] for k in range(count)]
 
 
 def open_etcd(
