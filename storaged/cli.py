@@ -12,9 +12,13 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from storaged import __version__
 from storaged.config import Config, ConfigError, config_field_names, load_config
+
+if TYPE_CHECKING:
+    from storaged.cluster import LocalEtcd
 
 
 def _state_dir() -> Path:
@@ -146,7 +150,9 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Start N nodes on 127.0.0.1, report success once each of them serves, "
         "and supervise them until Ctrl-C: a node that exits is reported with the tail of its "
         "log and restarted. A new cluster gets a random client token unless --token or "
-        "--insecure; an existing cluster file keeps its token and cluster secret.",
+        "--insecure; an existing cluster file keeps its token and cluster secret. With "
+        "--coordinator etcd, a local etcd member (Debian's etcd-server) holds membership and "
+        "the catalogue: it is started first and stopped last.",
     )
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--data", default=None, help="data directory (default: user state dir)")
@@ -177,6 +183,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--memory", default="2GiB", help="RAM tier capacity per node")
     p.add_argument("--replication", type=int, default=3)
+    p.add_argument(
+        "--coordinator",
+        choices=("embedded", "etcd"),
+        default="embedded",
+        help="where membership and the catalogue live: embedded (the cluster file and the "
+        "nodes) or etcd (one local etcd member on free ports, data under --data/etcd)",
+    )
     p.set_defaults(func=cmd_up)
 
 
@@ -190,10 +203,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.insecure and args.token:
         print("storaged up: --insecure and --token exclude each other", file=sys.stderr)
         return EXIT_CONFIG
-    data = Path(args.data) if args.data else _state_dir()
+    data = (Path(args.data) if args.data else _state_dir()).absolute()
+    etcd = None
+    if args.coordinator == "etcd":
+        try:
+            etcd = _local_etcd(data)
+        except ClusterError as exc:
+            print(f"storaged up: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
     cluster = LocalCluster(
         nodes=args.nodes,
-        data=data.absolute(),
+        data=data,
         port=args.port,
         peer_port=args.peer_port,
         token=args.token,
@@ -202,6 +222,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         die_with_parent=True,
         replace_token=args.replace_token,
         new_secret=args.new_secret,
+        etcd=etcd,
     )
     try:
         auth = cluster.read_auth()
@@ -230,6 +251,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"storaged: {args.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
     for i, url in enumerate(cluster.urls):
         print(f"  {cluster.node_id(i)}  {url}", flush=True)
+    if etcd is not None:
+        print(f"  etcd {etcd.url} (data {etcd.data}, log {etcd.log_path})", flush=True)
     exports = f"export STORAGED_URL={','.join(cluster.urls)}"
     if cluster.token:
         exports += f" STORAGED_TOKEN={shlex.quote(cluster.token)}"
@@ -239,6 +262,23 @@ def cmd_up(args: argparse.Namespace) -> int:
     restarts = "a node that exits is reported" + ("" if args.no_restart else " and restarted")
     print(f"Ctrl-C stops them; {restarts}.", flush=True)
     return supervise(cluster, restart=not args.no_restart)
+
+
+def _local_etcd(data: Path) -> LocalEtcd:
+    """The local etcd member of ``up --coordinator etcd``; ``ClusterError`` saying how to
+    get what is missing (the etcd server, or the client library of the etcd extra)."""
+    import importlib.util
+
+    from storaged.cluster import ETCD_HINT, ClusterError, LocalEtcd, etcd_binary
+
+    binary = etcd_binary()
+    if binary is None:
+        raise ClusterError(f"--coordinator etcd needs etcd, which is not installed: {ETCD_HINT}")
+    if importlib.util.find_spec("etcd3aio") is None:
+        raise ClusterError(
+            "--coordinator etcd needs the etcd client library: pip install 'storaged[etcd]'"
+        )
+    return LocalEtcd(data / "etcd", binary, die_with_parent=True)
 
 
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]

@@ -6,6 +6,11 @@ Node ``n<i>`` serves HTTP on ``port + i`` and the peer protocol on
 it holds the cluster secret); each node's pid is in ``data/n<i>/node.pid`` and its
 log in ``data/n<i>/node.log``.
 
+With ``etcd`` (``storaged up --coordinator etcd``) membership and the catalogue live in
+one local etcd member instead: its data under ``data/etcd/``, its log in
+``data/etcd.log``; the cluster file then lists no nodes (it carries the secrets and
+cluster-wide settings), and each node is told where it is on its command line.
+
 Node processes import the same ``storaged`` as this process, whatever the
 working directory: a clone's top folder is often named ``storaged`` too, and
 ``python -m`` would otherwise import that folder instead of the package.
@@ -14,9 +19,11 @@ working directory: a clone's top folder is often named ``storaged`` too, and
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -28,7 +35,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import tomli_w
 
@@ -98,6 +105,8 @@ class LocalCluster:
     replication: int = 3
     settings: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
+    #: the local etcd member the nodes coordinate through; None: the embedded coordination
+    etcd: LocalEtcd | None = None
     log_to_files: bool = True
     #: nodes serve HTTPS (settings must carry tls_cert and tls_key)
     https: bool = False
@@ -177,7 +186,10 @@ class LocalCluster:
             "replication": self.replication,
             "erasure": {"codec": "zfec", "k": k, "n": n},
             "auth": auth,
-            "nodes": [
+        }
+        if self.etcd is None:
+            # On etcd the members register themselves: a static list would contradict it.
+            doc["nodes"] = [
                 {
                     "id": self.node_id(i),
                     "url": self.url(i),
@@ -185,8 +197,7 @@ class LocalCluster:
                     "data": str(self.data / self.node_id(i)),
                 }
                 for i in range(self.nodes)
-            ],
-        }
+            ]
         for key, value in self.settings.items():
             if key in ("codec", "k", "n"):
                 doc["erasure"][key] = value
@@ -222,6 +233,9 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> None:
         self.check_not_running()
         self.write_config()
+        if self.etcd is not None:
+            self.etcd.start(avoid=self._ports())
+            self.etcd.wait_healthy(timeout=timeout)
         for i in range(self.nodes):
             self.start_node(i)
         self.wait_healthy(timeout=timeout)
@@ -233,8 +247,6 @@ class LocalCluster:
         Right after start-up a node may still count a peer that was not listening yet as
         down; a write then would find too few replicas.
         """
-        import json
-
         running = {self.node_id(i) for i in range(self.nodes) if self.alive(i)}
         deadline = time.monotonic() + timeout
         pending = set(running)
@@ -261,6 +273,9 @@ class LocalCluster:
                 raise ClusterError(f"nodes {sorted(pending)} do not see {sorted(running)} alive")
             if pending:
                 time.sleep(0.1)
+
+    def _ports(self) -> set[int]:
+        return {base + i for base in (self.port, self.peer_port) for i in range(self.nodes)}
 
     def _inherits(self, name: str) -> bool:
         """Whether node processes get this process's environment variable ``name``.
@@ -290,6 +305,9 @@ class LocalCluster:
         # -P: the working directory is not put first on the node's sys.path (see above).
         cmd = [sys.executable, "-P", "-m", "storaged", "serve"]
         cmd += ["--config", str(self.config_path), "--node", self.node_id(i)]
+        if self.etcd is not None:
+            cmd += ["--coordinator", self.etcd.url, "--url", self.url(i)]
+            cmd += ["--peer", f"127.0.0.1:{self.peer_port + i}", "--data", str(node_dir)]
         env = {name: value for name, value in os.environ.items() if self._inherits(name)}
         env.update(self.env)
         root = _package_root()
@@ -356,29 +374,13 @@ class LocalCluster:
 
     def log_tail(self, i: int, lines: int = 10) -> list[str]:
         """The last ``lines`` lines node ``i`` logged since it was last started."""
-        try:
-            with open(self.log_path(i), "rb") as f:
-                start = self._log_starts.get(i, 0)
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(start, size - 64 * 1024))
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return []
-        return text.splitlines()[-lines:]
+        return _log_tail(self.log_path(i), self._log_starts.get(i, 0), lines)
 
     def describe_exit(self, i: int) -> str:
         """One line: how node ``i`` ended and the cause it gave (its refusal, or last line)."""
         proc = self.procs.get(i)
         code = proc.poll() if proc is not None else None
-        if code is None:
-            how = "is not running"
-        elif code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with status {code}"
+        how = _how_it_ended(code)
         tail = [line for line in self.log_tail(i, 200) if line.strip()]
         causes = [line for line in tail if line.startswith("storaged serve: ")]
         if causes:
@@ -418,7 +420,8 @@ class LocalCluster:
 
     def stop(self, timeout: float = 0.0) -> None:
         """SIGTERM every node and wait for them (``timeout``, default ``STOP_TIMEOUT``: a
-        graceful stop drains RAM-only chunks to disk first); SIGKILL what is left."""
+        graceful stop drains RAM-only chunks to disk first); SIGKILL what is left. etcd
+        goes last: a node's graceful stop still talks to it (its catalogue, its lease)."""
         timeout = timeout or STOP_TIMEOUT
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -430,6 +433,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        if self.etcd is not None:
+            self.etcd.stop()
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -437,6 +442,181 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: where Debian's ``etcd-server`` installs the binary, for a PATH without /usr/bin
+ETCD_PATHS = ("/usr/bin/etcd",)
+
+#: how to get etcd, in the refusal when it is missing
+ETCD_HINT = (
+    "install it (Debian/Ubuntu: apt-get install etcd-server; elsewhere: a release from "
+    "https://github.com/etcd-io/etcd/releases, with etcd on PATH)"
+)
+
+
+def etcd_binary() -> str | None:
+    """The etcd server binary: ``etcd`` on PATH, else at ``ETCD_PATHS``; None if absent."""
+    found = shutil.which("etcd")
+    if found is not None:
+        return found
+    return next((path for path in ETCD_PATHS if os.access(path, os.X_OK)), None)
+
+
+@dataclass
+class LocalEtcd:
+    """One etcd member on 127.0.0.1 for a local cluster (``storaged up --coordinator etcd``).
+
+    Its data lives in ``data`` (kept across runs: the catalogue is in it), its log and pid
+    beside it (``<data>.log``, ``<data>.pid``). Ports are drawn free at the first start
+    and kept for restarts: the nodes were told this address.
+    """
+
+    data: Path
+    binary: str
+    #: etcd keeps every revision until compacted; periodic compaction keeps this much
+    #: history (docs/OPERATIONS.md), so the database does not grow to its quota
+    compaction_retention: str = "1h"
+    die_with_parent: bool = False
+    client_port: int = 0
+    peer_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    _log_start: int = 0
+
+    @property
+    def url(self) -> str:
+        """The coordinator URL the nodes get (``serve --coordinator``)."""
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data.with_name(self.data.name + ".log")
+
+    @property
+    def pid_path(self) -> Path:
+        return self.data.with_name(self.data.name + ".pid")
+
+    def start(self, avoid: set[int] | None = None) -> None:
+        """Start the member (from its data directory if it ran before); ports not in
+        ``avoid`` (the nodes' ports) are drawn at the first start."""
+        if not self.client_port:
+            for _ in range(50):
+                base = free_port_block(2)
+                if not {base, base + 1} & (avoid or set()):
+                    break
+            else:
+                raise ClusterError("no free ports for etcd apart from the nodes' ports")
+            self.client_port, self.peer_port = base, base + 1
+        self.data.mkdir(parents=True, exist_ok=True)
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://127.0.0.1:{self.client_port}"
+        cmd = [
+            self.binary,
+            "--name", "storaged",
+            "--data-dir", str(self.data),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"storaged={peer}",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", self.compaction_retention,
+            "--logger", "zap",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as out:
+            self._log_start = out.tell()
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_term_with_parent if self.die_with_parent else None,
+            )
+        self.pid_path.write_text(f"{self.proc.pid}\n")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def serves(self) -> bool:
+        """Whether our etcd process runs and says it is healthy (it has a leader)."""
+        if not self.alive():
+            return False
+        url = f"http://127.0.0.1:{self.client_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                healthy = b'"true"' in resp.read()
+        except (urllib.error.URLError, OSError):
+            return False
+        assert self.proc is not None
+        return healthy and _listens_on(self.proc.pid, self.client_port) is not False
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Until etcd serves; ``ClusterError`` at once if it exits, with its cause."""
+        deadline = time.monotonic() + timeout
+        while not self.serves():
+            if not self.alive():
+                raise ClusterError(self.describe_exit())
+            if time.monotonic() > deadline:
+                raise ClusterError(f"etcd not healthy after {timeout:.0f}s (log: {self.log_path})")
+            time.sleep(0.1)
+
+    def log_tail(self, lines: int = 10) -> list[str]:
+        """The last ``lines`` lines etcd logged since it was last started."""
+        return _log_tail(self.log_path, self._log_start, lines)
+
+    def describe_exit(self) -> str:
+        """One line: how etcd ended and its last error (etcd logs JSON lines: their msg)."""
+        code = self.proc.poll() if self.proc is not None else None
+        cause = ""
+        for line in reversed(self.log_tail(50)):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if line.strip():
+                    cause = ": " + line.strip()
+                    break
+                continue
+            if isinstance(entry, dict) and entry.get("level") in ("error", "fatal", "panic"):
+                cause = f": {entry.get('msg', '')}"
+                if entry.get("error"):
+                    cause += f" ({entry['error']})"
+                break
+        return f"etcd {_how_it_ended(code)}{cause} (log: {self.log_path})"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM etcd and wait for it; SIGKILL it after ``timeout``."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "is not running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _log_tail(path: Path, start: int, lines: int) -> list[str]:
+    """The last ``lines`` lines of ``path`` written after offset ``start``."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
 
 
 def _term_with_parent() -> None:
@@ -526,13 +706,15 @@ def supervise(
     backoff: tuple[float, float] = (1.0, 30.0),
     settle: float = 30.0,
 ) -> int:
-    """Watch the nodes until SIGINT or SIGTERM, then stop them; returns the exit status.
+    """Watch the nodes (and the cluster's etcd) until SIGINT or SIGTERM, then stop them;
+    returns the exit status.
 
     A node that exits is reported in one line, with the tail of its log. With
     ``restart`` it is started again after a delay that doubles (from ``backoff[0]``
     up to ``backoff[1]``) each time it exits before it has served for ``settle``
     seconds, and is reported back once it serves. Without ``restart`` it stays
-    down, and once every node is down this returns 1.
+    down, and once every node is down this returns 1. etcd is watched the same way
+    (restarted on its ports and data; the nodes wait for it meanwhile).
     """
     stop = False
 
@@ -544,46 +726,109 @@ def supervise(
         say = functools.partial(print, flush=True)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    delay = dict.fromkeys(range(cluster.nodes), backoff[0])
-    due: dict[int, float] = {}  # node -> when to start it again
+    etcd = cluster.etcd
+    slots: list[_Watched] = [_NodeSlot(cluster, i) for i in range(cluster.nodes)]
+    if etcd is not None:
+        slots.append(_EtcdSlot(etcd))
+    delay = dict.fromkeys(range(len(slots)), backoff[0])
+    due: dict[int, float] = {}  # slot -> when to start it again
     starting: set[int] = set()  # restarted, not serving yet
-    serving_since = dict.fromkeys(range(cluster.nodes), time.monotonic())
+    serving_since = dict.fromkeys(range(len(slots)), time.monotonic())
     down: set[int] = set()  # exited, left down (no restart)
     try:
         while not stop:
             now = time.monotonic()
-            for i in range(cluster.nodes):
-                if cluster.alive(i):
-                    if i in starting and cluster.serves(i):
+            for i, slot in enumerate(slots):
+                if slot.alive():
+                    if i in starting and slot.serves():
                         starting.discard(i)
                         serving_since[i] = now
-                        say(f"storaged up: node {cluster.node_id(i)} is back ({cluster.url(i)})")
+                        say(f"storaged up: {slot.what} is back ({slot.where})")
                     elif i not in starting and now - serving_since[i] > settle:
                         delay[i] = backoff[0]
                     continue
                 if i in due:
                     if now >= due[i]:
                         del due[i]
-                        cluster.start_node(i)
+                        slot.start()
                         starting.add(i)
                     continue
                 if i in down:
                     continue
                 starting.discard(i)
-                say(f"storaged up: {cluster.describe_exit(i)}; its last lines:")
-                for line in cluster.log_tail(i):
+                say(f"storaged up: {slot.describe_exit()}; its last lines:")
+                for line in slot.log_tail():
                     say(f"    {line}")
                 if restart:
                     due[i] = now + delay[i]
-                    say(f"storaged up: restarting {cluster.node_id(i)} in {delay[i]:.0f} s")
+                    say(f"storaged up: restarting {slot.name} in {delay[i]:.0f} s")
                     delay[i] = min(2 * delay[i], backoff[1])
                 else:
                     down.add(i)
-                    say(f"storaged up: {cluster.node_id(i)} stays down (--no-restart)")
-            if len(down) == cluster.nodes:
+                    say(f"storaged up: {slot.name} stays down (--no-restart)")
+            if len(down & set(range(cluster.nodes))) == cluster.nodes:
                 say("storaged up: every node has exited")
                 return 1
             time.sleep(0.2)
         return 0
     finally:
         cluster.stop()
+
+
+class _Watched(Protocol):
+    """A process ``supervise`` watches: a node or etcd."""
+
+    name: str  # in "restarting NAME"
+    what: str  # in "WHAT is back"
+    where: str
+
+    def alive(self) -> bool: ...
+    def serves(self) -> bool: ...
+    def start(self) -> None: ...
+    def describe_exit(self) -> str: ...
+    def log_tail(self) -> list[str]: ...
+
+
+class _NodeSlot:
+    def __init__(self, cluster: LocalCluster, i: int) -> None:
+        self.cluster, self.i = cluster, i
+        self.name = cluster.node_id(i)
+        self.what = f"node {self.name}"
+        self.where = cluster.url(i)
+
+    def alive(self) -> bool:
+        return self.cluster.alive(self.i)
+
+    def serves(self) -> bool:
+        return self.cluster.serves(self.i)
+
+    def start(self) -> None:
+        self.cluster.start_node(self.i)
+
+    def describe_exit(self) -> str:
+        return self.cluster.describe_exit(self.i)
+
+    def log_tail(self) -> list[str]:
+        return self.cluster.log_tail(self.i)
+
+
+class _EtcdSlot:
+    def __init__(self, etcd: LocalEtcd) -> None:
+        self.etcd = etcd
+        self.name = self.what = "etcd"
+        self.where = etcd.url
+
+    def alive(self) -> bool:
+        return self.etcd.alive()
+
+    def serves(self) -> bool:
+        return self.etcd.serves()
+
+    def start(self) -> None:
+        self.etcd.start()
+
+    def describe_exit(self) -> str:
+        return self.etcd.describe_exit()
+
+    def log_tail(self) -> list[str]:
+        return self.etcd.log_tail()

@@ -6,12 +6,15 @@ directory and free ports, and stops it (and so its nodes) at the end: a second
 (reported and restarted, or not with ``--no-restart``), the client token kept
 across restarts and never dropped silently, ``--insecure`` announced, the
 cluster file's mode, and a working directory that holds a folder named
-``storaged`` (the layout right after ``git clone``).
+``storaged`` (the layout right after ``git clone``). With ``--coordinator etcd``: a
+checkpoint saved and restored through the client, peers' figures in ``/v1/cluster``,
+etcd killed and brought back, everything stopped by Ctrl-C; a clear refusal without etcd.
 """
 
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import json
 import os
 import signal
@@ -24,12 +27,15 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from storaged.cluster import LocalCluster, free_port_block
+from storaged import cluster as cluster_module
+from storaged.cli import EXIT_CONFIG, main
+from storaged.cluster import LocalCluster, etcd_binary, free_port_block
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,7 +130,7 @@ def ups() -> Iterator[list[Up]]:
     for up in started:
         up.stop()
     for up in started:
-        for pid_file in up.data.glob("n*/node.pid"):
+        for pid_file in [*up.data.glob("n*/node.pid"), *up.data.glob("etcd.pid")]:
             _kill_if_alive(int(pid_file.read_text()))
 
 
@@ -384,3 +390,128 @@ def test_up_from_a_folder_holding_a_storaged_directory(tmp_path: Path, ups: list
     assert "ImportError" not in up.output
     status, doc = _get(up.url(3) + "/healthz")
     assert status == 200 and doc["node"] == "n3"
+
+
+# --------------------------------------------------------------------------- on etcd
+
+needs_etcd = pytest.mark.skipif(
+    etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
+    reason="needs etcd (apt-get install etcd-server) and the etcd extra (pip install -e .[etcd])",
+)
+
+
+def _client(up: Up, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A client command of the real CLI against ``up``'s four nodes."""
+    urls = ",".join(up.url(i) for i in range(4))
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "storaged", *args, "--url", urls, "--token", token],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+
+
+def _wait(what: str, check: Callable[[], bool], timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def _figures(up: Up, token: str, i: int) -> dict[str, dict[str, Any]]:
+    """Node ``i``'s /v1/cluster entries by node id."""
+    status, doc = _get(up.url(i) + "/v1/cluster", token)
+    assert status == 200, doc
+    nodes = doc["nodes"]
+    assert isinstance(nodes, list)
+    return {str(n["id"]): n for n in nodes}
+
+
+@needs_etcd
+def test_up_on_etcd_saves_restores_shows_peers_and_stops_all(tmp_path: Path, ups: list[Up]) -> None:
+    data = tmp_path / "cluster"
+    up = Up(data, free_port_block(9), "--coordinator", "etcd")
+    ups.append(up)
+    up.started()
+    token = up.token()
+    assert token
+    assert "etcd etcd://127.0.0.1:" in up.output
+    # No static member list: the nodes register in etcd; etcd compacts its history.
+    assert "nodes" not in tomllib.loads((data / "cluster.toml").read_text())
+    etcd_pid = int((data / "etcd.pid").read_text())
+    cmdline = Path(f"/proc/{etcd_pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--auto-compaction-mode" in cmdline and b"periodic" in cmdline
+    node_pids = [up.pid(i) for i in range(4)]
+
+    # Save and restore through the client.
+    blob = os.urandom(3 * 2**20 + 12345)
+    (tmp_path / "in.bin").write_bytes(blob)
+    saved = _client(up, token, "save", str(tmp_path / "in.bin"), "on-etcd/one",
+                    "--format", "raw", "--chunk-size", "512KiB", "--no-progress")  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    restored = _client(up, token, "restore", "on-etcd/one", str(tmp_path / "out.bin"),
+                       "--format", "raw", "--no-progress")  # fmt: skip
+    assert restored.returncode == 0, restored.stderr
+    assert (tmp_path / "out.bin").read_bytes() == blob
+
+    listed = _client(up, token, "nodes", "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = json.loads(listed.stdout)["nodes"]
+    assert sorted(r["id"] for r in rows if r["alive"]) == ["n0", "n1", "n2", "n3"]
+
+    # Peers' figures: what n0 shows for each peer is what that peer says of itself (RAM
+    # chunk counts do not move here: 128 MiB holds every copy), and peers hold chunks.
+    def n0_shows_peers() -> bool:
+        seen = _figures(up, token, 0)
+        own = {f"n{i}": _figures(up, token, i)[f"n{i}"] for i in range(1, 4)}
+        return all(seen[n]["memory"]["count"] == own[n]["memory"]["count"] for n in own)
+
+    _wait("n0 shows its peers' figures", n0_shows_peers)
+    peers = [entry for node, entry in _figures(up, token, 0).items() if node != "n0"]
+    # 7 chunks, each in RAM on 3 of the 4 nodes: at least two of n0's peers hold some.
+    holding = [p for p in peers if p["memory"]["count"] > 0 and p["memory"]["used"] > 0]
+    assert len(holding) >= 2, peers
+    assert all(p["memory"]["capacity"] == 128 * 2**20 for p in peers), peers
+
+    # etcd killed: reported with its log, restarted on its port and data; the catalogue is
+    # there again (the checkpoint saved before), and new commits go in once nodes re-register.
+    start = len(up.lines)
+    os.kill(etcd_pid, signal.SIGKILL)
+    up.wait_for("storaged up: etcd was killed by SIGKILL", after=start)
+    up.wait_for("restarting etcd in", after=start)
+    up.wait_for("storaged up: etcd is back", after=start)
+    etcd_pid = int((data / "etcd.pid").read_text())
+    again = None
+    for _ in range(30):
+        again = _client(up, token, "save", str(tmp_path / "in.bin"), "on-etcd/two",
+                        "--format", "raw", "--chunk-size", "512KiB", "--no-progress")  # fmt: skip
+        if again.returncode == 0:
+            break
+        time.sleep(2)
+    assert again is not None and again.returncode == 0, again and again.stderr
+    listing = _client(up, token, "ls", "on-etcd/", "--json")
+    assert listing.returncode == 0, listing.stderr
+    names = [c["name"] for c in json.loads(listing.stdout)["checkpoints"]]
+    assert names == ["on-etcd/one", "on-etcd/two"]
+
+    # Ctrl-C: the nodes stop, then etcd; nothing is left running.
+    assert up.stop() == 0, up.output
+    assert not any(_alive(pid) for pid in [*node_pids, etcd_pid])
+    assert "Traceback" not in up.output
+
+
+def test_up_on_etcd_without_etcd_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no etcd on it
+    monkeypatch.setattr(cluster_module, "ETCD_PATHS", (str(tmp_path / "etcd"),))
+    data = tmp_path / "cluster"
+    status = main(["up", "--data", str(data), "--port", str(free_port_block(9)),
+                   "--coordinator", "etcd"])  # fmt: skip
+    assert status == EXIT_CONFIG
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("storaged up: --coordinator etcd needs etcd"), line
+    assert "apt-get install etcd-server" in line, line
+    assert not data.exists()  # refused before anything was made or started
