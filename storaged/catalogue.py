@@ -112,12 +112,14 @@ class EmbeddedCatalogue(Catalogue):
     alive cannot make two primaries. The price: while a name's primary is down, commits
     of that name (about 1 in N) answer 503 until it is back; reads go on.
 
-    Lookups, deletes and GC snapshots work with a quorum ``Q = max(N - (replication - 1),
-    N // 2 + 1)`` of the ``N`` members: a lookup asks every live node and answers only once
-    ``Q`` did (else ``CatalogueUnavailable``), so it meets at least one holder of any
-    committed record (``Q + replication > N``); a delete's tombstone must reach ``Q`` nodes,
-    so every later lookup meets it too (``2Q > N``) and a node that missed the delete cannot
-    bring the checkpoint back. A GC snapshot is complete on the same condition."""
+    Lookups and GC snapshots need answers from ``R = N - (replication - 1)`` of the ``N``
+    members (all a cluster has left after the ``replication - 1`` losses it must survive):
+    a lookup asks every live node and answers only once ``R`` did (else
+    ``CatalogueUnavailable``), so it meets at least one holder of any committed record
+    (``R + replication > N``). A delete's tombstone must reach ``replication`` nodes, so
+    every later lookup meets it too (``R + replication > N``) and a node that missed the
+    delete cannot bring the checkpoint back. A GC snapshot is complete on the same
+    condition as a lookup."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -128,9 +130,9 @@ class EmbeddedCatalogue(Catalogue):
         return targets[0], targets[1:]
 
     def quorum(self) -> int:
+        """How many nodes must answer a lookup or a GC snapshot."""
         node = self.node
-        members = len(node.membership.all_ids())
-        return max(members - (node.config.replication - 1), members // 2 + 1)
+        return len(node.membership.all_ids()) - (node.config.replication - 1)
 
     def _enough(self, answered: int) -> bool:
         return answered >= self.quorum()
@@ -243,10 +245,10 @@ class EmbeddedCatalogue(Catalogue):
         # A holder that refuses has something newer (a later commit or delete): it still
         # counts as having seen the delete.
         reached = sum(1 for r in results if not isinstance(r, BaseException))
-        if not self._enough(reached):
+        if reached < node.config.replication:
             raise CatalogueUnavailable(
-                f"the delete of {name!r} reached {reached} node(s), {self.quorum()} needed; "
-                "retry completes it"
+                f"the delete of {name!r} reached {reached} node(s), "
+                f"{node.config.replication} needed; retry completes it"
             )
 
     async def references(self) -> References:

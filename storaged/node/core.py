@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 import msgpack
@@ -122,7 +122,7 @@ class Node:
         self.repairer = Repair(self)
         self.collector = Collector(self)
         self.scrubber = Scrubber(self)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
         self.stopping = False
         self.started = time.time()
@@ -214,9 +214,11 @@ class Node:
             added = await self.memory.prefault(size, count)
             log.info("pre-faulted %d RAM buffers of %d bytes", added, size)
 
-    def spawn(self, coro: Awaitable[None], name: str) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """Run ``coro`` as a background task of this node (cancelled by ``close``)."""
-        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     _spawn = spawn
 
@@ -246,9 +248,10 @@ class Node:
 
     async def close(self) -> None:
         """Stop at once (what a crash leaves behind, minus the torn files)."""
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self.drainer.close()

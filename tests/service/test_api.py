@@ -346,7 +346,11 @@ async def test_cluster_endpoint(api: Api, cluster: LocalCluster) -> None:
     for n in doc["nodes"]:
         assert n["url"] in cluster.urls and n["alive"] is True
         for tier in ("memory", "nvme", "cold"):
-            assert set(n[tier]) == {"used", "capacity"}
+            assert set(n[tier]) == {
+                "used",
+                "capacity",
+                "count",
+            }  # count: an extension (docs/API.md E10)
 
 
 async def test_auth(api: Api, cluster: LocalCluster) -> None:
