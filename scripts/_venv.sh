@@ -6,10 +6,10 @@ ensure_venv() {
     python3 -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
   fi
-  # Reinstall only when pyproject.toml or the extras changed.
-  stamp="$VENV/.storaged-$(sha256sum pyproject.toml | cut -c1-16)-${extras//,/_}"
+  # Reinstall only when pyproject.toml, the test constraints or the extras changed.
+  stamp="$VENV/.storaged-$(cat pyproject.toml scripts/test-constraints.txt | sha256sum | cut -c1-16)-${extras//,/_}"
   if [ ! -f "$stamp" ]; then
-    "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+    "$VENV/bin/python" -m pip install -q -e ".[$extras]" -c scripts/test-constraints.txt
     touch "$stamp"
   fi
 }
