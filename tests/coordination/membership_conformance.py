@@ -13,6 +13,7 @@ import time
 import pytest
 
 from storaged.membership import Membership
+from tests.service.inproc import InprocCluster
 
 
 class Members(abc.ABC):
@@ -81,3 +82,23 @@ class MembershipTests:
         view.report_failure(ids[0])
         assert view.is_alive(ids[0])  # a node never counts itself down
         await _eventually(f"{ids[1]} back after answering", lambda: view.is_alive(ids[1]))
+
+
+class InprocMembers(Members):
+    """``Members`` over an in-process cluster (``tests/service/inproc.py``), whatever
+    coordinator its nodes use."""
+
+    def __init__(self, cluster: InprocCluster) -> None:
+        self.cluster = cluster
+
+    def ids(self) -> list[str]:
+        return [self.cluster.node_id(i) for i in range(self.cluster.nodes)]
+
+    def of(self, node_id: str) -> Membership:
+        return self.cluster.node(self.cluster.index_of(node_id)).membership
+
+    async def stop(self, node_id: str) -> None:
+        await self.cluster.kill(self.cluster.index_of(node_id))
+
+    async def start(self, node_id: str) -> None:
+        await self.cluster.start_node(self.cluster.index_of(node_id))

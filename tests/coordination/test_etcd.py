@@ -28,11 +28,10 @@ from storaged.config import Config, ConfigError, load_config
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
 from storaged.coord.etcd_membership import EtcdMembership
-from storaged.membership import Membership
 from storaged.node import Node
 from tests.conftest import TOKEN
 from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
-from tests.coordination.membership_conformance import Members, MembershipTests
+from tests.coordination.membership_conformance import InprocMembers, Members, MembershipTests
 from tests.etcd import EtcdCluster, etcd_binary
 from tests.service.http import Api, manifest_for, random_chunk
 from tests.service.inproc import SECRET, InprocCluster, wait_until
@@ -140,28 +139,11 @@ class TestEtcdCatalogue(CatalogueTests):
         yield [cluster.node(i).catalogue for i in range(4)]
 
 
-class _EtcdMembers(Members):
-    def __init__(self, cluster: InprocCluster) -> None:
-        self.cluster = cluster
-
-    def ids(self) -> list[str]:
-        return [self.cluster.node_id(i) for i in range(self.cluster.nodes)]
-
-    def of(self, node_id: str) -> Membership:
-        return self.cluster.node(self.cluster.index_of(node_id)).membership
-
-    async def stop(self, node_id: str) -> None:
-        await self.cluster.kill(self.cluster.index_of(node_id))
-
-    async def start(self, node_id: str) -> None:
-        await self.cluster.start_node(self.cluster.index_of(node_id))
-
-
 class TestEtcdMembership(MembershipTests):
     @pytest.fixture
     async def members(self, rig: EtcdRig) -> AsyncIterator[Members]:
         cluster = await rig.start(4)
-        yield _EtcdMembers(cluster)
+        yield InprocMembers(cluster)
 
 
 # ---- membership: leases, joins, leaves, draining ------------------------------------------
