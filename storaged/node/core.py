@@ -197,10 +197,10 @@ class Node:
         await self.membership.start()
         self.drainer.start()
         self.encoder.start()
-        self._spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
-        self._spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
-        self._spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
-        self._spawn(self._prefault(), "prefault")
+        self.spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
+        self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
+        self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
+        self.spawn(self._prefault(), "prefault")
         # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
         for cid, info in self.index.items():
             if info.state < COLD:
@@ -219,8 +219,6 @@ class Node:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    _spawn = spawn
 
     async def shutdown(self, timeout: float | None = None) -> bool:
         """Graceful stop (I5): refuse new PUTs, let those in flight finish, drain every
@@ -456,8 +454,6 @@ class Node:
             self.metrics.tier_bytes.labels(tier.name).set(u.used)
             self.metrics.tier_chunks.labels(tier.name).set(u.count)
             self.metrics.tier_capacity.labels(tier.name).set(u.capacity)
-
-    _update_gauges = update_gauges
 
     # ---- what the HTTP layer calls -------------------------------------------------------
     async def put_chunk(
