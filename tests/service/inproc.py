@@ -26,19 +26,14 @@ from storaged.cluster import ClusterError, default_erasure, free_port_block
 from storaged.config import Config, NodeSpec
 from storaged.node import Node
 from storaged.server import make_app
-from tests.conftest import ADMIN_TOKEN, TOKEN
+from tests.conftest import FAST_SETTINGS, TOKEN
 
 SECRET = "inproc-cluster-secret-0123456789"
 
-#: like tests/conftest.py's FAST_SETTINGS; RAM is smaller since every node lives in this process
+#: tests/conftest.py's FAST_SETTINGS as flat Config fields (a Config takes no [tiers] table);
+#: RAM and chunks are smaller since every node lives in this process
 INPROC_SETTINGS: dict[str, Any] = {
-    "heartbeat_interval": 0.2,
-    "down_after": 1.5,
-    "repair_interval": 1.0,
-    "gc_interval": 1.0,
-    "keepalive_timeout": 3.0,
-    "prefault_fraction": 0.0,
-    "admin_token": ADMIN_TOKEN,
+    **{k: v for k, v in FAST_SETTINGS.items() if k != "tiers"},
     "max_chunk_size": 4 * 2**20,
     "memory_capacity": 64 * 2**20,
     "nvme_capacity": 1 * 2**30,

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
 from tiers import ChunkNotFound
 
@@ -35,19 +36,13 @@ class Drain:
         self.node = node
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._retries: dict[str, float] = {}  # chunk id -> its next delay
-        self._workers: list[asyncio.Task[None]] = []
+        self._workers = Workers("drain", node.config.drain_workers, self._worker)
 
     def start(self) -> None:
-        for i in range(self.node.config.drain_workers):
-            self._workers.append(asyncio.create_task(self._worker(), name=f"drain-{i}"))
+        self._workers.start()
 
     async def close(self) -> None:
-        for task in self._workers:
-            task.cancel()
-        for task in self._workers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._workers.clear()
+        await self._workers.close()
 
     @property
     def backlog(self) -> int:

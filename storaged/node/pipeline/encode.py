@@ -14,7 +14,6 @@ Upholds:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Iterable
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from erasure import fragment_key
 from storaged.node.index import COLD, NVME
+from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
 
 if TYPE_CHECKING:
@@ -35,19 +35,13 @@ class Encoder:
         self.node = node
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pending: set[str] = set()
-        self._workers: list[asyncio.Task[None]] = []
+        self._workers = Workers("encode", node.config.encode_workers, self._worker)
 
     def start(self) -> None:
-        for i in range(self.node.config.encode_workers):
-            self._workers.append(asyncio.create_task(self._worker(), name=f"encode-{i}"))
+        self._workers.start()
 
     async def close(self) -> None:
-        for task in self._workers:
-            task.cancel()
-        for task in self._workers:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._workers.clear()
+        await self._workers.close()
 
     def offer(self, chunk_id: str) -> None:
         if chunk_id not in self._pending:
