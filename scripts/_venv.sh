@@ -13,3 +13,18 @@ ensure_venv() {
     touch "$stamp"
   fi
 }
+
+# Debian's etcd-server, for the etcd coordinator (storaged up --coordinator etcd, its tests):
+# installed when missing and we may (root, apt-get present); otherwise say so and go on
+# (storaged up then refuses in one line, the etcd tests skip saying why).
+ensure_etcd() {
+  if command -v etcd >/dev/null 2>&1 || [ -x /usr/bin/etcd ]; then
+    return 0
+  fi
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client) >&2 \
+      || echo "$(basename "$0"): could not install etcd-server" >&2
+  else
+    echo "$(basename "$0"): etcd is not installed (apt-get install etcd-server, as root)" >&2
+  fi
+}
