@@ -412,6 +412,28 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     return await _send_body(request, body, status, headers)
 
 
+async def get_fragment(request: web.Request) -> web.StreamResponse:
+    """Extension E12 (docs/API.md): fragment ``index`` of a chunk, from this node only (a
+    client that decodes a cold chunk itself asks each fragment's holder, as ``?plan``
+    names it; a node that does not hold it says so rather than fetching it elsewhere)."""
+    node = request.app[NODE]
+    cid = _chunk_id(request)
+    raw = request.match_info["index"]
+    if not raw.isascii() or not raw.isdigit() or (len(raw) > 1 and raw[0] == "0"):
+        raise bad_request(f"fragment index {raw!r} is not a number")
+    index = int(raw)
+    if index >= node.config.n:
+        raise bad_request(f"fragment index {index} out of range for n={node.config.n}")
+    try:
+        data = await node.read_fragment(cid, index)
+    except ChunkNotFound as exc:
+        raise ApiError(
+            404, "fragment_not_found", f"fragment {index} of {cid} is not held by this node"
+        ) from exc
+    node.metrics.restore_bytes.labels("fragment").inc(len(data))
+    return await _send_body(request, data, 200, {"X-Storaged-Tier": "cold"})
+
+
 async def head_chunk(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     cid = _chunk_id(request)
@@ -598,6 +620,7 @@ def make_app(node: Node) -> web.Application:
     r.add_put("/v1/chunks/{id}", put_chunk)
     r.add_get("/v1/chunks/{id}", get_chunk, allow_head=False)
     r.add_head("/v1/chunks/{id}", head_chunk)
+    r.add_get("/v1/chunks/{id}/fragments/{index}", get_fragment, allow_head=False)
     r.add_get("/v1/checkpoints", list_checkpoints)
     r.add_put("/v1/checkpoints/{name:.+}", put_checkpoint)
     r.add_get("/v1/checkpoints/{name:.+}", get_checkpoint)

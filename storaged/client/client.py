@@ -29,6 +29,8 @@ import aiohttp
 import msgpack
 import numpy as np
 
+from erasure import HEADER_SIZE, Codec, InvalidParameters, make_codec
+from storaged.client.degraded import decode_cold
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
 from storaged.client.errors import (
     BadName,
@@ -37,6 +39,7 @@ from storaged.client.errors import (
     ChecksumMismatch,
     ChunkNotFound,
     ConnectionFailed,
+    NotEnoughFragments,
     NotFound,
     ProtocolError,
     StoragedError,
@@ -211,6 +214,8 @@ class Holder:
     node: str
     url: str
     tier: str
+    #: The fragment indexes a ``cold`` holder has (extension E8; empty when not reported).
+    fragments: tuple[int, ...] = ()
 
 
 #: ``?plan``: chunk id -> holders, fastest tier first.
@@ -231,6 +236,11 @@ class ClientStats:
     bytes_skipped: int = 0
     chunks_downloaded: int = 0
     bytes_downloaded: int = 0
+    #: Cold chunks this client decoded itself from fragments (``storaged.client.degraded``).
+    chunks_decoded: int = 0
+    fragments_downloaded: int = 0
+    #: Fragments not used: refused, unreachable, or failing their checks.
+    fragments_skipped: int = 0
 
     def reset(self) -> None:
         for name in self.__slots__:
@@ -396,6 +406,8 @@ class Client:
         self._refresh_task: asyncio.Task[None] | None = None
         self._last_refresh = 0.0
         self._rng = random.Random()
+        #: the cluster's erasure codec, made on first use (None: not yet, or none here)
+        self._codec: Codec | None = None
         self.stats = ClientStats()
 
     def __repr__(self) -> str:  # never shows the token
@@ -564,6 +576,7 @@ class Client:
         next_node_on: tuple[type[StoragedError], ...] = (),
         balance: int = 0,
         direct: Callable[[str], Awaitable[T]] | None = None,
+        max_attempts: int | None = None,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -578,7 +591,7 @@ class Client:
         free, not before (many fetches queued at once would otherwise all pick one node).
         ``direct``, when given, makes an attempt on a node instead of aiohttp (same slots,
         load counting and error handling); when it raises ``NotHandled`` the attempt is
-        made through aiohttp after all.
+        made through aiohttp after all. ``max_attempts`` caps the retry policy's.
         """
         session = self._session
         if session is None:
@@ -595,6 +608,7 @@ class Client:
         lost_in_a_row = 0
         replayed = False
         refused_by: list[StoragedError] = []
+        limit = self._retry.max_attempts if max_attempts is None else max_attempts
         while True:
             node = order[position % len(order)]
             attempts += 1
@@ -644,7 +658,7 @@ class Client:
                 lost_in_a_row += 1
                 position += 1
                 self.stats.failovers += 1
-                if lost_in_a_row < len(order) and self._may_retry(attempts, started):
+                if lost_in_a_row < len(order) and self._may_retry(attempts, started, limit):
                     continue  # an untried node remains: no reason to wait
             except StoragedError as exc:
                 error = exc
@@ -663,7 +677,7 @@ class Client:
                     raise self._mark(exc, replayed) from None
                 if exc.status in (502, 504):
                     position += 1  # a proxy failure: another entry node may fare better
-            if not self._may_retry(attempts, started):
+            if not self._may_retry(attempts, started, limit):
                 if refused_by and isinstance(error, ConnectionFailed):
                     # Some nodes answered "not here" and the others were unreachable: the
                     # answer we got is more telling than the lost connection.
@@ -674,11 +688,8 @@ class Client:
             await asyncio.sleep(self._retry.delay(attempts, retry_after, self._rng))
             lost_in_a_row = 0
 
-    def _may_retry(self, attempts: int, started: float) -> bool:
-        return (
-            attempts < self._retry.max_attempts
-            and time.monotonic() - started < self._retry.deadline
-        )
+    def _may_retry(self, attempts: int, started: float, limit: int) -> bool:
+        return attempts < limit and time.monotonic() - started < self._retry.deadline
 
     @staticmethod
     def _mark(error: StoragedError, replayed: bool) -> StoragedError:
@@ -997,20 +1008,157 @@ class Client:
                 )
             return await checked(body)
 
+        degraded: NotEnoughFragments | None = None
+        sources = self._fragment_sources(holders)
+        codec = self._erasure_codec() if sources is not None else None
+        if sources is not None and codec is not None:
+            try:
+                view = await self._decode_cold(chunk_id, codec, sources, target, byte_range)
+            except NotEnoughFragments as exc:
+                # The plan may be stale (repair moves fragments): a node can still look for
+                # them cluster-wide and rebuild. Its 404 would say less than this error.
+                degraded = exc
+            else:
+                self.stats.chunks_downloaded += 1
+                self.stats.bytes_downloaded += len(view)
+                return view
         candidates, balance = self._read_candidates(chunk_id, holders)
-        view = await self._call(
-            "GET",
-            path,
-            handle,
-            candidates=candidates,
-            headers=headers,
-            next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
-            balance=balance,
-            direct=direct_get if direct is not None else None,
-        )
+        try:
+            view = await self._call(
+                "GET",
+                path,
+                handle,
+                candidates=candidates,
+                headers=headers,
+                next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
+                balance=balance,
+                direct=direct_get if direct is not None else None,
+            )
+        except NotFound:
+            if degraded is not None:
+                raise degraded from None
+            raise
         self.stats.chunks_downloaded += 1
         self.stats.bytes_downloaded += len(view)
         return view
+
+    # ------------------------------------------------------------------ degraded reads
+
+    def _fragment_sources(
+        self, holders: Sequence[Holder | str] | None
+    ) -> dict[int, list[str]] | None:
+        """Fragment index -> nodes holding it, when ``holders`` (from ``plan``) name fragments
+        and no hot copy; None otherwise (a hot copy is one fast GET away)."""
+        if not holders:
+            return None
+        sources: dict[int, list[str]] = {}
+        for holder in holders:
+            if not isinstance(holder, Holder) or holder.tier != "cold":
+                return None
+            self._urls.setdefault(holder.node, holder.url.rstrip("/"))
+            for index in holder.fragments:
+                sources.setdefault(index, []).append(holder.node)
+        return sources or None
+
+    def _erasure_codec(self) -> Codec | None:
+        """The cluster's codec, or None when this client cannot make it (then nodes decode)."""
+        erasure = self.cluster.erasure
+        if erasure is None:
+            return None
+        codec = self._codec
+        if codec is None or (codec.name, codec.k, codec.n) != (erasure.codec, erasure.k, erasure.n):
+            try:
+                codec = make_codec(erasure.codec, erasure.k, erasure.n)
+            except InvalidParameters as exc:  # e.g. "isal" without pyeclib on this host
+                log.debug("degraded reads go through the nodes: %s", exc)
+                return None
+            self._codec = codec
+        return codec
+
+    async def _decode_cold(
+        self,
+        chunk_id: str,
+        codec: Codec,
+        sources: Mapping[int, Sequence[str]],
+        target: memoryview | None,
+        byte_range: ByteRange | None,
+    ) -> memoryview:
+        """The chunk (or ``byte_range`` of it) decoded here from fragments fetched from their
+        holders (``storaged.client.degraded``), written into ``target`` when given."""
+
+        async def fetch(index: int) -> memoryview:
+            return await self._get_fragment(chunk_id, index, sources[index])
+
+        decoded = await decode_cold(chunk_id, codec, sources, fetch, self._hash_slots)
+        self.stats.chunks_decoded += 1
+        self.stats.fragments_downloaded += decoded.fetched
+        self.stats.fragments_skipped += decoded.skipped
+        whole = memoryview(decoded.data)
+        start, end = 0, len(whole)
+        if byte_range is not None:
+            start = byte_range.start
+            end = len(whole) if byte_range.end is None else byte_range.end
+            if start >= len(whole) or end > len(whole):
+                raise BadRange(
+                    message=f"range {byte_range} outside chunk {chunk_id} of {len(whole)} bytes"
+                )
+        if target is None:
+            return whole[start:end]
+        if len(target) < end - start:
+            raise ValueError(f"output buffer of {len(target)} bytes < {end - start} to read")
+        # A deliberate copy: the codec joins the decoded blocks into a new buffer.
+        target[: end - start] = whole[start:end]
+        return target[: end - start]
+
+    async def _get_fragment(self, chunk_id: str, index: int, nodes: Sequence[str]) -> memoryview:
+        """Fragment ``index`` of a chunk, whole and unchecked (the codec checks it), from one
+        of ``nodes`` (extension E12); ``FragmentNotFound``/``ConnectionFailed`` when none
+        gives it after a try or two each (another index will do as well)."""
+        path = f"/v1/chunks/{chunk_id}/fragments/{index}"
+        # A fragment is at most a k-th of a chunk (rounded up) plus its header.
+        limit = self.cluster.max_chunk_size + HEADER_SIZE
+
+        def sized(length: int | None) -> int:
+            if length is None or length > limit:
+                raise ProtocolError(message=f"fragment answer of {length} bytes (max {limit})")
+            return length
+
+        async def handle(resp: aiohttp.ClientResponse) -> memoryview:
+            return await self._read_body(resp, None, sized(resp.content_length), 0)
+
+        def plan_body(head: ResponseHead) -> BodyPlan:
+            return BodyPlan(memoryview(bytearray(sized(head.content_length))), 0)
+
+        direct = self.direct
+
+        async def direct_get(node: str) -> memoryview:
+            where = self._direct_target(node)
+            if where is None or direct is None:
+                raise NotHandled(f"{node}: not a plain-http node")
+            addr, prefix, head_lines = where
+            request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}\r\n"
+            async with asyncio.timeout(self._request_timeout):
+                head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
+            if head.status >= 400:
+                raise error_from_response(
+                    head.status,
+                    bytes(body),
+                    head.headers.get("content-type"),
+                    head.headers.get("retry-after"),
+                )
+            return body
+
+        return await self._call(
+            "GET",
+            path,
+            handle,
+            candidates=list(nodes),
+            next_node_on=(NotFound, ProtocolError),
+            balance=len(nodes),
+            direct=direct_get if direct is not None else None,
+            # Another index serves as well as this one: no long retries of a dead holder.
+            max_attempts=2 * len(nodes),
+        )
 
     @staticmethod
     async def _read_body(
@@ -1164,11 +1312,17 @@ class Client:
             try:
                 return {
                     str(chunk): [
-                        Holder(str(h["node"]), str(h["url"]), str(h["tier"])) for h in holders
+                        Holder(
+                            str(h["node"]),
+                            str(h["url"]),
+                            str(h["tier"]),
+                            tuple(int(i) for i in h.get("fragments", ())),
+                        )
+                        for h in holders
                     ]
                     for chunk, holders in doc["chunks"].items()
                 }
-            except (KeyError, TypeError, AttributeError) as exc:
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed plan: {exc!r}") from exc
 
         plan = await self._checkpoint_call("GET", name, "?plan", handle)

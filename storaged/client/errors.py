@@ -115,6 +115,24 @@ class ChunkNotFound(NotFound):
     default_code = "chunk_not_found"
 
 
+class FragmentNotFound(NotFound):
+    """A node does not hold the fragment asked of it (extension E12)."""
+
+    default_code = "fragment_not_found"
+
+
+class NotEnoughFragments(ChunkNotFound):
+    """A cold chunk could not be decoded: fewer than ``needed`` good fragments could be
+    read (``available``). Also a ``ChunkNotFound``: the cluster cannot produce the chunk."""
+
+    default_code = "not_enough_fragments"
+
+    def __init__(self, message: str, *, available: int, needed: int) -> None:
+        super().__init__(message=message)
+        self.available = available
+        self.needed = needed
+
+
 class CheckpointNotFound(NotFound):
     default_code = "checkpoint_not_found"
 
@@ -200,6 +218,7 @@ _BY_CODE: dict[str, type[StoragedError]] = {
         Forbidden,
         NotFound,
         ChunkNotFound,
+        FragmentNotFound,
         CheckpointNotFound,
         MissingChunks,
         Exists,

@@ -461,6 +461,9 @@ class Node:
     ) -> tuple[int, dict[str, Any]]:
         return await self.writes.put_chunk(chunk_id, size, body)
 
+    async def read_fragment(self, chunk_id: str, index: int) -> memoryview:
+        return await self.reads.local_fragment(chunk_id, index)
+
     async def read_chunk(
         self, chunk_id: str, rng: ByteRange | None = None
     ) -> tuple[bytes | memoryview, str]:

@@ -102,6 +102,24 @@ class ReadPath:
             raise ChunkNotFound(chunk_id)
         return _slice(whole, rng), "cold"
 
+    async def local_fragment(self, chunk_id: str, index: int) -> memoryview:
+        """Fragment ``index`` of ``chunk_id`` (header + payload) from this node's cold tier,
+        checked by the tier (header and payload CRC-32C); ``ChunkNotFound`` when this node
+        does not hold it. A copy that fails its check is quarantined, as for a peer's read,
+        and reported not found: this node no longer holds it."""
+        node = self.node
+        key = fragment_key(chunk_id, index)
+        try:
+            return await node.cold.get(key)
+        except CorruptChunk:
+            node.metrics.corrupt.labels("cold").inc()
+            node.forget_fragment(key)
+            log.error("corrupt fragment %s quarantined", key)
+            raise ChunkNotFound(key) from None
+        except ChunkNotFound:
+            node.forget_fragment(key)
+            raise
+
     async def whole_copy(self, chunk_id: str) -> bytes | memoryview | None:
         """The whole chunk from wherever it can be had (for repair and encode), or None."""
         try:

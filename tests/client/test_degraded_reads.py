@@ -1,0 +1,177 @@
+"""Degraded reads: cold chunks decoded by the client from fragments it fetches itself
+(``storaged.client.degraded``, extension E12), against real node processes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from erasure import make_codec
+from storaged.client import (
+    ByteRange,
+    ChunkNotFound,
+    Client,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from storaged.client.client import Holder
+from storaged.client.degraded import decode_cold, fetch_order
+from storaged.client.errors import FragmentNotFound, NotEnoughFragments, StoragedError
+from storaged.cluster import LocalCluster
+from storaged.ids import chunk_id_of
+from tests.client.helpers import client_for
+from tests.conftest import ADMIN_TOKEN, ClusterFactory
+
+CHUNK = 256 << 10
+
+
+def _state(seed: int) -> np.ndarray:
+    # 2 MiB of distinct bytes per test: 8 chunks, no dedup with another test's.
+    return np.random.default_rng(seed).standard_normal(512 * 1024).astype(np.float32)
+
+
+async def _save_cold(client: Client, name: str, g: np.ndarray) -> dict[str, list[Holder]]:
+    """Save ``g``, wait until every chunk is cold, evict the hot copies; the cold-only plan."""
+    await save_checkpoint(client, name, {0: {"g": g}}, chunk_size=CHUNK)
+    await client.wait(name, "cold", timeout=120)
+    for level in ("memory", "nvme"):
+        await client.evict(name, level, admin_token=ADMIN_TOKEN)
+    plan = await client.plan(name)
+    assert plan and all(h.tier == "cold" and h.fragments for hs in plan.values() for h in hs)
+    return plan
+
+
+def _fragment_files(cluster: LocalCluster, chunk_id: str) -> dict[int, tuple[int, Path]]:
+    """Fragment index -> (node number, file) of one chunk, as the nodes' disks hold them."""
+    found: dict[int, tuple[int, Path]] = {}
+    for i in range(cluster.nodes):
+        for path in (cluster.data / cluster.node_id(i) / "cold").rglob(f"{chunk_id}.*"):
+            if path.is_file() and "quarantine" not in path.parts:
+                found[int(path.name.rpartition(".")[2])] = (i, path)
+    return found
+
+
+def _flip_middle_byte(path: Path) -> None:
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_and_a_dead_node(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = await cluster_factory.start(4)
+    g = _state(1)
+    async with client_for(cluster) as client:
+        plan = await _save_cold(client, "degraded/a", g)
+        k = client.cluster.erasure.k if client.cluster.erasure else 0
+        victim_chunk = sorted(plan)[0]
+        on_disk = _fragment_files(cluster, victim_chunk)
+        # A primary fragment: asked for first, so the client meets the bad copy.
+        _, corrupt_file = on_disk[0]
+        await asyncio.to_thread(_flip_middle_byte, corrupt_file)
+
+        dst = np.zeros_like(g)
+        client.stats.reset()
+        await restore_checkpoint(client, "degraded/a", {"g": dst}, holders=plan)
+        assert dst.tobytes() == g.tobytes()
+        # Every chunk came through the client's own decode, none from a node's.
+        assert client.stats.chunks_decoded == len(plan) == client.stats.chunks_downloaded
+        assert client.stats.fragments_skipped >= 1
+        assert client.stats.fragments_downloaded >= len(plan) * k
+        # The holder quarantined its bad copy: it is off the chunk's fragments now.
+        assert 0 not in _fragment_files(cluster, victim_chunk)
+
+    # Kill a node holding one fragment of the damaged chunk: 6 - 1 bad - 1 dead >= k left.
+    holders = [node for node, _ in _fragment_files(cluster, victim_chunk).values()]
+    victim = next(i for i in range(cluster.nodes) if holders.count(i) == 1)
+    await asyncio.to_thread(cluster.kill, victim)
+    async with client_for(cluster) as client:
+        dst = np.zeros_like(g)
+        await restore_checkpoint(client, "degraded/a", {"g": dst})
+        assert dst.tobytes() == g.tobytes()
+        assert client.stats.chunks_decoded == len(plan)
+        # One chunk straight from the decode, into a caller's buffer, and a range of it.
+        out = bytearray(CHUNK)
+        fresh = await client.plan("degraded/a")
+        whole = await client.get_chunk(victim_chunk, out, holders=fresh[victim_chunk])
+        assert chunk_id_of(whole) == victim_chunk and whole.obj is out
+        part = await client.get_chunk(
+            victim_chunk, None, ByteRange(100, 300), holders=fresh[victim_chunk]
+        )
+        assert bytes(part) == bytes(out[100:300])
+
+
+async def test_fewer_than_k_fragments_is_a_clear_error(cluster_factory: ClusterFactory) -> None:
+    cluster = await cluster_factory.start(4, repair_interval=3600.0)
+    g = _state(2)
+    async with client_for(cluster) as client:
+        plan = await _save_cold(client, "degraded/b", g)
+        chunk = sorted(plan)[0]
+        k = client.cluster.erasure.k if client.cluster.erasure else 0
+        # Remove fragments on disk until k - 1 remain (the holders' indexes do not know yet:
+        # the plan and the nodes still name them, and each read finds the file gone).
+        files = _fragment_files(cluster, chunk)
+        for index in sorted(files)[k - 1 :]:
+            files[index][1].unlink()
+        with pytest.raises(NotEnoughFragments) as caught:
+            await client.get_chunk(chunk, holders=plan[chunk])
+        assert caught.value.needed == k and caught.value.available == k - 1
+        assert f"{k - 1} fragment(s) passed" in str(caught.value)
+        assert isinstance(caught.value, ChunkNotFound)  # callers that catch that still do
+
+
+def _fragments(data: bytes, k: int = 4, n: int = 6) -> tuple[str, dict[int, memoryview]]:
+    cid = chunk_id_of(data)
+    codec = make_codec("zfec", k, n)
+    return cid, {f.index: memoryview(f.to_bytes()) for f in codec.encode(cid, data)}
+
+
+async def test_decode_cold_drops_a_fragment_failing_its_crc_and_fetches_another() -> None:
+    # A fragment damaged on the wire (the node checked it on disk): the client's own check.
+    data = np.random.default_rng(3).bytes(100_000)
+    cid, frags = _fragments(data)
+    damaged = bytearray(frags[1])
+    damaged[len(damaged) // 2] ^= 0x01
+    served = {**frags, 1: memoryview(damaged)}
+    asked: list[int] = []
+
+    async def fetch(index: int) -> memoryview:
+        asked.append(index)
+        if index == 2:
+            raise FragmentNotFound(message="not here")
+        return served[index]
+
+    sources = {i: ["n0"] for i in frags}
+    decoded = await decode_cold(cid, make_codec("zfec", 4, 6), sources, fetch, asyncio.Semaphore(1))
+    assert decoded.data == data
+    assert sorted(asked[:4]) == [0, 1, 2, 3]  # primaries first
+    assert set(asked[4:]) == {4, 5}  # one per failure: index 2 refused, index 1 bad CRC
+    assert (decoded.fetched, decoded.skipped) == (5, 2)
+
+
+async def test_decode_cold_gives_up_when_the_indexes_run_out() -> None:
+    data = np.random.default_rng(4).bytes(10_000)
+    cid, frags = _fragments(data)
+
+    async def fetch(index: int) -> memoryview:
+        if index >= 3:
+            raise FragmentNotFound(message=f"fragment {index} gone")
+        return frags[index]
+
+    with pytest.raises(NotEnoughFragments, match="fragment 5 gone") as caught:
+        await decode_cold(
+            cid, make_codec("zfec", 4, 6), {i: ["n0"] for i in frags}, fetch, asyncio.Semaphore(1)
+        )
+    assert (caught.value.available, caught.value.needed) == (3, 4)
+    assert isinstance(caught.value, StoragedError)
+
+
+def test_fetch_order_asks_for_primaries_first() -> None:
+    assert fetch_order({5: ["a"], 0: ["b"], 4: ["c"], 2: ["a"], 3: ["d"]}, 4) == [0, 2, 3, 4, 5]
