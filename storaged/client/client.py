@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import contextlib
 import itertools
 import logging
@@ -347,6 +348,10 @@ class Client:
     aiohttp. ``None`` (the default) uses it with the client's own session and not
     with a session given to ``open``, whose hooks, headers and proxy settings it would
     bypass; ``True`` uses it with any session, ``False`` never.
+
+    ``decode_cache_bytes``: cold chunks this client decoded itself (see ``get_chunk``)
+    stay this many bytes' worth, newest first, for further ranges of them: a restore
+    reads many items out of one chunk, and each would otherwise decode it again.
     """
 
     def __init__(
@@ -364,6 +369,7 @@ class Client:
         suspect_seconds: float = 2.0,
         verify_reads: bool = False,
         direct_reads: bool | None = None,
+        decode_cache_bytes: int = 128 << 20,
     ) -> None:
         seeds = [urls] if isinstance(urls, str) else list(urls)
         if not seeds:
@@ -408,6 +414,13 @@ class Client:
         self._rng = random.Random()
         #: the cluster's erasure codec, made on first use (None: not yet, or none here)
         self._codec: Codec | None = None
+        #: cold chunks decoded here, oldest first (a future while the decode runs, shared by
+        #: the ranges asked meanwhile), and their bytes once done
+        self._cold_decodes: collections.OrderedDict[str, asyncio.Future[bytes]] = (
+            collections.OrderedDict()
+        )
+        self._cold_decoded_bytes = 0
+        self._decode_cache_bytes = decode_cache_bytes
         self.stats = ClientStats()
 
     def __repr__(self) -> str:  # never shows the token
@@ -467,6 +480,8 @@ class Client:
         if self.direct is not None:
             await self.direct.close()
             self.direct = None
+        self._cold_decodes.clear()
+        self._cold_decoded_bytes = 0
 
     @property
     def cluster(self) -> ClusterInfo:
@@ -1086,14 +1101,7 @@ class Client:
         """The chunk (or ``byte_range`` of it) decoded here from fragments fetched from their
         holders (``storaged.client.degraded``), written into ``target`` when given."""
 
-        async def fetch(index: int) -> memoryview:
-            return await self._get_fragment(chunk_id, index, sources[index])
-
-        decoded = await decode_cold(chunk_id, codec, sources, fetch, self._hash_slots)
-        self.stats.chunks_decoded += 1
-        self.stats.fragments_downloaded += decoded.fetched
-        self.stats.fragments_skipped += decoded.skipped
-        whole = memoryview(decoded.data)
+        whole = memoryview(await self._decoded_chunk(chunk_id, codec, sources))
         start, end = 0, len(whole)
         if byte_range is not None:
             start = byte_range.start
@@ -1109,6 +1117,56 @@ class Client:
         # A deliberate copy: the codec joins the decoded blocks into a new buffer.
         target[: end - start] = whole[start:end]
         return target[: end - start]
+
+    async def _decoded_chunk(
+        self, chunk_id: str, codec: Codec, sources: Mapping[int, Sequence[str]]
+    ) -> bytes:
+        """The whole chunk, decoded here once for all the ranges asked of it while it stays
+        in the cache (``decode_cache_bytes``)."""
+        for _ in range(3):
+            pending = self._cold_decodes.get(chunk_id)
+            if pending is None:
+                break
+            self._cold_decodes.move_to_end(chunk_id)
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if not pending.cancelled():
+                    raise  # this request was cancelled
+                # The request that decoded it was cancelled, not this one: decode here.
+
+        async def fetch(index: int) -> memoryview:
+            return await self._get_fragment(chunk_id, index, sources[index])
+
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._cold_decodes[chunk_id] = future
+        try:
+            decoded = await decode_cold(chunk_id, codec, sources, fetch, self._hash_slots)
+        except BaseException as exc:
+            if self._cold_decodes.get(chunk_id) is future:
+                del self._cold_decodes[chunk_id]
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved: nobody else may be waiting for it
+            raise
+        self.stats.chunks_decoded += 1
+        self.stats.fragments_downloaded += decoded.fetched
+        self.stats.fragments_skipped += decoded.skipped
+        future.set_result(decoded.data)
+        if self._cold_decodes.get(chunk_id) is future:
+            self._cold_decoded_bytes += len(decoded.data)
+            # Oldest out first, the newest too if it alone is over the budget; decodes still
+            # running hold no bytes yet and stay.
+            for key in builtins.list(self._cold_decodes):
+                if self._cold_decoded_bytes <= self._decode_cache_bytes:
+                    break
+                entry = self._cold_decodes[key]
+                if entry.done():
+                    del self._cold_decodes[key]
+                    self._cold_decoded_bytes -= len(entry.result())
+        return decoded.data
 
     async def _get_fragment(self, chunk_id: str, index: int, nodes: Sequence[str]) -> memoryview:
         """Fragment ``index`` of a chunk, whole and unchecked (the codec checks it), from one

@@ -106,6 +106,16 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
             victim_chunk, None, ByteRange(100, 300), holders=fresh[victim_chunk]
         )
         assert bytes(part) == bytes(out[100:300])
+        # Both came from the chunk decoded for the restore: ranges do not decode it again.
+        assert client.stats.chunks_decoded == len(plan)
+    async with client_for(cluster, decode_cache_bytes=0) as client:
+        fresh = await client.plan("degraded/a")
+        for start in (0, 1000):
+            part = await client.get_chunk(
+                victim_chunk, None, ByteRange(start, start + 10), holders=fresh[victim_chunk]
+            )
+            assert bytes(part) == bytes(out[start : start + 10])
+        assert client.stats.chunks_decoded == 2  # no cache: each range decodes
 
 
 async def test_fewer_than_k_fragments_is_a_clear_error(cluster_factory: ClusterFactory) -> None:
