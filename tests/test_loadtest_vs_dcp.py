@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,10 +48,12 @@ def _run(*args: str, timeout: float = 85) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     out = tmp_path / "vs_dcp.json"
-    proc = _run("--quick", "--restore-procs", "2", "--dir", str(tmp_path), "--out", str(out))
+    proc = _run(
+        "--quick", "--restore-procs", "2", "--dir", str(tmp_path), "--out", str(out), timeout=170
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = [line for line in lines if line.startswith("| metric |")]
@@ -126,6 +129,47 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     assert doc["profile"]["ran"] is False  # --quick never profiles
     # The figures are printed, with what limits each.
     assert sum(1 for line in lines if line.startswith("# stall (save returns")) == 1
+    _check_targets(lines, doc)
+
+
+def _check_targets(lines: list[str], doc: dict[str, Any]) -> None:
+    """The six targets of issue 10: printed with a verdict, each ratio computed from the
+    figures beside it, its baseline from this same run, and every byte read back checked."""
+    rows = [line.split(" | ") for line in lines if line.startswith("| P")]
+    assert [r[0].removeprefix("| ") for r in rows] == [*["P1"] * 8, "P2", "P2r", "P3", "P3r",
+                                                      "P3r", "P4"]  # fmt: skip
+    assert all(r[7] in ("pass", "MISS") for r in rows)
+    assert any(line.startswith("# targets (issue 10), load average") for line in lines)
+    runs = doc["target_runs"]
+    assert runs["verified"] is True
+    assert runs["degraded"]["dead_node"] == 3
+    assert len(runs["dcp_async_save"]) == 2 and set(runs["dcp_save"]) == {"co-located", "remote"}
+    # the RAM tier held the checkpoint the loads read
+    assert runs["ram_tier"]["chunks_in_memory"] == runs["ram_tier"]["chunks"] > 0
+    nbytes = doc["settings"]["bytes"]
+    for t in doc["targets"]:
+        mine, theirs = t["seconds"], t["baseline_s"]
+        assert mine > 0 and theirs > 0
+        if t["kind"] == "time":
+            assert math.isclose(t["ratio"], mine / theirs) and t["passed"] == (
+                t["ratio"] <= t["bound"]
+            )
+        else:
+            assert math.isclose(t["ratio"], theirs / mine) and t["passed"] == (
+                t["ratio"] >= t["bound"]
+            )
+        assert len(t["node_cpu_s_per_gb"]) in (3, 4) and t["client_cpu_s_per_gb"] >= 0
+        assert t["floor"]
+    by = {(t["target"], t["baseline"]): t for t in doc["targets"]}
+    p4 = by[("P4", "raw zfec decode, 1 thread")]
+    assert math.isclose(p4["baseline_s"], nbytes / 1e9 / runs["codec"]["decode_raw_gbps"])
+    assert p4["seconds"] == pytest.approx(runs["degraded"]["window"]["seconds"], abs=1e-4)
+    assert len(p4["node_cpu_s_per_gb"]) == 3  # the dead node is not counted
+    loopback = by[("P3r", "raw loopback, 4 streams")]
+    assert math.isclose(loopback["baseline_s"], nbytes / 1e9 / runs["loopback"]["gbps"])
+    p2 = by[("P2", "DCP save, FileSystemWriter")]
+    assert p2["seconds"] == pytest.approx(runs["dcp_save"]["co-located"]["seconds"], abs=1e-4)
+    assert p2["baseline_s"] == pytest.approx(doc["dcp"]["save"][0]["seconds"], abs=1e-4)
 
 
 def test_bad_arguments_are_refused() -> None:
