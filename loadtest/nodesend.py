@@ -118,15 +118,19 @@ async def _round(
         transport, conn = await loop.create_connection(lambda: _Get(TOKEN), host, int(port))
         conn.transport = transport
         conns.append(conn)
-    total = 0
 
-    async def walk(c: _Get, start: int) -> None:
-        nonlocal total
+    async def walk(c: _Get, start: int) -> int:
+        # Each walk counts its own bytes: a shared ``total += await c.get(...)`` reads the
+        # total before the await and stores it after, so concurrent walks overwrote each
+        # other's counts (about one connection's bytes were counted whatever the
+        # concurrency: node CPU per GB was overstated by that factor, 4 x at 8 connections).
+        walked = 0
         for j in range(len(ids) * passes):
-            total += await c.get(ids[(start + j) % len(ids)])
+            walked += await c.get(ids[(start + j) % len(ids)])
+        return walked
 
     cpu0, t0 = proc_cpu_seconds(pid), time.monotonic()
-    await asyncio.gather(*(walk(c, i * 7) for i, c in enumerate(conns)))
+    total = sum(await asyncio.gather(*(walk(c, i * 7) for i, c in enumerate(conns))))
     seconds, cpu = time.monotonic() - t0, proc_cpu_seconds(pid) - cpu0
     for c in conns:
         assert c.transport is not None
@@ -159,17 +163,21 @@ async def run(args: argparse.Namespace) -> None:
         if args.pause:
             print("pids:", {m: c.procs[0].pid for m, c in clusters.items()}, flush=True)
         results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+        per_round = args.concurrency * args.passes * args.chunks * (args.chunk_mib << 20)
         for r in range(args.rounds):
             for m in MODES if r % 2 == 0 else MODES[::-1]:
                 c = clusters[m]
                 sec, cpu, n = await _round(
                     c.urls[0], ids[m], c.procs[0].pid, args.concurrency, args.passes
                 )
+                if n != per_round:
+                    raise RuntimeError(f"a round moved {n} bytes, not the {per_round} it sends")
                 results[m].append((n / GB / sec, cpu / (n / GB)))
         print(
             f"{args.chunks} chunks of {args.chunk_mib} MiB from n0's RAM, {args.concurrency} "
             f"connections, {args.rounds} rounds of {args.passes} passes "
-            f"({args.chunks * args.chunk_mib * args.passes * args.concurrency / 1024:.1f} GiB)"
+            f"({args.chunks * args.chunk_mib * args.passes * args.concurrency / 1024:.1f} GiB;"
+            f" {per_round} bytes counted in every round)"
         )
         for m in MODES:
             gbs = [x for x, _ in results[m]]

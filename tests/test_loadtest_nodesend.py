@@ -29,7 +29,7 @@ def test_small_run_reports_both_send_paths() -> None:
     env.pop("STORAGED_GET_SEND", None)
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.nodesend", "--chunks", "2", "--chunk-mib", "1",
-         "--rounds", "2", "--passes", "1"],
+         "--rounds", "2", "--passes", "1", "--concurrency", "4"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=170,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -37,3 +37,6 @@ def test_small_run_reports_both_send_paths() -> None:
     assert set(found) == {"stream", "response"}, proc.stdout
     for low_gbs, high_gbs, low_cpu, high_cpu in found.values():
         assert 0 < low_gbs <= high_gbs and 0 <= low_cpu <= high_cpu, proc.stdout
+    # Every round counted the bytes of all 4 connections (4 x 2 chunks x 1 MiB), not one
+    # connection's: concurrent walks once overwrote each other's count.
+    assert f"; {4 * 2 * 2**20} bytes counted in every round)" in proc.stdout, proc.stdout
