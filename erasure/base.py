@@ -121,6 +121,13 @@ class Codec(abc.ABC):
         sorted by index and agreeing on length and payload size. May raise anything on bad
         input: the caller treats an exception like a hash mismatch."""
 
+    def _decode_payloads_into(
+        self, fragments: Sequence[Fragment], length: int, out: memoryview
+    ) -> None:
+        """``_decode_payloads`` written into ``out`` (exactly ``length`` bytes). This default
+        copies the joined result; a codec that can write its blocks in place overrides it."""
+        out[:] = self._decode_payloads(fragments, length)
+
     def _expected_payload_size(self, length: int) -> int | None:
         """The payload size this codec makes for a chunk of ``length`` bytes, if known."""
         return None
@@ -190,7 +197,16 @@ class Codec(abc.ABC):
         ``DecodeMismatch`` (enough good ones, but no subset tried hashes to ``chunk_id``),
         ``InvalidParameters`` (bad chunk id or argument type).
         """
+        result = self._decode(chunk_id, fragments, None)
+        assert isinstance(result, bytes)
+        return result
+
+    def _decode(
+        self, chunk_id: str, fragments: FragmentsArg, out: memoryview | None
+    ) -> bytes | memoryview:
         _check_chunk_id(chunk_id)
+        if out is not None and (out.readonly or out.ndim != 1 or out.itemsize != 1):
+            raise InvalidParameters("out must be a flat, writable byte view")
         reasons: list[str] = []
         groups = self._collect(chunk_id, fragments, reasons)
         if not groups:
@@ -202,8 +218,10 @@ class Codec(abc.ABC):
         for (length, _size), by_index in sorted(
             groups.items(), key=lambda item: len(item[1]), reverse=True
         ):
+            if out is not None and out.nbytes < length:
+                raise InvalidParameters(f"out holds {out.nbytes} bytes, the chunk has {length}")
             try:
-                return self._decode_group(chunk_id, length, by_index, reasons)
+                return self._decode_group(chunk_id, length, by_index, reasons, out)
             except NotEnoughFragments as exc:
                 best_available = max(best_available, exc.available)
             except DecodeMismatch as exc:
@@ -215,6 +233,21 @@ class Codec(abc.ABC):
     async def decode_async(self, chunk_id: str, fragments: FragmentsArg) -> bytes:
         """``decode`` in a worker thread (the event loop never runs the coding or hashing)."""
         return await asyncio.to_thread(self.decode, chunk_id, fragments)
+
+    def decode_into(self, chunk_id: str, fragments: FragmentsArg, out: memoryview) -> memoryview:
+        """``decode``, the chunk written into the start of ``out`` (a flat writable byte
+        view) instead of a new buffer: returns ``out[:length]``. Same checks and errors as
+        ``decode``, plus ``InvalidParameters`` when ``out`` is shorter than the chunk (the
+        fragments say how long it is). On an error ``out`` may hold anything."""
+        result = self._decode(chunk_id, fragments, out)
+        assert isinstance(result, memoryview)
+        return result
+
+    async def decode_into_async(
+        self, chunk_id: str, fragments: FragmentsArg, out: memoryview
+    ) -> memoryview:
+        """``decode_into`` in a worker thread."""
+        return await asyncio.to_thread(self.decode_into, chunk_id, fragments, out)
 
     def _collect(
         self, chunk_id: str, fragments: FragmentsArg, reasons: list[str]
@@ -276,8 +309,13 @@ class Codec(abc.ABC):
         return ""
 
     def _decode_group(
-        self, chunk_id: str, length: int, by_index: dict[int, list[Fragment]], reasons: list[str]
-    ) -> bytes:
+        self,
+        chunk_id: str,
+        length: int,
+        by_index: dict[int, list[Fragment]],
+        reasons: list[str],
+        out: memoryview | None,
+    ) -> bytes | memoryview:
         good: dict[int, Fragment] = {}
         pending = iter(sorted(by_index))
 
@@ -302,11 +340,16 @@ class Codec(abc.ABC):
         attempts = 0
         failures: list[str] = []
 
-        def attempt(subset: tuple[int, ...]) -> bytes | None:
+        def attempt(subset: tuple[int, ...]) -> bytes | memoryview | None:
             nonlocal attempts
             attempts += 1
+            data: bytes | memoryview
             try:
-                data = self._decode_payloads([good[i] for i in subset], length)
+                if out is None:
+                    data = self._decode_payloads([good[i] for i in subset], length)
+                else:
+                    data = out[:length]
+                    self._decode_payloads_into([good[i] for i in subset], length, data)
             except Exception as exc:  # the codec's own complaint: treat like a wrong hash
                 failures.append(f"fragments {list(subset)}: {type(exc).__name__}: {exc}")
                 return None

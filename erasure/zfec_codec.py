@@ -92,7 +92,9 @@ class ZfecCodec(Codec):
                 primaries.append(bytes(padded))
         return primaries
 
-    def _decode_payloads(self, fragments: Sequence[Fragment], length: int) -> bytes:
+    def _segments(self, fragments: Sequence[Fragment], length: int) -> list[memoryview]:
+        """The primary segments zfec decodes, cut at the original length (the padding never
+        reaches the result)."""
         # A fresh tuple on every call: zfec reorders its argument in place (module doc).
         blocks = tuple(f.payload for f in fragments)
         numbers = tuple(f.index for f in fragments)
@@ -100,8 +102,6 @@ class ZfecCodec(Codec):
         size = block_size(length, self.k)
         if len(segments) != self.k or any(len(s) != size for s in segments):
             raise DecodeMismatch(f"zfec returned {len(segments)} segment(s) of unexpected size")
-        # One copy: join the primary segments, cut at the original length (the padding never
-        # reaches the result).
         views: list[memoryview] = []
         remaining = length
         for segment in segments:
@@ -110,4 +110,17 @@ class ZfecCodec(Codec):
             view = memoryview(segment)
             views.append(view[:remaining] if view.nbytes > remaining else view)
             remaining -= view.nbytes
-        return b"".join(views)
+        return views
+
+    def _decode_payloads(self, fragments: Sequence[Fragment], length: int) -> bytes:
+        # One copy: the segments joined.
+        return b"".join(self._segments(fragments, length))
+
+    def _decode_payloads_into(
+        self, fragments: Sequence[Fragment], length: int, out: memoryview
+    ) -> None:
+        # One copy, straight into the caller's buffer: no joined bytes to allocate.
+        pos = 0
+        for view in self._segments(fragments, length):
+            out[pos : pos + view.nbytes] = view
+            pos += view.nbytes

@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from erasure import HEADER_SIZE, Codec, InvalidParameters, make_codec
-from storaged.client.degraded import decode_cold
+from storaged.client.degraded import Decoded, decode_cold
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
 from storaged.client.errors import (
     BadName,
@@ -1100,7 +1100,11 @@ class Client:
     ) -> memoryview:
         """The chunk (or ``byte_range`` of it) decoded here from fragments fetched from their
         holders (``storaged.client.degraded``), written into ``target`` when given."""
-
+        if target is not None and byte_range is None and chunk_id not in self._cold_decodes:
+            # The whole chunk into the caller's buffer: decoded straight into it (no joined
+            # copy to allocate and copy again), and not kept, as nobody reads a part later.
+            decoded = await self._decode_fresh(chunk_id, codec, sources, target)
+            return memoryview(decoded.data)
         whole = memoryview(await self._decoded_chunk(chunk_id, codec, sources))
         start, end = 0, len(whole)
         if byte_range is not None:
@@ -1135,13 +1139,11 @@ class Client:
                     raise  # this request was cancelled
                 # The request that decoded it was cancelled, not this one: decode here.
 
-        async def fetch(index: int) -> memoryview:
-            return await self._get_fragment(chunk_id, index, sources[index])
-
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._cold_decodes[chunk_id] = future
         try:
-            decoded = await decode_cold(chunk_id, codec, sources, fetch, self._hash_slots)
+            decoded = await self._decode_fresh(chunk_id, codec, sources, None)
+            assert isinstance(decoded.data, bytes)
         except BaseException as exc:
             if self._cold_decodes.get(chunk_id) is future:
                 del self._cold_decodes[chunk_id]
@@ -1151,9 +1153,6 @@ class Client:
                 future.set_exception(exc)
                 future.exception()  # retrieved: nobody else may be waiting for it
             raise
-        self.stats.chunks_decoded += 1
-        self.stats.fragments_downloaded += decoded.fetched
-        self.stats.fragments_skipped += decoded.skipped
         future.set_result(decoded.data)
         if self._cold_decodes.get(chunk_id) is future:
             self._cold_decoded_bytes += len(decoded.data)
@@ -1167,6 +1166,22 @@ class Client:
                     del self._cold_decodes[key]
                     self._cold_decoded_bytes -= len(entry.result())
         return decoded.data
+
+    async def _decode_fresh(
+        self,
+        chunk_id: str,
+        codec: Codec,
+        sources: Mapping[int, Sequence[str]],
+        out: memoryview | None,
+    ) -> Decoded:
+        async def fetch(index: int) -> memoryview:
+            return await self._get_fragment(chunk_id, index, sources[index])
+
+        decoded = await decode_cold(chunk_id, codec, sources, fetch, self._hash_slots, out)
+        self.stats.chunks_decoded += 1
+        self.stats.fragments_downloaded += decoded.fetched
+        self.stats.fragments_skipped += decoded.skipped
+        return decoded
 
     async def _get_fragment(self, chunk_id: str, index: int, nodes: Sequence[str]) -> memoryview:
         """Fragment ``index`` of a chunk, whole and unchecked (the codec checks it), from one

@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from erasure import Codec, CorruptFragment, ErasureError, parse_fragment
+from erasure import Codec, CorruptFragment, ErasureError, InvalidParameters, parse_fragment
 from storaged.client.errors import NotEnoughFragments, StoragedError
 
 #: Fetches fragment ``index`` (header + payload) from one of its holders.
@@ -32,7 +32,8 @@ FetchFragment = Callable[[int], Awaitable[memoryview]]
 class Decoded:
     """A chunk rebuilt from fragments, and what it took."""
 
-    data: bytes
+    #: the chunk: new bytes, or the start of the caller's ``out``
+    data: bytes | memoryview
     #: fragments downloaded (the good ones and those dropped)
     fetched: int
     #: fragments not used: refused or unreachable holders, failed checks
@@ -71,12 +72,15 @@ async def decode_cold(
     sources: Mapping[int, Sequence[str]],
     fetch: FetchFragment,
     decode_slots: asyncio.Semaphore,
+    out: memoryview | None = None,
 ) -> Decoded:
     """Fetch ``k`` good fragments of ``chunk_id`` (more if some fail) and decode them.
 
     ``sources``: fragment index -> nodes holding it (from the plan). ``fetch`` raises a
-    ``StoragedError`` for a fragment it cannot get; that index is skipped. Raises
-    ``NotEnoughFragments`` when the indexes run out before a decode succeeds.
+    ``StoragedError`` for a fragment it cannot get; that index is skipped. ``out``: decode
+    into it (``Codec.decode_into``; ``InvalidParameters``, a ``ValueError``, when the chunk
+    does not fit). Raises ``NotEnoughFragments`` when the indexes run out before a decode
+    succeeds.
     """
     k = codec.k
     pending = fetch_order(sources, k)
@@ -105,8 +109,14 @@ async def decode_cold(
                 continue
             break
         async with decode_slots:
+            data: bytes | memoryview
             try:
-                data = await codec.decode_async(chunk_id, dict(got))
+                if out is None:
+                    data = await codec.decode_async(chunk_id, dict(got))
+                else:
+                    data = await codec.decode_into_async(chunk_id, dict(got), out)
+            except InvalidParameters:
+                raise  # the caller's buffer or id, not the fragments
             except ErasureError as exc:
                 bad = await asyncio.to_thread(_bad_fragments, codec, chunk_id, got)
                 for index, reason in bad.items():

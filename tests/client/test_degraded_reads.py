@@ -97,17 +97,22 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
         await restore_checkpoint(client, "degraded/a", {"g": dst})
         assert dst.tobytes() == g.tobytes()
         assert client.stats.chunks_decoded == len(plan)
-        # One chunk straight from the decode, into a caller's buffer, and a range of it.
-        out = bytearray(CHUNK)
+        # One chunk decoded straight into a caller's buffer, then ranges of it.
+        out = bytearray(CHUNK + 100)
         fresh = await client.plan("degraded/a")
+        before = client.stats.chunks_decoded
         whole = await client.get_chunk(victim_chunk, out, holders=fresh[victim_chunk])
         assert chunk_id_of(whole) == victim_chunk and whole.obj is out
-        part = await client.get_chunk(
-            victim_chunk, None, ByteRange(100, 300), holders=fresh[victim_chunk]
-        )
-        assert bytes(part) == bytes(out[100:300])
-        # Both came from the chunk decoded for the restore: ranges do not decode it again.
-        assert client.stats.chunks_decoded == len(plan)
+        assert len(whole) == CHUNK and bytes(out[CHUNK:]) == bytes(100)
+        for start in (100, 5000):
+            part = await client.get_chunk(
+                victim_chunk, None, ByteRange(start, start + 200), holders=fresh[victim_chunk]
+            )
+            assert bytes(part) == bytes(out[start : start + 200])
+        # One decode into ``out``, one for both ranges: the second is served by the first's.
+        assert client.stats.chunks_decoded == before + 2
+        with pytest.raises(ValueError, match="out holds|output buffer"):
+            await client.get_chunk(victim_chunk, bytearray(10), holders=fresh[sorted(plan)[1]])
     async with client_for(cluster, decode_cache_bytes=0) as client:
         fresh = await client.plan("degraded/a")
         for start in (0, 1000):

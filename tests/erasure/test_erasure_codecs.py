@@ -385,6 +385,31 @@ class CodecConformance:
         given[victim] = self.forged(blobs[victim])
         assert codec.decode(chunk_id, given) == data
 
+    @pytest.mark.parametrize("length", [0, 1, 4999, 5000, 5003])
+    def test_decode_into_writes_the_same_bytes_into_the_callers_buffer(self, length: int) -> None:
+        data = random_bytes(length, 21)
+        codec, chunk_id, blobs = self.encoded(3, 5, data)
+        for subset in ((0, 1, 2), (1, 3, 4), (4, 2, 0)):
+            out = memoryview(bytearray(b"\xee" * (length + 7)))
+            got = codec.decode_into(chunk_id, [blobs[i] for i in subset], out)
+            assert got.obj is out.obj and got.nbytes == length and bytes(got) == data
+            assert bytes(out[length:]) == b"\xee" * 7  # nothing written past the chunk
+        if length:
+            with pytest.raises(InvalidParameters, match="out holds"):
+                codec.decode_into(chunk_id, blobs, memoryview(bytearray(length - 1)))
+        with pytest.raises(InvalidParameters, match="writable"):
+            codec.decode_into(chunk_id, blobs, memoryview(bytes(length)))
+
+    def test_decode_into_outvotes_a_crc_valid_wrong_fragment_too(self) -> None:
+        data = random_bytes(5000, 22)
+        codec, chunk_id, blobs = self.encoded(3, 5, data)
+        given = list(blobs)
+        given[1] = self.forged(blobs[1])
+        out = memoryview(bytearray(5000))
+        assert bytes(codec.decode_into(chunk_id, given, out)) == data
+        with pytest.raises(DecodeMismatch):
+            codec.decode_into(chunk_id, given[:3], out)
+
     def test_a_forged_length_is_its_own_group(self) -> None:
         data = random_bytes(5000, 14)
         codec, chunk_id, blobs = self.encoded(2, 4, data)
