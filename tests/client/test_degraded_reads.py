@@ -111,7 +111,7 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
             assert bytes(part) == bytes(out[start : start + 200])
         # One decode into ``out``, one for both ranges: the second is served by the first's.
         assert client.stats.chunks_decoded == before + 2
-        with pytest.raises(ValueError, match="out holds|output buffer"):
+        with pytest.raises(ValueError, match=r"out holds|output buffer"):
             await client.get_chunk(victim_chunk, bytearray(10), holders=fresh[sorted(plan)[1]])
     async with client_for(cluster, decode_cache_bytes=0) as client:
         fresh = await client.plan("degraded/a")
