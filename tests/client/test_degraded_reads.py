@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -190,3 +191,31 @@ async def test_decode_cold_gives_up_when_the_indexes_run_out() -> None:
 
 def test_fetch_order_asks_for_primaries_first() -> None:
     assert fetch_order({5: ["a"], 0: ["b"], 4: ["c"], 2: ["a"], 3: ["d"]}, 4) == [0, 2, 3, 4, 5]
+
+
+async def test_the_fragment_endpoint_answers_only_for_what_the_node_holds(
+    cluster: LocalCluster,
+) -> None:
+    async with client_for(cluster) as client:
+        data = np.random.default_rng(5).bytes(50_000)
+        cid = await client.put_chunk(data)  # in RAM only: no node holds a fragment yet
+    headers = {"Authorization": f"Bearer {cluster.token}", "Accept": "application/json"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+
+        async def get(path: str) -> tuple[int, dict[str, object]]:
+            async with session.get(cluster.urls[0] + path) as resp:
+                return resp.status, await resp.json()
+
+        assert await get(f"/v1/chunks/{cid}/fragments/0") == (
+            404,
+            {"error": "fragment_not_found", "message": f"fragment 0 of {cid} is not held by"
+             " this node"},
+        )  # fmt: skip
+        for bad in ("x", "07", "6", "-1"):
+            status, doc = await get(f"/v1/chunks/{cid}/fragments/{bad}")
+            assert (status, doc["error"]) == (400, "bad_request"), bad
+        status, doc = await get(f"/v1/chunks/{'A' * 64}/fragments/0")
+        assert (status, doc["error"]) == (400, "bad_chunk_id")
+        url = f"{cluster.urls[0]}/v1/chunks/{cid}/fragments/0"
+        async with aiohttp.ClientSession() as anonymous, anonymous.get(url) as resp:
+            assert resp.status == 401
