@@ -227,7 +227,10 @@ RestorePlanDoc = dict[str, list[Holder]]
 class ClientStats:
     """Counters since the client was opened (or ``reset``). Not thread-safe; one loop."""
 
+    #: HTTP attempts made for the caller's requests (background refreshes not included).
     requests: int = 0
+    #: ``GET /v1/cluster`` attempts made in the background after a node failed to answer.
+    background_requests: int = 0
     retries: int = 0
     failovers: int = 0
     chunks_uploaded: int = 0
@@ -497,13 +500,18 @@ class Client:
 
     async def refresh_cluster(self) -> ClusterInfo:
         """Ask ``GET /v1/cluster`` again (known live nodes first, then the seed URLs)."""
+        return await self._refresh_cluster(background=False)
+
+    async def _refresh_cluster(self, *, background: bool) -> ClusterInfo:
         known = [node.id for node in self._cluster.live] if self._cluster else []
         candidates = list(dict.fromkeys([*known, *self._seeds]))
 
         async def handle(resp: aiohttp.ClientResponse) -> ClusterInfo:
             return ClusterInfo.from_wire(await self._decoded(resp))
 
-        info = await self._call("GET", "/v1/cluster", handle, candidates=candidates)
+        info = await self._call(
+            "GET", "/v1/cluster", handle, candidates=candidates, background=background
+        )
         self._cluster = info
         self._last_refresh = time.monotonic()
         for node in info.nodes:
@@ -558,7 +566,7 @@ class Client:
 
         async def refresh() -> None:
             try:
-                await self.refresh_cluster()
+                await self._refresh_cluster(background=True)
             except StoragedError as exc:
                 log.debug("cluster refresh failed: %s", exc)
 
@@ -592,6 +600,7 @@ class Client:
         balance: int = 0,
         direct: Callable[[str], Awaitable[T]] | None = None,
         max_attempts: int | None = None,
+        background: bool = False,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -607,6 +616,8 @@ class Client:
         ``direct``, when given, makes an attempt on a node instead of aiohttp (same slots,
         load counting and error handling); when it raises ``NotHandled`` the attempt is
         made through aiohttp after all. ``max_attempts`` caps the retry policy's.
+        ``background`` attempts count in ``stats.background_requests`` only (not in
+        ``requests``, ``failovers`` or ``retries``: those describe the caller's requests).
         """
         session = self._session
         if session is None:
@@ -627,7 +638,10 @@ class Client:
         while True:
             node = order[position % len(order)]
             attempts += 1
-            self.stats.requests += 1
+            if background:
+                self.stats.background_requests += 1
+            else:
+                self.stats.requests += 1
             try:
                 async with self._request_slots:
                     if position == 0 and balance > 1:
@@ -672,7 +686,8 @@ class Client:
                 replayed = replayed or method != "GET"
                 lost_in_a_row += 1
                 position += 1
-                self.stats.failovers += 1
+                if not background:
+                    self.stats.failovers += 1
                 if lost_in_a_row < len(order) and self._may_retry(attempts, started, limit):
                     continue  # an untried node remains: no reason to wait
             except StoragedError as exc:
@@ -698,7 +713,8 @@ class Client:
                     # answer we got is more telling than the lost connection.
                     raise self._mark(refused_by[-1], replayed) from None
                 raise self._mark(error, replayed)
-            self.stats.retries += 1
+            if not background:
+                self.stats.retries += 1
             retry_after = error.retry_after if isinstance(error, StoragedError) else None
             await asyncio.sleep(self._retry.delay(attempts, retry_after, self._rng))
             lost_in_a_row = 0
