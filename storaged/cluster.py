@@ -107,6 +107,9 @@ class LocalCluster:
     env: Mapping[str, str] = field(default_factory=dict)
     #: the local etcd member the nodes coordinate through; None: the embedded coordination
     etcd: LocalEtcd | None = None
+    #: or an etcd this cluster neither starts nor stops (a coordinator URL, with a key
+    #: prefix when several clusters share it: the tests' etcd rig)
+    coordinator: str = ""
     log_to_files: bool = True
     #: nodes serve HTTPS (settings must carry tls_cert and tls_key)
     https: bool = False
@@ -134,6 +137,11 @@ class LocalCluster:
         self.replication = min(self.replication, self.nodes)
 
     # ---- config -------------------------------------------------------------------------
+    @property
+    def coordinator_url(self) -> str:
+        """The etcd the nodes coordinate through; empty: the embedded coordination."""
+        return self.etcd.url if self.etcd is not None else self.coordinator
+
     @property
     def config_path(self) -> Path:
         return self.data / "cluster.toml"
@@ -187,7 +195,7 @@ class LocalCluster:
             "erasure": {"codec": "zfec", "k": k, "n": n},
             "auth": auth,
         }
-        if self.etcd is None:
+        if not self.coordinator_url:
             # On etcd the members register themselves: a static list would contradict it.
             doc["nodes"] = [
                 {
@@ -305,8 +313,8 @@ class LocalCluster:
         # -P: the working directory is not put first on the node's sys.path (see above).
         cmd = [sys.executable, "-P", "-m", "storaged", "serve"]
         cmd += ["--config", str(self.config_path), "--node", self.node_id(i)]
-        if self.etcd is not None:
-            cmd += ["--coordinator", self.etcd.url, "--url", self.url(i)]
+        if self.coordinator_url:
+            cmd += ["--coordinator", self.coordinator_url, "--url", self.url(i)]
             cmd += ["--peer", f"127.0.0.1:{self.peer_port + i}", "--data", str(node_dir)]
         env = {name: value for name, value in os.environ.items() if self._inherits(name)}
         env.update(self.env)

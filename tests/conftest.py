@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from storaged.cluster import ClusterError, LocalCluster, free_port_block
+from tests.etcd import EtcdCluster, etcd_binary
 
 #: a callback holding the loop this long fails the test (generous: the machine is shared)
 BLOCKING_LIMIT_S = 0.5
@@ -122,6 +124,14 @@ def _guarded_loop() -> asyncio.AbstractEventLoop:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--coordinator",
+        choices=("embedded", "etcd"),
+        default="embedded",
+        help="what the test clusters coordinate through (cluster, cluster_factory, inproc, "
+        "the nemesis cluster): the embedded membership and catalogue, or a real 3-member "
+        "etcd on 127.0.0.1 started for the session (one key prefix per cluster)",
+    )
     group = parser.getgroup("nemesis", "the nemesis suite (tests/nemesis)")
     group.addoption(
         "--nemesis-seconds",
@@ -144,6 +154,21 @@ def pytest_configure(config: pytest.Config) -> None:
     # to the default on exec, so handling it here gives every child a normal Ctrl-C.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    config.addinivalue_line(
+        "markers",
+        "embedded_only(reason): about the embedded coordination itself (the cluster file's "
+        "member list, the embedded catalogue); skipped under --coordinator etcd",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--coordinator") != "etcd":
+        return
+    for item in items:
+        marker = item.get_closest_marker("embedded_only")
+        if marker is not None:
+            why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+            item.add_marker(pytest.mark.skip(reason=f"embedded coordination only: {why}"))
 
 
 def pytest_asyncio_loop_factories(
@@ -168,9 +193,69 @@ def _node_env() -> dict[str, str]:
     return {"PYTHONASYNCIODEBUG": ""}
 
 
+def etcd_missing() -> str | None:
+    """Why the etcd tests cannot run here, or None."""
+    if etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None:
+        return (
+            "needs etcd (apt-get install etcd-server; scripts/test does it as root) and the "
+            "etcd extra (pip install -e .[etcd])"
+        )
+    return None
+
+
+@pytest.fixture(scope="session")
+def etcd_rig(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    """A real 3-member etcd on 127.0.0.1 for the whole session, started when a test first
+    needs it; every cluster on it gets a key prefix of its own (``fresh_prefix``)."""
+    why = etcd_missing()
+    if why is not None:
+        if request.config.getoption("--coordinator") == "etcd":
+            pytest.fail(f"--coordinator etcd: {why}")
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="storaged-etcd-"))
+    rig = EtcdCluster(root)
+    rig.start_blocking()
+    try:
+        yield rig
+    finally:
+        rig.close_blocking()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def coordinator_for(request: pytest.FixtureRequest) -> Callable[[], str] | None:
+    """Under ``--coordinator etcd``: a maker of fresh coordinator URLs on the session's etcd
+    (every member running again, should a test have left one down); else None."""
+    if request.config.getoption("--coordinator") != "etcd":
+        return None
+    return healthy_rig(request).fresh_prefix
+
+
+@pytest.fixture
+def coordinator(request: pytest.FixtureRequest) -> Callable[[], str] | None:
+    """``coordinator_for`` as a fixture: a sync one, so that an async fixture depending on
+    it never starts the etcd rig inside its event loop."""
+    return coordinator_for(request)
+
+
+def healthy_rig(request: pytest.FixtureRequest) -> EtcdCluster:
+    """The session's etcd, every member running (a test may have left one down)."""
+    rig: EtcdCluster = request.getfixturevalue("etcd_rig")
+    if not all(rig.running(m.index) for m in rig.members):
+        for m in rig.members:
+            rig.resume(m.index)
+            if not rig.running(m.index):
+                rig.launch(m.index)
+        rig.wait_serving()
+    return rig
+
+
 class ClusterFactory:
-    def __init__(self, root: Path) -> None:
+    """Starts ``LocalCluster``s; with ``coordinator`` (a fresh coordinator URL per call)
+    their nodes run on that etcd instead of the embedded coordination."""
+
+    def __init__(self, root: Path, coordinator: Callable[[], str] | None = None) -> None:
         self.root = root
+        self.coordinator = coordinator
         self.clusters: list[LocalCluster] = []
 
     def __call__(
@@ -190,6 +275,7 @@ class ClusterFactory:
                 settings=merged,
                 env=_node_env(),
                 https=https,
+                coordinator=self.coordinator() if self.coordinator is not None else "",
             )
             self.clusters.append(cluster)
             try:
@@ -230,10 +316,13 @@ def _dump_logs(cluster: LocalCluster) -> str:
 
 
 @pytest.fixture
-def cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactory]:
-    """Start clusters of real node processes; all are stopped (and their dirs removed) after."""
+def cluster_factory(
+    request: pytest.FixtureRequest, coordinator: Callable[[], str] | None
+) -> Iterator[ClusterFactory]:
+    """Start clusters of real node processes (on etcd under ``--coordinator etcd``); all are
+    stopped (and their dirs removed) after."""
     root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
-    factory = ClusterFactory(root)
+    factory = ClusterFactory(root, coordinator)
     try:
         yield factory
     finally:
@@ -246,10 +335,10 @@ def cluster_factory(request: pytest.FixtureRequest) -> Iterator[ClusterFactory]:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     """One 4-node cluster shared by a module's tests (tests that kill nodes use the factory)."""
     root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
-    factory = ClusterFactory(root)
+    factory = ClusterFactory(root, coordinator_for(request))
     try:
         yield factory()
     finally:

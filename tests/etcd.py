@@ -2,18 +2,26 @@
 
 Uses Debian's ``etcd-server`` (binary ``etcd``, on PATH or at ``/usr/bin/etcd``);
 ``scripts/test`` installs it on a fresh machine when run as root. Members can be killed
-(SIGKILL: a crashed member) and started again from their data directories; ``close``
-stops every member and waits for the processes.
+(SIGKILL: a crashed member), stopped (SIGSTOP: a hung one) and started again from their
+data directories; ``close`` stops every member and waits for the processes.
+
+The members are plain child processes, not tied to an event loop: the async methods serve
+the tests in one loop, the ``*_blocking`` ones a rig that outlives loops (the session's
+rig of ``--coordinator etcd``, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import signal
+import subprocess
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +47,7 @@ class EtcdMember:
     client_port: int
     peer_port: int
     data_dir: Path
-    process: asyncio.subprocess.Process | None = None
+    process: subprocess.Popen[bytes] | None = None
 
 
 @dataclass
@@ -50,6 +58,7 @@ class EtcdCluster:
     size: int = 3
     members: list[EtcdMember] = field(default_factory=list)
     binary: str = ""
+    _prefixes: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
     def endpoints(self) -> list[str]:
@@ -60,10 +69,21 @@ class EtcdCluster:
         """The coordinator URL a node is configured with (``Config.coordinator``)."""
         return "etcd://" + ",".join(self.endpoints)
 
+    def fresh_prefix(self, what: str = "t") -> str:
+        """A coordinator URL under a key prefix no cluster used before: clusters sharing
+        this etcd do not see each other's members or checkpoints."""
+        return f"{self.url}/{what}{next(self._prefixes)}-{time.monotonic_ns()}"
+
     def _initial_cluster(self) -> str:
         return ",".join(f"e{m.index}=http://127.0.0.1:{m.peer_port}" for m in self.members)
 
     async def start(self, timeout: float = 60.0) -> None:
+        await asyncio.to_thread(self.start_blocking, timeout)
+        await self.wait_healthy(timeout)
+
+    def start_blocking(self, timeout: float = 60.0) -> None:
+        """Start the members and wait until each says it sees a leader (``start`` also
+        writes through each); for a caller outside an event loop."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd is not installed (apt-get install etcd-server)")
@@ -75,33 +95,37 @@ class EtcdCluster:
                 for i in range(self.size)
             ]
             for m in self.members:
-                await self.start_member(m.index)
+                self.launch(m.index)
             try:
-                await self.wait_healthy(timeout)
+                self.wait_serving(timeout)
                 return
             except BaseException:
                 # A port taken between the check and the bind kills a member at once: try
                 # other ports; anything else is a failure.
                 died = not all(self.running(m.index) for m in self.members)
-                await self.close()
+                self.close_blocking()
                 if attempt == 2 or not died:
                     raise
         raise AssertionError("unreachable")
 
     def running(self, i: int) -> bool:
         p = self.members[i].process
-        return p is not None and p.returncode is None
+        return p is not None and p.poll() is None
 
     async def start_member(self, i: int) -> None:
         """Start member ``i`` (again, from its data directory if it ran before)."""
+        self.launch(i)
+
+    def launch(self, i: int) -> None:
+        """``start_member`` without a loop: only spawns the process (it does not wait)."""
         m = self.members[i]
         if self.running(i):
             raise RuntimeError(f"etcd member e{i} is already running")
         m.data_dir.mkdir(parents=True, exist_ok=True)
         # A small local file: the children write their logs there
-        log = open(self.root / f"e{i}.log", "ab")  # noqa: SIM115, ASYNC230
+        log = open(self.root / f"e{i}.log", "ab")  # noqa: SIM115
         try:
-            m.process = await asyncio.create_subprocess_exec(
+            cmd = [
                 self.binary,
                 "--name", f"e{i}",
                 "--data-dir", str(m.data_dir),
@@ -116,30 +140,65 @@ class EtcdCluster:
                 "--election-timeout", str(ELECTION_MS),
                 "--logger", "zap",
                 "--log-level", "warn",
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-            )  # fmt: skip
+            ]  # fmt: skip
+            m.process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         finally:
             log.close()
 
     async def kill(self, i: int) -> None:
         """SIGKILL member ``i`` (a crash) and reap it."""
+        await asyncio.to_thread(self.kill_blocking, i)
+
+    def kill_blocking(self, i: int) -> None:
         p = self.members[i].process
-        if p is not None and p.returncode is None:
+        if p is not None and p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGKILL)
-            await p.wait()
+                p.send_signal(signal.SIGCONT)  # a stopped member would not die before it
+                p.kill()
+            p.wait(timeout=30)
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP member ``i``: it neither answers nor closes its connections."""
+        p = self.members[i].process
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        p = self.members[i].process
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGCONT)
 
     async def kill_all(self) -> None:
+        await asyncio.to_thread(self.close_blocking)
+
+    def close_blocking(self) -> None:
         for m in self.members:
-            await self.kill(m.index)
+            self.kill_blocking(m.index)
 
     async def start_all(self, timeout: float = 60.0) -> None:
         for m in self.members:
             if not self.running(m.index):
-                await self.start_member(m.index)
+                self.launch(m.index)
         await self.wait_healthy(timeout)
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Until every running member says it is healthy (it sees a leader), over HTTP:
+        ``wait_healthy`` for a caller without an event loop."""
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            while self.running(m.index):
+                url = f"http://127.0.0.1:{m.client_port}/health"
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as resp:
+                        if b'"true"' in resp.read():
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"etcd member e{m.index} not healthy within {timeout}s")
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"etcd member e{m.index} exited: see {self.root}")
 
     async def wait_healthy(self, timeout: float = 60.0) -> None:
         """Until a write through every running member's endpoint succeeds."""

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import itertools
 import os
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,17 +22,16 @@ import pytest
 from storaged.catalog import CheckpointNotFound
 from storaged.catalogue import Catalogue, CatalogueUnavailable, CommitConflict
 from storaged.cluster import free_port_block
-from storaged.config import Config, ConfigError, load_config
+from storaged.config import ConfigError, load_config
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
 from storaged.coord.etcd_membership import EtcdMembership
-from storaged.node import Node
 from tests.conftest import TOKEN
 from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
 from tests.coordination.membership_conformance import InprocMembers, Members, MembershipTests
 from tests.etcd import EtcdCluster, etcd_binary
 from tests.service.http import Api, manifest_for, random_chunk
-from tests.service.inproc import SECRET, InprocCluster, wait_until
+from tests.service.inproc import SECRET, EtcdInprocCluster, wait_until
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
@@ -43,28 +40,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 T = TypeVar("T")
-_prefixes = itertools.count()
 
 #: generous: etcd elections and lease expiry on a loaded 2-core machine
 SLOW = 60.0
-
-
-@dataclass
-class EtcdInprocCluster(InprocCluster):
-    """In-process nodes whose membership and catalogue are etcd's."""
-
-    ttl: int = 3
-    catalogue_options: dict[str, Any] = field(default_factory=dict)
-
-    async def open_node(self, config: Config) -> Node:
-        session = EtcdSession(config.coordinator)
-        membership = EtcdMembership(config, session, ttl=self.ttl)
-        options = self.catalogue_options
-        return await Node.open(
-            config,
-            membership=membership,
-            catalogue=lambda node: EtcdCatalogue(node, session, **options),
-        )
 
 
 class EtcdRig:
@@ -75,16 +53,13 @@ class EtcdRig:
         self.etcd = etcd
         self.clusters: list[EtcdInprocCluster] = []
 
-    def coordinator(self) -> str:
-        return f"{self.etcd.url}/t{next(_prefixes)}-{time.monotonic_ns()}"
-
     async def start(
         self, nodes: int = 4, *, catalogue_options: dict[str, Any] | None = None
     ) -> EtcdInprocCluster:
         cluster = EtcdInprocCluster(
             self.root / f"etcd-nodes{len(self.clusters)}",
             nodes,
-            {"coordinator": self.coordinator()},
+            {"coordinator": self.etcd.fresh_prefix()},
             catalogue_options=dict(catalogue_options or {}),
         )
         self.clusters.append(cluster)
@@ -415,7 +390,7 @@ def test_coordinator_setting_is_checked() -> None:
 async def test_serve_with_a_coordinator_and_no_cluster_file(
     rig: EtcdRig, etcd: EtcdCluster, tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    coordinator = rig.coordinator()
+    coordinator = rig.etcd.fresh_prefix()
     base = free_port_block(6)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
     env = {**os.environ, "STORAGED_CLUSTER_SECRET": SECRET, "STORAGED_TOKEN": TOKEN}

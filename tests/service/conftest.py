@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -12,9 +12,12 @@ from tests.service.inproc import InprocFactory
 
 
 @pytest.fixture
-async def inproc(tmp_path: Path) -> AsyncIterator[InprocFactory]:
-    """Start clusters of nodes in the test's own event loop; every node is stopped after."""
-    factory = InprocFactory(tmp_path)
+async def inproc(
+    tmp_path: Path, coordinator: Callable[[], str] | None
+) -> AsyncIterator[InprocFactory]:
+    """Start clusters of nodes in the test's own event loop (on etcd under
+    ``--coordinator etcd``); every node is stopped after."""
+    factory = InprocFactory(tmp_path, coordinator)
     try:
         yield factory
     finally:

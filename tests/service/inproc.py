@@ -6,6 +6,9 @@ A node stopped with ``kill`` is the equivalent of a dead process: its HTTP site 
 server close without draining (requests in flight are cancelled, peers see their
 connections drop) and its RAM is gone; ``restart`` opens it again from its data directory.
 Where a scenario needs a real crash or SIGTERM, use ``storaged.cluster.LocalCluster``.
+
+``EtcdInprocCluster`` runs the same nodes on an etcd's membership and catalogue; the
+``inproc`` fixture starts those under ``--coordinator etcd``.
 """
 
 from __future__ import annotations
@@ -226,19 +229,49 @@ class InprocCluster:
         return [self.index_of(n) for n in first.live_order(chunk_id)]
 
 
-class InprocFactory:
-    """Starts in-process clusters; ``close_all`` stops every node (the fixture calls it)."""
+@dataclass
+class EtcdInprocCluster(InprocCluster):
+    """In-process nodes whose membership and catalogue are etcd's (``settings`` carries the
+    ``coordinator`` URL, with a key prefix of this cluster's own)."""
 
-    def __init__(self, root: Path) -> None:
+    ttl: int = 3
+    catalogue_options: dict[str, Any] = field(default_factory=dict)
+
+    async def open_node(self, config: Config) -> Node:
+        # Imported here: the embedded runs need no etcd client installed.
+        from storaged.coord.etcd import EtcdSession
+        from storaged.coord.etcd_catalogue import EtcdCatalogue
+        from storaged.coord.etcd_membership import EtcdMembership
+
+        session = EtcdSession(config.coordinator)
+        membership = EtcdMembership(config, session, ttl=self.ttl)
+        options = self.catalogue_options
+        return await Node.open(
+            config,
+            membership=membership,
+            catalogue=lambda node: EtcdCatalogue(node, session, **options),
+        )
+
+
+class InprocFactory:
+    """Starts in-process clusters; ``close_all`` stops every node (the fixture calls it).
+    With ``coordinator`` (a fresh coordinator URL per call) the clusters run on etcd."""
+
+    def __init__(self, root: Path, coordinator: Callable[[], str] | None = None) -> None:
         self.root = root
+        self.coordinator = coordinator
         self.clusters: list[InprocCluster] = []
 
     async def start(
         self, nodes: int = 4, *, per_node: dict[int, dict[str, Any]] | None = None, **settings: Any
     ) -> InprocCluster:
-        cluster = InprocCluster(
-            self.root / f"inproc{len(self.clusters)}", nodes, settings, dict(per_node or {})
-        )
+        root = self.root / f"inproc{len(self.clusters)}"
+        cluster: InprocCluster
+        if self.coordinator is None:
+            cluster = InprocCluster(root, nodes, settings, dict(per_node or {}))
+        else:
+            settings = {**settings, "coordinator": self.coordinator()}
+            cluster = EtcdInprocCluster(root, nodes, settings, dict(per_node or {}))
         self.clusters.append(cluster)
         await cluster.start()
         return cluster

@@ -29,6 +29,28 @@ async def api(cluster: LocalCluster) -> AsyncIterator[Api]:
         yield Api(session, cluster.urls[0], TOKEN)
 
 
+async def test_the_nodes_coordinate_through_the_coordinator_asked_for(
+    cluster: LocalCluster, request: pytest.FixtureRequest
+) -> None:
+    """The service suite runs in both modes (``--coordinator``): make sure it really does."""
+    if request.config.getoption("--coordinator") == "embedded":
+        assert not cluster.coordinator_url
+        assert "[[nodes]]" in cluster.config_path.read_text()
+        return
+    from storaged.coord.etcd import EtcdSession
+
+    session = EtcdSession(cluster.coordinator_url)
+    try:
+        kv = await session.kv()
+        prefix = session.key("membership", "alive", "")
+        reply = await kv.get(prefix, session.range_end(prefix), keys_only=True)
+    finally:
+        await session.close()
+    alive = sorted(bytes(item.key).decode().rpartition("/")[2] for item in reply.kvs)
+    assert alive == [cluster.node_id(i) for i in range(cluster.nodes)]
+    assert "[[nodes]]" not in cluster.config_path.read_text()
+
+
 # ---- chunks -------------------------------------------------------------------------------------
 async def test_put_acks_three_distinct_replicas_then_200(api: Api, cluster: LocalCluster) -> None:
     data = random_chunk(3 * 2**20 + 17)
