@@ -154,11 +154,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # to the default on exec, so handling it here gives every child a normal Ctrl-C.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    config.addinivalue_line(
-        "markers",
-        "embedded_only(reason): about the embedded coordination itself (the cluster file's "
-        "member list, the embedded catalogue); skipped under --coordinator etcd",
-    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -240,12 +235,7 @@ def coordinator(request: pytest.FixtureRequest) -> Callable[[], str] | None:
 def healthy_rig(request: pytest.FixtureRequest) -> EtcdCluster:
     """The session's etcd, every member running (a test may have left one down)."""
     rig: EtcdCluster = request.getfixturevalue("etcd_rig")
-    if not all(rig.running(m.index) for m in rig.members):
-        for m in rig.members:
-            rig.resume(m.index)
-            if not rig.running(m.index):
-                rig.launch(m.index)
-        rig.wait_serving()
+    rig.restore_blocking()
     return rig
 
 

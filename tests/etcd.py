@@ -181,6 +181,15 @@ class EtcdCluster:
                 self.launch(m.index)
         await self.wait_healthy(timeout)
 
+    def restore_blocking(self, timeout: float = 60.0) -> None:
+        """Continue stopped members, start dead ones, wait until all serve (a rig shared
+        by many tests: one may have left a member down)."""
+        for m in self.members:
+            self.resume(m.index)
+            if not self.running(m.index):
+                self.launch(m.index)
+        self.wait_serving(timeout)
+
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Until every running member says it is healthy (it sees a leader), over HTTP:
         ``wait_healthy`` for a caller without an event loop."""

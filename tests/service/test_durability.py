@@ -226,6 +226,10 @@ async def test_scenario_3_gc_keeps_old_chunk_that_a_commit_reuses(
 
 
 # ---- 4 --------------------------------------------------------------------------------------
+@pytest.mark.embedded_only(
+    "the embedded catalogue's record files on the name's holders; on etcd a commit is"
+    " one etcd transaction (tests/coordination/test_etcd.py)"
+)
 async def test_scenario_4_commit_retry_completes_a_partial_catalogue_write(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -518,6 +522,9 @@ async def test_scenario_13_status_reports_lost_chunks(
 
 
 # ---- catalogue records lost one holder at a time (found by the nemesis soak) ----------------
+@pytest.mark.embedded_only(
+    "the embedded catalogue's repair of record files; etcd keeps the records itself"
+)
 async def test_catalogue_records_survive_their_holders_losing_them_one_at_a_time(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -547,6 +554,10 @@ async def test_catalogue_records_survive_their_holders_losing_them_one_at_a_time
 
 
 # ---- split views and unanswered lookups (found by the nemesis soak) --------------------------
+@pytest.mark.embedded_only(
+    "the embedded catalogue's primary chosen from a node's view of who is alive; on "
+    "etcd racing commits meet in one transaction (scenario 12 runs on both)"
+)
 async def test_racing_commits_with_split_views_of_who_is_alive(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -579,6 +590,10 @@ async def test_racing_commits_with_split_views_of_who_is_alive(
         await cluster.close()
 
 
+@pytest.mark.embedded_only(
+    "the embedded catalogue's lookup quorum among nodes; on etcd a lookup asks etcd "
+    "(etcd down gives 503: tests/coordination/test_etcd.py)"
+)
 async def test_a_lookup_nobody_answered_is_503_not_404(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:

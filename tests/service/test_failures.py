@@ -241,6 +241,8 @@ async def test_memory_full_is_backpressure_not_loss(
     cluster = await cluster_factory.start(
         4,
         put_wait=0.5,
+        # a graceful stop waits this long to drain RAM, which can never fit on this nvme
+        stop_timeout=5.0,
         tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
     )
     api = Api(session, cluster.urls[0], TOKEN)
