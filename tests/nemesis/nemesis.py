@@ -11,6 +11,11 @@ Faults (each lasts a drawn 1-3 s unless said otherwise, then is undone):
 - ``partition``: one or two nodes cut off from the others on the peer links (DROP after
   resetting open connections, or BLACKHOLE); clients still reach every node.
 - ``delay``: a few peer links delay every piece by 20-200 ms.
+- ``etcd_member`` (only when the nodes coordinate through etcd): one member of the 3-member
+  etcd killed (SIGKILL) or stopped (SIGSTOP), then started again or continued. These come
+  on a schedule of their own (every ``etcd_gap`` s, drawn from the seed's own stream, so
+  the node faults' draws are those of the embedded runs), overlapping the node faults; one
+  member at a time, so etcd keeps its quorum; the node budget below does not count them.
 
 At most ``replication - 1`` nodes are impaired at once (killed, stopped, flipped, full,
 partitioned): the failure model the cluster promises to survive. A node whose data was
@@ -35,11 +40,13 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 
 from erasure import HEADER_SIZE as FRAGMENT_HEADER_SIZE
 from storaged.cluster import ClusterError
+from tests.etcd import EtcdCluster
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
 from tests.nemesis.history import History
 from tests.nemesis.proxy import Link, LinkMode
@@ -68,6 +75,8 @@ class NemesisShape:
     warm_acks: int = 3
     warmup: float = 20.0
     restart_timeout: float = 60.0
+    #: time between the end of one etcd member fault and the next (etcd mode only)
+    etcd_gap: tuple[float, float] = (2.0, 6.0)
 
 
 def flip_files(root: Path, rng: random.Random) -> int:
@@ -104,12 +113,15 @@ class Nemesis:
         shape: NemesisShape,
         *,
         full_disk: bool,
+        etcd: EtcdCluster | None = None,
     ) -> None:
         self.cluster = cluster
+        self.etcd = etcd
         self.history = history
         self.shape = shape
         self.rng = random.Random(f"{history.seed}/nemesis")
         self.kinds = [k for k in KINDS if full_disk or k != "full_disk"]
+        self.etcd_rng = random.Random(f"{history.seed}/etcd")
         self.budget = cluster.replication - 1
         #: node -> monotonic time until which it counts as impaired (inf while a fault runs)
         self.impaired: dict[int, float] = {}
@@ -132,6 +144,8 @@ class Nemesis:
             if self.stopping.is_set() or self.history.counts["acked"] >= self.shape.warm_acks:
                 break
             await asyncio.sleep(0.1)
+        if self.etcd is not None:
+            self._spawn(self._etcd_faults())
         first = list(self.kinds)
         self.rng.shuffle(first)
         names = list(WEIGHTS)
@@ -157,6 +171,11 @@ class Nemesis:
             self.cluster.signal_node(i, signal.SIGCONT)
             if not self.cluster.alive(i):
                 await self._restart(i)
+        if self.etcd is not None:
+            for m in self.etcd.members:
+                self.etcd.resume(m.index)
+                if not self.etcd.running(m.index):
+                    await self._etcd_restart(m.index)
         self.history.note(f"nemesis: stopped after {self.faults} faults {dict(self.injected)}")
 
     async def _sleep(self, seconds: float) -> None:
@@ -247,11 +266,18 @@ class Nemesis:
             coro = {"term_restart": self._term_restart, "pause": self._pause, "flip": self._flip}[
                 kind
             ](node)
+        self._count(kind)
+        self._spawn(coro)
+        return True
+
+    def _count(self, kind: str) -> None:
         self.injected[kind] += 1
+        self.history.counts[f"fault {kind}"] += 1
+
+    def _spawn(self, coro: Coroutine[None, None, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return True
 
     def _names(self, nodes: list[int]) -> str:
         return ",".join(self.cluster.node_id(i) for i in nodes)
@@ -379,6 +405,40 @@ class Nemesis:
         finally:
             await self._undo_links(links, owner)
             self._release(nodes)
+
+    async def _etcd_faults(self) -> None:
+        """One etcd member at a time down or stopped, every ``etcd_gap`` s, until the end."""
+        assert self.etcd is not None
+        rng = self.etcd_rng
+        while not self.stopping.is_set():
+            await self._sleep(rng.uniform(*self.shape.etcd_gap))
+            if self.stopping.is_set():
+                return
+            i = rng.randrange(len(self.etcd.members))
+            how = rng.choice(["kill -9", "SIGSTOP"])
+            duration = rng.uniform(*self.shape.duration)
+            self._count("etcd_member")
+            self.history.note(f"nemesis: etcd member e{i} {how} for {duration:.1f}s")
+            try:
+                if how == "kill -9":
+                    await asyncio.to_thread(self.etcd.kill_blocking, i)
+                else:
+                    self.etcd.pause(i)
+                await self._sleep(duration)
+            finally:
+                self.etcd.resume(i)
+                if not self.etcd.running(i):
+                    await self._etcd_restart(i)
+
+    async def _etcd_restart(self, i: int) -> None:
+        """Start etcd member ``i`` again and wait until every member serves."""
+        assert self.etcd is not None
+        try:
+            self.etcd.launch(i)
+            await asyncio.to_thread(self.etcd.wait_serving, self.shape.restart_timeout)
+            self.history.note(f"nemesis: etcd member e{i} back")
+        except (AssertionError, OSError) as exc:
+            self.history.violate("restart", f"etcd member e{i} did not come back: {exc}")
 
     async def _delay(self) -> None:
         proxies = self.cluster.proxies

@@ -3,6 +3,10 @@
 The CI run (fixed seed, about a minute of faults) is in the default suite; the soak runs
 with ``--nemesis-seconds N`` (random seed, printed first; ``--nemesis-seed S`` replays).
 Each prints one line: ``nemesis seed=S faults=F acked=A verified=V lost=L wrong=W heal=Hs``.
+
+Under ``--coordinator etcd`` the nodes coordinate through the session's 3-member etcd and
+the nemesis also kills or stops one etcd member now and then; the default suite has a
+short etcd run of its own (``test_nemesis_etcd_ci``, fixed seed, about 30 s of faults).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import aiohttp
 import pytest
 
 from storaged.cluster import ClusterError, free_port_block
-from tests.conftest import FAST_SETTINGS, TOKEN, _dump_logs
+from tests.conftest import FAST_SETTINGS, TOKEN, _dump_logs, healthy_rig
+from tests.etcd import EtcdCluster
 from tests.nemesis.checker import Report, check_history, dump
 from tests.nemesis.cluster import NemesisCluster
 from tests.nemesis.history import History
@@ -64,8 +69,21 @@ class RunShape:
 CI = RunShape(
     seconds=45.0, workload=WorkloadShape(writers=3), nemesis=NemesisShape(), heal_timeout=60.0
 )
+#: the default suite's etcd run: shorter, beside the embedded CI run
+ETCD_CI = RunShape(
+    seconds=30.0, workload=WorkloadShape(writers=3), nemesis=NemesisShape(), heal_timeout=60.0
+)
 
-ClusterMaker = Callable[[int], NemesisCluster]
+#: (seed, the etcd to coordinate through or None) -> the started cluster
+ClusterMaker = Callable[[int, EtcdCluster | None], NemesisCluster]
+
+
+@pytest.fixture
+def nemesis_etcd(request: pytest.FixtureRequest) -> EtcdCluster | None:
+    """The session's etcd under ``--coordinator etcd`` (every member running), else None."""
+    if request.config.getoption("--coordinator") != "etcd":
+        return None
+    return healthy_rig(request)
 
 
 @pytest.fixture
@@ -75,7 +93,7 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
     root = Path(tempfile.mkdtemp(prefix="storaged-nemesis-"))
     made: list[NemesisCluster] = []
 
-    def make(seed: int) -> NemesisCluster:
+    def make(seed: int, etcd: EtcdCluster | None) -> NemesisCluster:
         for attempt in range(2):
             port = free_port_block(NODES * 2 + 1)
             cluster = NemesisCluster(
@@ -87,6 +105,7 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
                 settings=SETTINGS,
                 env={"PYTHONASYNCIODEBUG": ""},
                 small_disk=random.Random(f"{seed}/small-disk").randrange(NODES),
+                coordinator=etcd.fresh_prefix("nemesis") if etcd is not None else "",
             )
             made.append(cluster)
             why = cluster.mount_small_disk()
@@ -115,13 +134,13 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
 
 
 async def run_nemesis(
-    cluster: NemesisCluster, seed: int, shape: RunShape
+    cluster: NemesisCluster, seed: int, shape: RunShape, etcd: EtcdCluster | None = None
 ) -> tuple[Report, History]:
     history = History(seed)
     rng = random.Random(f"{seed}/base")
     base = [history.chunk(f"base/{i}", rng.randint(*shape.workload.sizes)) for i in range(6)]
     base_ids = [(cid, len(data)) for cid, data in base]
-    nemesis = Nemesis(cluster, history, shape.nemesis, full_disk=bool(cluster.mounts))
+    nemesis = Nemesis(cluster, history, shape.nemesis, full_disk=bool(cluster.mounts), etcd=etcd)
     stop = asyncio.Event()
     clients = [writer_client(cluster.urls, TOKEN) for _ in range(shape.workload.writers + 1)]
     timeout = aiohttp.ClientTimeout(total=30, sock_connect=3)
@@ -162,8 +181,10 @@ async def run_nemesis(
 
 
 def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[str]) -> None:
+    kinds = {k[6:]: n for k, n in sorted(history.counts.items()) if k.startswith("fault ")}
     with capsys.disabled():
         print("\n" + report.line())
+        print(f"nemesis faults by kind: {kinds}")
     if history.violations:
         log = Path(tempfile.gettempdir()) / f"storaged-nemesis-seed{history.seed}.log"
         dump(history, log)
@@ -182,18 +203,38 @@ def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[st
 @pytest.mark.timeout(420)
 async def test_nemesis_ci(
     nemesis_cluster: ClusterMaker,
+    nemesis_etcd: EtcdCluster | None,
     request: pytest.FixtureRequest,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     replay = request.config.getoption("--nemesis-seed")
     seed = CI_SEED if replay is None else int(replay)
-    cluster = await asyncio.to_thread(nemesis_cluster, seed)
-    report, history = await run_nemesis(cluster, seed, CI)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd)
+    report, history = await run_nemesis(cluster, seed, CI, nemesis_etcd)
+    _conclude(report, history, capsys)
+
+
+@pytest.mark.timeout(420)
+async def test_nemesis_etcd_ci(
+    nemesis_cluster: ClusterMaker,
+    etcd_rig: EtcdCluster,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The default suite's etcd-mode run (the embedded one is ``test_nemesis_ci``)."""
+    if request.config.getoption("--coordinator") == "etcd":
+        pytest.skip("under --coordinator etcd, test_nemesis_ci runs on etcd itself")
+    replay = request.config.getoption("--nemesis-seed")
+    seed = CI_SEED if replay is None else int(replay)
+    await asyncio.to_thread(etcd_rig.restore_blocking)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, etcd_rig)
+    report, history = await run_nemesis(cluster, seed, ETCD_CI, etcd_rig)
     _conclude(report, history, capsys)
 
 
 async def test_nemesis_soak(
     nemesis_cluster: ClusterMaker,
+    nemesis_etcd: EtcdCluster | None,
     request: pytest.FixtureRequest,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -210,6 +251,6 @@ async def test_nemesis_soak(
         nemesis=NemesisShape(),
         heal_timeout=180.0,
     )
-    cluster = await asyncio.to_thread(nemesis_cluster, seed)
-    report, history = await run_nemesis(cluster, seed, shape)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd)
+    report, history = await run_nemesis(cluster, seed, shape, nemesis_etcd)
     _conclude(report, history, capsys)
