@@ -191,8 +191,9 @@ class EtcdCluster:
         self.wait_serving(timeout)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        """Until every running member says it is healthy (it sees a leader), over HTTP:
-        ``wait_healthy`` for a caller without an event loop."""
+        """Until every member says over HTTP that it is healthy (it sees a leader): the
+        check of ``wait_healthy`` for a caller without an event loop. A member that is not
+        running, or not healthy within ``timeout``, fails it."""
         deadline = time.monotonic() + timeout
         for m in self.members:
             while self.running(m.index):
