@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import multiprocessing
 import os
 import platform
 import re
@@ -51,24 +49,26 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import blake3
 
-from loadtest.common import (
-    new_loop,
-    percentile,
-    prefaulted,
-    proc_cpu_seconds,
-    proc_cpu_times,
-    serve_aiohttp,
+from loadtest.harness.loopback import (
+    STAMP,
+    Upload,
+    serve_baseline,
+    spawn_server,
+    stop_server,
+    upload_all,
 )
+from loadtest.harness.machine import new_loop, prefaulted, proc_cpu_seconds, proc_cpu_times
+from loadtest.harness.profile import summarize_profile
+from loadtest.harness.report import percentile
 from storaged.cluster import ClusterError, LocalCluster, free_port_block
 from storaged.placement import rendezvous_order
 
@@ -77,10 +77,6 @@ GiB = 1 << 30
 GB = 1e9
 HOST = "127.0.0.1"
 TOKEN = "loadtest-ack-token"
-#: what storaged.client sends per write
-SEND_SLICE = 1 << 20
-#: bytes at the head of each chunk that make it distinct: (round tag, chunk index)
-STAMP = struct.Struct("!QQ")
 RESULTS = Path(__file__).resolve().parent / "results"
 CORES = os.cpu_count() or 1
 #: py-spy samples per second: each sample stops the node briefly (--native needs that)
@@ -116,54 +112,7 @@ class Corpus:
         return out
 
 
-@dataclass(frozen=True)
-class Upload:
-    chunk_id: str
-    stamp: bytes
-    view: memoryview
-
-    @property
-    def size(self) -> int:
-        return len(self.view)
-
-    async def body(self) -> AsyncIterator[bytes | memoryview]:
-        # The slices storaged.client sends, with the stamp in front of the first one.
-        yield self.stamp
-        yield self.view[STAMP.size : SEND_SLICE]
-        for offset in range(SEND_SLICE, len(self.view), SEND_SLICE):
-            yield self.view[offset : offset + SEND_SLICE]
-
-
 # -- servers for the baseline and the raw figure (child processes) --------------------------------
-
-
-def serve_baseline(chunk: int, slots: int, loop_name: str, control: Connection) -> None:
-    """The one-copy baseline receiver (run it with ``spawn_server``): ``PUT /v1/chunks/<id>``
-    of at most ``chunk`` bytes, copied once into one of ``slots`` reused buffers, 201."""
-    from aiohttp import web
-
-    pool = [prefaulted(chunk) for _ in range(slots)]
-
-    async def put_chunk(request: web.Request) -> web.Response:
-        size = request.content_length
-        if size is None or size > chunk:
-            return web.Response(status=413)
-        buf = pool.pop()
-        try:
-            pos = 0
-            while pos < size:
-                data, _ = await request.content.readchunk()
-                if not data:
-                    return web.Response(status=400, text="truncated")
-                buf[pos : pos + len(data)] = data  # the one copy a store has to make
-                pos += len(data)
-        finally:
-            pool.append(buf)
-        return web.Response(status=201, body=b"\x80")  # an empty msgpack map, like a node's
-
-    app = web.Application()
-    app.router.add_put("/v1/chunks/{id}", put_chunk)
-    serve_aiohttp(app, loop_name, control)
 
 
 def _serve_raw(chunk: int, control: Connection) -> None:
@@ -183,31 +132,6 @@ def _serve_raw(chunk: int, control: Connection) -> None:
                 raise ConnectionError("raw sender went away")
             left -= n
         conn.sendall(b"k")
-
-
-def spawn_server(target: Callable[..., None], *args: Any) -> tuple[BaseProcess, int]:
-    """``target(*args, control)`` in a spawned daemon process, once it has sent its port on
-    ``control`` (60 s at most, else killed and RuntimeError): (process, port).
-    Stop it with ``stop_server``."""
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, theirs), daemon=True)
-    proc.start()
-    if not mine.poll(60):
-        proc.kill()
-        raise RuntimeError(f"{target.__name__} did not start")
-    port: int = mine.recv()
-    return proc, port
-
-
-def stop_server(proc: BaseProcess) -> None:
-    """SIGTERM, then SIGKILL if it is still alive after 10 s; joined."""
-    if proc.is_alive():
-        proc.terminate()
-    proc.join(10)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(10)
 
 
 @dataclass
@@ -313,55 +237,6 @@ def raw_socket(corpus: Corpus, nbytes: int) -> Measure:
 
 
 # -- the client -----------------------------------------------------------------------------------
-
-
-class UploadError(RuntimeError):
-    pass
-
-
-#: how often one PUT is retried after a 503 (with its Retry-After, at most 2 s each)
-RETRIES_503 = 5
-
-
-async def upload_all(
-    session: aiohttp.ClientSession,
-    uploads: Sequence[Upload],
-    url_of: Callable[[Upload], str],
-    concurrency: int,
-    max_seconds: float = math.inf,
-) -> tuple[float, list[float]]:
-    """PUT the uploads with ``concurrency`` in flight; (wall seconds, ack latencies).
-
-    No new PUT starts after ``max_seconds``: there is one latency per acked upload.
-    """
-    latencies: list[float] = []
-    retries: list[str] = []
-    todo = iter(uploads)
-    deadline = time.perf_counter() + max_seconds
-
-    async def worker() -> None:
-        for up in todo:
-            if time.perf_counter() > deadline:
-                return  # bounded run time on a slow or busy machine: stop sending new chunks
-            t0 = time.perf_counter()
-            headers = {"Content-Length": str(up.size), "Content-Type": "application/octet-stream"}
-            for attempt in range(RETRIES_503 + 1):
-                async with session.put(url_of(up), data=up.body(), headers=headers) as resp:
-                    text = (await resp.read())[:200]
-                    if resp.status == 201:
-                        break
-                    if resp.status != 503 or attempt == RETRIES_503:
-                        raise UploadError(f"PUT {up.chunk_id[:12]} gave {resp.status}: {text!r}")
-                    # As a client would: a busy node (heartbeats late, RAM full) asks to retry.
-                    retries.append(up.chunk_id)
-                    await asyncio.sleep(min(2.0, float(resp.headers.get("Retry-After", "0.5"))))
-            latencies.append(time.perf_counter() - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    if retries:
-        print(f"# {len(retries)} PUT(s) answered 503 and were retried", flush=True)
-    return time.perf_counter() - t0, latencies
 
 
 async def timed_uploads(
@@ -705,128 +580,6 @@ def summarize_perf(script: str, top: int = 15) -> dict[str, Any]:
 
 def _short_dso(frame: str) -> str:
     return re.sub(r"\((?:.*/)?([^/)]+)\)$", r"(\1)", frame)
-
-
-#: (category, pattern of a frame), tried in order on each frame from the leaf up
-CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
-    ("BLAKE3 hash (id check)", re.compile(r"blake3|chunk_id_of", re.I)),
-    ("buffer mapping (mmap + page faults)", re.compile(r"_map_buffer|\bmmap|prefault")),
-    ("drain to nvme", re.compile(r"tiers/_durable\.py|\bdrain \(|drain_worker")),
-    ("erasure encode", re.compile(r"erasure/|encode_and_spread|encode_worker|zfec", re.I)),
-    ("peer protocol (sending replicas, replica receive)", re.compile(r"storaged/peer\.py")),
-    ("HTTP (aiohttp parsing, body stream)", re.compile(r"aiohttp/|_http_parser|_body_pieces")),
-    ("copy into the RAM buffer (Node._receive)", re.compile(r"_receive \(storaged/node\.py")),
-    ("memory tier bookkeeping", re.compile(r"tiers/memory\.py")),
-    ("rest of storaged", re.compile(r"storaged/|tiers/")),
-    ("thread pool hand-offs (to_thread, futures)", re.compile(r"concurrent/futures|threads\.py|"
-                                                             r"asyncio/futures\.py")),
-]  # fmt: skip
-#: socket I/O done by the event loop itself (no Python frame above the syscall)
-_LOOP_IO = [
-    ("socket reads in the event loop (HTTP and replica bodies)", re.compile(r"^(read|recv)")),
-    ("socket writes in the event loop", re.compile(r"^(write|writev|send)")),
-]
-#: frames every stack starts with: the interpreter, the CLI, the loop runner, thread entry
-_ROOT = re.compile(
-    r"^(<module>|_run_module_as_main|_run_code|main \(storaged|cmd_serve|run \(asyncio/runners"
-    r"|Runner\.run|Thread\.|_bootstrap|_worker \(.*concurrent/futures|_WorkItem\.run|0x|\? )"
-)
-
-
-def categorize(frames: Sequence[str]) -> str:
-    """Where one busy py-spy stack (root first) spends its sample."""
-    inner = list(frames)
-    while inner and _ROOT.match(inner[0]):
-        inner.pop(0)
-    # The frame nearest the leaf that names a known piece of work decides (a memcpy under
-    # Node._receive is the copy, not the aiohttp handler further up).
-    for frame in reversed(inner):
-        for name, pattern in CATEGORIES:
-            if pattern.search(frame):
-                return name
-    if not any(".py:" in f for f in inner):
-        for name, pattern in _LOOP_IO:
-            if pattern.match(frames[-1]):
-                return name
-        return "event loop (uvloop, asyncio tasks)"
-    return "other"
-
-
-#: Waits that py-spy --native counts as busy (its idle test misses futex and epoll waits):
-#: the event loop polling, pool threads waiting for work, threads blocked on a condition,
-#: threads waiting for the disk in fsync.
-_IDLE_LEAF = re.compile(r"^(epoll_p?wait|epoll_wait|poll |select |fsync |fdatasync )")
-_IDLE_PY = re.compile(r"^(_worker \(.*concurrent/futures/thread\.py|wait \(.*threading\.py)")
-#: a thread back from a system call or a C extension waiting to take the GIL again
-_GIL_WAIT = re.compile(r"^pthread_cond_(timed)?wait")
-
-
-def is_idle(frames: Sequence[str]) -> bool:
-    """Whether a py-spy stack (root first) is a thread waiting for work, not working."""
-    if _IDLE_LEAF.match(frames[-1]):
-        return True
-    py = [f for f in frames if ".py:" in f]
-    return bool(py) and _IDLE_PY.match(py[-1]) is not None
-
-
-def is_gil_wait(frames: Sequence[str]) -> bool:
-    """Whether a py-spy stack is a thread waiting for the GIL (or another condition)."""
-    return any(_GIL_WAIT.match(f) for f in frames[-3:])
-
-
-def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
-    """Busy samples of a py-spy raw file summed by category and by leaf frame (shares)."""
-    categories: Counter[str] = Counter()
-    leaves: Counter[str] = Counter()
-    python_leaves: Counter[str] = Counter()
-    total = idle = gil = 0
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        if is_idle(frames):
-            idle += count
-            continue
-        if is_gil_wait(frames):
-            gil += count
-            continue
-        total += count
-        categories[categorize(frames)] += count
-        leaves[_frame_name(frames[-1])] += count
-        py = [f for f in frames if ".py:" in f]
-        if py:
-            python_leaves[_frame_name(py[-1], keep_line=True)] += count
-    share = {k: round(v / total, 3) for k, v in categories.most_common()} if total else {}
-    return {
-        "samples": total,
-        "idle_samples": idle,
-        "gil_wait_samples": gil,
-        "categories": share,
-        "top_leaves": [[k, round(v / total, 3)] for k, v in leaves.most_common(top)]
-        if total
-        else [],
-        "top_python_lines": [[k, round(v / total, 3)] for k, v in python_leaves.most_common(top)]
-        if total
-        else [],
-    }
-
-
-def _frame_name(frame: str, keep_line: bool = False) -> str:
-    # "func (path/to/file.py:123)" or "0x7f.. (lib.so)": shorten paths, drop addresses.
-    m = re.match(r"(.*) \((.*)\)$", frame)
-    if not m:
-        return frame
-    func, where = m.groups()
-    where = re.sub(r".*/site-packages/", "", where)
-    where = re.sub(r".*/lib/python3\.\d+/", "", where)
-    where = re.sub(r"^/work/[^/]+/", "", where)
-    if not keep_line:
-        where = re.sub(r":\d+$", "", where)
-    if func.startswith("0x"):
-        func = "?"
-    return f"{func} ({where})"
 
 
 # -- the run --------------------------------------------------------------------------------------

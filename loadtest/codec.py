@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import crc32c
 import zfec
 
-from erasure import Codec, isal_available, make_codec
+from erasure import isal_available, make_codec
 from erasure.zfec_codec import block_size
+from loadtest.harness.baselines import raw_zfec_ops, wrapper_ops
 from storaged.ids import chunk_id_of
 
 MiB = 1 << 20
@@ -46,37 +47,6 @@ class Measure:
     times: list[float]
 
 
-def _zfec_primaries(data: bytes, k: int) -> tuple[memoryview | bytes, ...]:
-    size = block_size(len(data), k)
-    view = memoryview(data)
-    blocks: list[memoryview | bytes] = [view[i * size : (i + 1) * size] for i in range(k - 1)]
-    tail = bytes(view[(k - 1) * size :])
-    blocks.append(tail + bytes(size - len(tail)))
-    return tuple(blocks)
-
-
-def raw_zfec_ops(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]:
-    """Raw zfec on ``data``: ``encode``, ``decode primaries``, ``decode missing #0`` as
-    callables, each doing the whole operation again when called."""
-    encoder, decoder = zfec.Encoder(k, n), zfec.Decoder(k, n)
-    primaries = _zfec_primaries(data, k)
-    blocks = list(encoder.encode(primaries))
-    length = len(data)
-
-    def decode(numbers: Sequence[int]) -> bytes:
-        # A fresh tuple per call: zfec reorders the sequence it is given (see erasure.zfec_codec).
-        segments = decoder.decode(tuple(blocks[i] for i in numbers), tuple(numbers))
-        # One copy, the padding cut off by a view: the least a caller can do.
-        last = memoryview(segments[-1])[: length - (k - 1) * len(segments[0])]
-        return b"".join([*segments[:-1], last])
-
-    return {
-        "encode": lambda: encoder.encode(primaries),
-        "decode primaries": lambda: decode(range(k)),
-        "decode missing #0": lambda: decode(range(1, k + 1)),
-    }
-
-
 def _raw_pyeclib(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]:
     from pyeclib.ec_iface import ECDriver
 
@@ -88,25 +58,6 @@ def _raw_pyeclib(data: bytes, k: int, n: int) -> dict[str, Callable[[], object]]
         "encode": lambda: driver.encode(data),
         "decode primaries": lambda: driver.decode(fragments[:k]),
         "decode missing #0": lambda: driver.decode(fragments[1 : k + 1]),
-    }
-
-
-def wrapper_ops(codec: Codec, data: bytes) -> dict[str, Callable[[], object]]:
-    """The same three operations as ``raw_zfec_ops``, through the ``erasure`` codec."""
-    chunk_id = chunk_id_of(data)
-    # Whole fragments as a reader gets them back from disk or the network.
-    stored = [f.to_bytes() for f in codec.encode(chunk_id, data)]
-    k = codec.k
-
-    def decode(numbers: Sequence[int]) -> bytes:
-        out = codec.decode(chunk_id, [stored[i] for i in numbers])
-        assert len(out) == len(data)
-        return out
-
-    return {
-        "encode": lambda: codec.encode(chunk_id, data),
-        "decode primaries": lambda: decode(range(k)),
-        "decode missing #0": lambda: decode(range(1, k + 1)),
     }
 
 

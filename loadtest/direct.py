@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import TOKEN
+from loadtest.harness.cluster import TOKEN
+from loadtest.harness.machine import GB
+from loadtest.harness.report import RESULTS
 from loadtest.vs_dcp import (
-    GB,
-    RESULTS,
     Array,
     Stopwatch,
     Window,

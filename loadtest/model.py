@@ -35,7 +35,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import PlotUnavailable, pyplot
+from loadtest.harness.plots import PlotUnavailable, pyplot
 from storaged.model import (
     GB,
     Assumptions,

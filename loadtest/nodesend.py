@@ -28,7 +28,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.common import TOKEN, new_loop, proc_cpu_seconds, start_cluster
+from loadtest.harness.cluster import TOKEN, start_cluster
+from loadtest.harness.machine import new_loop, proc_cpu_seconds
 from storaged.client import Client
 from storaged.cluster import LocalCluster
 

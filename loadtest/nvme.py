@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.harness.baselines import raw_write_one
 from storaged.ids import chunk_id_of
-from tiers._durable import fsync_dir, preadv_all
+from tiers._durable import preadv_all
 from tiers.nvme import NvmeTier
 
 MiB = 1 << 20
@@ -67,20 +68,6 @@ def make_chunks(count: int, size: int) -> list[tuple[str, bytearray]]:
         data[:16] = i.to_bytes(16, "little")
         chunks.append((chunk_id_of(data), data))
     return chunks
-
-
-def raw_write_one(directory: str, name: str, data: bytearray) -> None:
-    tmp = os.path.join(directory, f".{name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, os.path.join(directory, name))
-    fsync_dir(directory)
 
 
 def raw_read_one(path: str, out: memoryview) -> None:

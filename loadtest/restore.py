@@ -53,52 +53,49 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.baselines import raw_baselines
-from loadtest.common import (
+from loadtest.harness.baselines import (
+    DcpSave,
+    DiskWrite,
+    complete_baselines,
+    dcp_warm_up,
+    raw_baselines,
+)
+from loadtest.harness.checkpoint import ROW_BYTES, Layout, save_checkpoint_with
+from loadtest.harness.cluster import (
     ADMIN_TOKEN,
-    GB,
     HOST,
-    NO_TORCH,
-    ROW_BYTES,
     TIERS,
     TOKEN,
     CpuMeter,
-    GiB,
-    Layout,
-    MiB,
-    Prepared,
+    read_bytes,
+    read_bytes_delta,
+    start_cluster,
+)
+from loadtest.harness.command import (
     Progress,
-    WorkerPool,
     add_cluster_arguments,
     add_output_arguments,
     add_workload_arguments,
-    by_concurrency,
-    client_cpu,
-    complete_baselines,
-    drop_page_cache,
-    figure,
-    finish_levels_axes,
-    fmt,
-    git_commit,
-    machine_info,
-    markdown_table,
-    new_loop,
-    plot_baselines,
-    ratio,
-    read_bytes,
-    read_bytes_delta,
-    remove_tree,
     resolve_workload,
     run_and_write,
-    run_notes,
-    serve_aiohttp,
-    start_cluster,
-    summarize_latencies,
-    torch_available,
-    traced_runner,
-    wall_seconds,
 )
-from loadtest.save import DcpSave, DiskWrite, dcp_warm_up, save_checkpoint_with
+from loadtest.harness.loopback import serve_aiohttp, spawn_server, stop_server
+from loadtest.harness.machine import (
+    GB,
+    NO_TORCH,
+    GiB,
+    MiB,
+    drop_page_cache,
+    git_commit,
+    machine_info,
+    new_loop,
+    remove_tree,
+    torch_available,
+)
+from loadtest.harness.plots import figure, finish_levels_axes, plot_baselines
+from loadtest.harness.report import by_concurrency, fmt, markdown_table, ratio, run_notes
+from loadtest.harness.trace import client_cpu, summarize_latencies, traced_runner
+from loadtest.harness.workers import Prepared, WorkerPool, wall_seconds
 from storaged.client import Client, Shard, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster, default_erasure
@@ -658,8 +655,6 @@ def _baselines(
     baselines: dict[str, Any],
     bar: Progress,
 ) -> None:
-    from loadtest.ack import spawn_server, stop_server
-
     conc = opts.concurrency
     bar.begin("raw loopback, codec")
     baselines.update(raw_baselines(layout, opts.chunk, conc, opts.loop, k, n))

@@ -39,143 +39,61 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
-
-from loadtest.baselines import raw_baselines
-from loadtest.common import (
-    GB,
-    HOST,
-    NO_TORCH,
+from loadtest.harness.baselines import DcpSave, DiskWrite, complete_baselines, raw_baselines
+from loadtest.harness.checkpoint import (
     ROW_BYTES,
+    Layout,
+    StoragedSave,
+    chunk_pieces,
+    commit_entries,
+)
+from loadtest.harness.cluster import (
+    HOST,
     TOKEN,
     CpuMeter,
-    GiB,
-    Layout,
     MetricsSampler,
-    MiB,
-    Prepared,
+    node_cpu,
+    start_cluster,
+    wait_prefaulted,
+)
+from loadtest.harness.command import (
     Progress,
-    WorkerPool,
     add_cluster_arguments,
     add_output_arguments,
     add_workload_arguments,
-    by_concurrency,
-    client_cpu,
-    complete_baselines,
-    figure,
-    finish_levels_axes,
-    fmt,
-    git_commit,
-    machine_info,
-    markdown_table,
-    new_loop,
-    node_cpu,
-    plot_baselines,
-    ratio,
-    remove_tree,
     resolve_workload,
     run_and_write,
-    run_notes,
-    start_cluster,
-    summarize_latencies,
-    torch_available,
-    traced_runner,
-    wait_prefaulted,
-    wall_seconds,
 )
-from storaged.client import AsyncSaver, Client, Shard, commit_checkpoint
+from loadtest.harness.loopback import (
+    STAMP,
+    Upload,
+    serve_baseline,
+    spawn_server,
+    stop_server,
+    upload_all,
+)
+from loadtest.harness.machine import (
+    GB,
+    NO_TORCH,
+    GiB,
+    MiB,
+    git_commit,
+    machine_info,
+    new_loop,
+    remove_tree,
+    torch_available,
+)
+from loadtest.harness.plots import figure, finish_levels_axes, plot_baselines
+from loadtest.harness.report import by_concurrency, fmt, markdown_table, ratio, run_notes
+from loadtest.harness.trace import client_cpu, summarize_latencies
+from loadtest.harness.workers import Prepared, WorkerPool, wall_seconds
+from storaged.client import Client
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster, default_erasure
 
 # -- jobs (one per saving process) ----------------------------------------------------------------
-
-
-def _pieces(layout: Layout, arrays: dict[str, np.ndarray[Any, Any]], chunk: int) -> list[
-    tuple[int, int, memoryview]
-]:  # fmt: skip
-    """(key index, first row, bytes) of every chunk-sized piece of a rank's boxes, in order."""
-    rows_per_piece = max(1, chunk // ROW_BYTES)
-    out = []
-    for i in range(layout.keys):
-        flat = arrays[layout.key(i)].view(np.uint8).reshape(-1)
-        for lo in range(0, len(flat), rows_per_piece * ROW_BYTES):
-            out.append((i, lo // ROW_BYTES, flat.data[lo : lo + rows_per_piece * ROW_BYTES]))
-    return out
-
-
-@dataclass(frozen=True)
-class StoragedSave:
-    """Save rank ``rank`` of ``ranks`` with ``AsyncSaver`` (no commit: the parent commits)."""
-
-    urls: tuple[str, ...]
-    token: str | None
-    name: str
-    layout: Layout
-    rank: int
-    ranks: int
-    client_concurrency: int = 8
-    chunk: int = DEFAULT_CHUNK_SIZE
-    loop: str = "uvloop"
-    warm_stall: bool = True
-
-    def prepare(self) -> Prepared:
-        return _StoragedSaver(self)
-
-
-class _StoragedSaver:
-    def __init__(self, job: StoragedSave) -> None:
-        self.job = job
-        start, _ = job.layout.box(job.rank, job.ranks)
-        arrays = job.layout.make(job.rank, job.ranks)
-        shape = job.layout.global_shape
-        self.state = {key: Shard(a, shape, (start, 0)) for key, a in arrays.items()}
-        self.runner, self.client = traced_runner(
-            job.urls, job.token, job.client_concurrency, job.loop
-        )
-        self.saver = AsyncSaver(self.client, chunk_size=job.chunk)
-
-    def run(self) -> dict[str, Any]:
-        return self.runner.run(self._run())
-
-    async def _run(self) -> dict[str, Any]:
-        handle = await self.saver.save(self.job.name, {self.job.rank: self.state}, commit=False)
-        stalled = time.monotonic()
-        result = await handle.acked()
-        stats = self.client.stats
-        return {
-            "stall": handle.stall_seconds,
-            "stalled_at": stalled,
-            "acked_at": time.monotonic(),
-            "bytes": handle.staged_bytes,
-            "entry": result.shards[self.job.rank],
-            "uploaded": stats.bytes_uploaded,
-            "skipped": stats.bytes_skipped,
-            "retries": stats.retries,
-            "put_latencies": list(self.client.log.put_latencies),
-        }
-
-    def check(self) -> dict[str, Any]:
-        if not self.job.warm_stall:
-            return {}
-
-        async def again() -> float:
-            # The same state again: staging buffers are warm, every chunk is held already.
-            handle = await self.saver.save(
-                self.job.name + "-again", {self.job.rank: self.state}, commit=False
-            )
-            await handle.acked()
-            return handle.stall_seconds
-
-        return {"stall_warm": self.runner.run(again())}
-
-    def close(self) -> None:
-        try:
-            self.runner.run(self.saver.aclose())
-            self.runner.run(self.client.close())
-        finally:
-            self.runner.close()
 
 
 @dataclass(frozen=True)
@@ -196,13 +114,11 @@ class AiohttpSave:
 
 class _AiohttpSaver:
     def __init__(self, job: AiohttpSave) -> None:
-        from loadtest.ack import STAMP, Upload
-
         self.job = job
         arrays = job.layout.make(job.rank, job.ranks)
         self.uploads = []
-        for n, (i, row, view) in enumerate(_pieces(job.layout, arrays, job.chunk)):
-            # The receiver does not check ids; ack's Upload sends ``stamp`` then the rest.
+        for n, (i, row, view) in enumerate(chunk_pieces(job.layout, arrays, job.chunk)):
+            # The receiver does not check ids; an Upload sends ``stamp`` then the rest.
             fake_id = f"{job.rank:016x}{i:016x}{row:016x}{n:016x}"
             self.uploads.append(Upload(fake_id, bytes(view[: STAMP.size]), view))
         self.arrays = arrays
@@ -210,8 +126,6 @@ class _AiohttpSaver:
 
     def run(self) -> dict[str, Any]:
         import aiohttp
-
-        from loadtest.ack import upload_all
 
         base = f"http://{HOST}:{self.job.port}/v1/chunks/"
 
@@ -232,115 +146,7 @@ class _AiohttpSaver:
         self.runner.close()
 
 
-@dataclass(frozen=True)
-class DiskWrite:
-    """Raw durable writes: each chunk-sized piece as a file (temp, write, fsync, rename, fsync
-    of the directory: ``loadtest.nvme.raw_write_one``), one after the other."""
-
-    directory: str
-    layout: Layout
-    rank: int
-    ranks: int
-    chunk: int = DEFAULT_CHUNK_SIZE
-
-    def prepare(self) -> Prepared:
-        return _DiskWriter(self)
-
-
-class _DiskWriter:
-    def __init__(self, job: DiskWrite) -> None:
-        self.job = job
-        start, _ = job.layout.box(job.rank, job.ranks)
-        self.arrays = job.layout.make(job.rank, job.ranks)
-        self.pieces = []
-        for i, row, view in _pieces(job.layout, self.arrays, job.chunk):
-            directory = Path(job.directory) / f"k{i}"
-            directory.mkdir(parents=True, exist_ok=True)
-            self.pieces.append((str(directory), f"{start + row:09d}", view))
-
-    def run(self) -> dict[str, Any]:
-        from loadtest.nvme import raw_write_one
-
-        latencies = []
-        for directory, name, view in self.pieces:
-            t0 = time.monotonic()
-            # raw_write_one only wraps its argument in a memoryview: a view of ours will do.
-            raw_write_one(directory, name, cast(bytearray, view))
-            latencies.append(time.monotonic() - t0)
-        return {"bytes": sum(len(v) for _, _, v in self.pieces), "put_latencies": latencies}
-
-    def check(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class DcpSave:
-    """``torch.distributed.checkpoint.save`` of one rank's shard into its own directory."""
-
-    directory: str
-    layout: Layout
-    rank: int
-    ranks: int
-
-    def prepare(self) -> Prepared:
-        return _DcpSaver(self)
-
-
-class _DcpSaver:
-    def __init__(self, job: DcpSave) -> None:
-        import torch
-
-        self.job = job
-        self.arrays = job.layout.make(job.rank, job.ranks)
-        self.tensors = {key: torch.from_numpy(a) for key, a in self.arrays.items()}
-        dcp_warm_up()
-
-    def run(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.filesystem import FileSystemWriter
-        from torch.distributed.checkpoint.state_dict_saver import save
-
-        # no_dist: each rank writes its own checkpoint, as the ranks of a job write their own
-        # files; the gather of the plans is all a process group would add.
-        save(self.tensors, storage_writer=FileSystemWriter(self.job.directory), no_dist=True)
-        return {"bytes": sum(a.nbytes for a in self.arrays.values())}
-
-    def check(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-def dcp_warm_up() -> None:
-    """One tiny untimed save and load: DCP's first call in a process pays lazy imports."""
-    import warnings
-
-    import torch
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_loader import load
-    from torch.distributed.checkpoint.state_dict_saver import save
-
-    # DCP warns that it runs in one process: that is what we ask of it (no_dist).
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    with tempfile.TemporaryDirectory(prefix="loadtest-dcp-warm-") as tmp:
-        state = {"w": torch.ones(4, 4)}
-        save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
-        load(state, storage_reader=FileSystemReader(tmp), no_dist=True)
-
-
 # -- the parent's part ----------------------------------------------------------------------------
-
-
-async def _commit(
-    urls: Sequence[str], token: str | None, name: str, entries: Sequence[dict[str, Any]]
-) -> float:
-    async with Client(list(urls), token=token) as client:
-        t0 = time.monotonic()
-        await commit_checkpoint(client, name, entries, meta={"loadtest": "save"})
-        return time.monotonic() - t0
 
 
 async def _follow(
@@ -363,42 +169,6 @@ async def _follow(
                 break
             await asyncio.sleep(period)
     return {"reached": reached, "last_status": last}
-
-
-def commit_entries(
-    urls: Sequence[str], token: str | None, name: str, results: Sequence[dict[str, Any]]
-) -> float:
-    """Commit the ranks' shard entries as ``name``; the seconds the commit took."""
-    entries = [r["entry"] for r in results]
-    with asyncio.Runner() as runner:
-        return runner.run(_commit(urls, token, name, entries))
-
-
-def save_checkpoint_with(
-    pool: WorkerPool,
-    urls: Sequence[str],
-    token: str | None,
-    name: str,
-    layout: Layout,
-    ranks: int,
-    chunk: int = DEFAULT_CHUNK_SIZE,
-    client_concurrency: int = 8,
-) -> dict[str, Any]:
-    """Save ``layout`` from ``ranks`` processes of ``pool`` and commit it as ``name``."""
-    jobs = [
-        StoragedSave(tuple(urls), token, name, layout, r, ranks, client_concurrency, chunk,
-                     warm_stall=False)
-        for r in range(ranks)
-    ]  # fmt: skip
-    results = pool.run(jobs)
-    commit_s = commit_entries(urls, token, name, results)
-    seconds = wall_seconds(results)
-    return {
-        "bytes": sum(r["bytes"] for r in results),
-        "ack_seconds": round(seconds, 3),
-        "ack_gbps": round(sum(r["bytes"] for r in results) / GB / seconds, 4),
-        "commit_seconds": round(commit_s, 3),
-    }
 
 
 def _rate_row(kind: str, c: int, results: Sequence[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -510,8 +280,6 @@ def _baselines(
     baselines: dict[str, Any],
     bar: Progress,
 ) -> None:
-    from loadtest.ack import serve_baseline, spawn_server, stop_server
-
     conc = opts.concurrency
     bar.begin("raw loopback, raw encode")
     baselines.update(raw_baselines(layout, opts.chunk, conc, opts.loop, k, n))

@@ -81,9 +81,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import blake3
 import numpy as np
 
-from loadtest import common
-from loadtest.baselines import codec_rates, raw_loopback
-from loadtest.common import ADMIN_TOKEN, TOKEN, proc_cpu_seconds
+from loadtest.harness import cluster as harness
+from loadtest.harness.baselines import codec_rates, raw_loopback
+from loadtest.harness.cluster import ADMIN_TOKEN, TOKEN
+from loadtest.harness.machine import proc_cpu_seconds
+from loadtest.harness.profile import summarize_profile
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster
@@ -470,9 +472,9 @@ def memory_per_node(total: int, nodes: int, chunk: int = DEFAULT_CHUNK_SIZE) -> 
 
 
 def start_cluster(root: Path, nodes: int, memory: int) -> LocalCluster:
-    """The load tests' cluster (``loadtest.common``), with 64 MiB chunks allowed."""
+    """The load tests' cluster (``loadtest.harness.cluster``), with 64 MiB chunks allowed."""
 
-    return common.start_cluster(root, nodes, memory=f"{memory // MiB}MiB", max_chunk=64 * MiB)
+    return harness.start_cluster(root, nodes, memory=f"{memory // MiB}MiB", max_chunk=64 * MiB)
 
 
 def node_log_tails(data: Path, nodes: int, lines: int = 20) -> str:
@@ -743,8 +745,6 @@ def profiled(targets: Mapping[str, int], out_dir: Path, label: str) -> Iterator[
 
 
 def summarize(paths: Mapping[str, Path]) -> dict[str, Any]:
-    from loadtest.ack import summarize_profile
-
     return {name: {"raw": str(path), **summarize_profile(path)}
             for name, path in paths.items() if path.exists()}  # fmt: skip
 

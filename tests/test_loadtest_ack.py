@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.ack import (
-    Corpus,
-    categorize,
-    is_gil_wait,
-    is_idle,
-    summarize_perf,
-    summarize_profile,
-)
-from loadtest.common import percentile
+from loadtest.ack import Corpus, summarize_perf
+from loadtest.harness.profile import categorize, is_gil_wait, is_idle, summarize_profile
+from loadtest.harness.report import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,16 +23,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loadtest.common import (
-    ROW_BYTES,
-    Layout,
-    Prepared,
-    WorkerError,
-    WorkerPool,
-    drop_page_cache,
-    markdown_table,
-    ratio,
-)
+from loadtest.harness.checkpoint import ROW_BYTES, Layout
+from loadtest.harness.command import run_and_write
+from loadtest.harness.machine import drop_page_cache, torch_available
+from loadtest.harness.report import markdown_table, ratio
+from loadtest.harness.workers import Prepared, WorkerError, WorkerPool
 from storaged.ids import chunk_id_of
 
 REPO = Path(__file__).resolve().parent.parent
@@ -448,8 +443,6 @@ def test_backlog_cleared_is_the_first_zero_after_the_last_work() -> None:
 def test_dcp_baselines_need_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from loadtest.common import torch_available
-
     assert torch_available()  # the dev environment has the torch extra
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -473,7 +466,6 @@ def test_a_run_without_matplotlib_writes_its_figures_and_says_how_to_get_the_plo
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from loadtest import restore
-    from loadtest.common import run_and_write
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
