@@ -34,18 +34,17 @@ import numpy as np
 from loadtest.harness.cluster import TOKEN
 from loadtest.harness.machine import GB
 from loadtest.harness.report import RESULTS
-from loadtest.vs_dcp import (
+from loadtest.harness.state_dict import (
     Array,
-    Stopwatch,
-    Window,
     digest_arrays,
     memory_per_node,
     node_pids,
-    prefaulted,
+    prefaulted_arrays,
     ram_tier_check,
-    start_cluster,
+    start_sized_cluster,
     state_layout,
 )
+from loadtest.harness.stopwatch import Stopwatch, Window
 from storaged.client import Client, restore_checkpoint, save_checkpoint
 
 MODES = ("direct", "aiohttp")
@@ -64,7 +63,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = sum(a.nbytes for a in state.values())
     expected = await asyncio.to_thread(digest_arrays, [state[k] for k in shapes])
     root = Path(tempfile.mkdtemp(prefix="storaged-direct-", dir=args.tmp))
-    cluster = await asyncio.to_thread(start_cluster, root, 4, memory_per_node(nbytes, 4))
+    cluster = await asyncio.to_thread(start_sized_cluster, root, 4, memory_per_node(nbytes, 4))
     try:
         pids = node_pids(cluster)
         name = "bench/direct"
@@ -73,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await writer.wait(name, "cold", timeout=600)
             ram = await ram_tier_check(writer, name)
         del state
-        dst = await asyncio.to_thread(prefaulted, specs)
+        dst = await asyncio.to_thread(prefaulted_arrays, specs)
         clients = {
             mode: Client(
                 cluster.urls,

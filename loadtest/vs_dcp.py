@@ -73,19 +73,30 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import blake3
 import numpy as np
 
-from loadtest.harness import cluster as harness
 from loadtest.harness.baselines import codec_rates, raw_loopback
 from loadtest.harness.cluster import ADMIN_TOKEN, TOKEN
-from loadtest.harness.machine import proc_cpu_seconds
 from loadtest.harness.profile import summarize_profile
+from loadtest.harness.state_dict import (
+    DEFAULT_SMALL,
+    F32,
+    Array,
+    TensorSpec,
+    digest_arrays,
+    memory_per_node,
+    node_pids,
+    ram_tier_check,
+    state_layout,
+)
+from loadtest.harness.state_dict import prefaulted_arrays as prefaulted
+from loadtest.harness.state_dict import start_sized_cluster as start_cluster
+from loadtest.harness.stopwatch import CORES, Stopwatch, Window
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster
@@ -98,78 +109,13 @@ GiB = 1 << 30
 GB = 1e9
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CORES = os.cpu_count() or 1
 #: py-spy samples per second (--native stops the process for each sample)
 PROFILE_HZ = 50
-#: RAM tier per node: this much above an even share of three copies, for uneven placement
-MEMORY_MARGIN = 1.2
-#: the smallest RAM tier a node gets (quick runs: placement of a few chunks is lumpy)
-MIN_MEMORY = 256 * MiB
 
 T = TypeVar("T")
-F32 = np.dtype(np.float32)
-Array = np.ndarray[Any, np.dtype[np.float32]]
 
 
 # -- the state dict -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    key: str
-    shape: tuple[int, ...]
-    kind: str  # large | medium | small
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * F32.itemsize
-
-
-#: the sizes small tensors cycle through (norms, biases, per-layer scales...): 87 of them at
-#: 2 GiB. ``--small-kib 4,16,64,1024`` gives 416 (477 tensors in all, a manifest of about
-#: 85 KB: more than one peer-protocol header holds, which once broke commits).
-DEFAULT_SMALL = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
-
-
-def state_layout(total: int, small: Sequence[int] = DEFAULT_SMALL) -> list[TensorSpec]:
-    """Float32 tensors whose sizes add up to ``total`` bytes (a multiple of 4, >= 64 KiB).
-
-    Half the bytes in 4 large tensors (embeddings and their optimizer moments), about
-    45 % in medium tensors of ``total / 128`` (projection weights), the rest in small
-    ones cycling through the ``small`` sizes (multiples of 4), the last one taking what
-    is left.
-    """
-    if total % F32.itemsize or total < 64 << 10:
-        raise ValueError(f"total must be a multiple of 4 and at least 64 KiB, not {total}")
-    if not small or any(s <= 0 or s % F32.itemsize for s in small):
-        raise ValueError(f"small tensor sizes must be positive multiples of 4, not {small}")
-    specs: list[TensorSpec] = []
-    width = 1024  # elements per row of the 2-D tensors
-
-    def rows(nbytes: int) -> tuple[int, ...]:
-        elements = nbytes // F32.itemsize
-        return (elements // width, width) if elements % width == 0 else (elements,)
-
-    large = (total // 8) // (width * 4) * (width * 4)
-    for name in ("model.embed_tokens.weight", "model.lm_head.weight",
-                 "optim.embed_tokens.exp_avg", "optim.lm_head.exp_avg"):  # fmt: skip
-        if large:
-            specs.append(TensorSpec(name, rows(large), "large"))
-    medium = (total // 128) // (width * 4) * (width * 4)
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
-    if medium:
-        for i in range(int(total * 0.45) // medium):
-            layer, proj = divmod(i, len(projections))
-            specs.append(TensorSpec(f"model.layers.{layer}.{projections[proj]}.weight",
-                                    rows(medium), "medium"))  # fmt: skip
-    left = total - sum(s.nbytes for s in specs)
-    i = 0
-    while left > 0:
-        size = min(small[i % len(small)], left)
-        specs.append(TensorSpec(f"model.norms.{i}.weight", (size // F32.itemsize,), "small"))
-        left -= size
-        i += 1
-    return specs
 
 
 def make_state(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -186,16 +132,6 @@ def training_step(state: Mapping[str, torch.Tensor]) -> None:
         tensor.add_(1.0)
 
 
-def prefaulted(specs: Sequence[TensorSpec]) -> dict[str, Array]:
-    # np.zeros would map pages lazily: fill() touches every page now, not while timed.
-    out: dict[str, Array] = {}
-    for s in specs:
-        array: Array = np.empty(s.shape, dtype=F32)
-        array.fill(0)
-        out[s.key] = array
-    return out
-
-
 def split_keys(specs: Sequence[TensorSpec], parts: int) -> list[list[TensorSpec]]:
     """``parts`` groups of tensors with bytes as even as greedy largest-first makes them."""
     groups: list[list[TensorSpec]] = [[] for _ in range(parts)]
@@ -207,76 +143,7 @@ def split_keys(specs: Sequence[TensorSpec], parts: int) -> list[list[TensorSpec]
     return groups
 
 
-def digest_arrays(arrays: Sequence[np.ndarray[Any, Any]]) -> str:
-    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for array in arrays:
-        hasher.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-    return hasher.hexdigest()
-
-
 # -- measuring ------------------------------------------------------------------------------------
-
-
-def machine_jiffies() -> tuple[int, int, int]:
-    """(busy, iowait, total) clock ticks of all CPUs since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest time is inside user already)
-    total = sum(ticks[:8])
-    return total - ticks[3] - ticks[4], ticks[4], total
-
-
-@dataclass
-class Window:
-    """One timed stretch: wall seconds, the CPU seconds each of our processes spent in it,
-    and how busy the whole machine was (other work on a shared machine shows there)."""
-
-    seconds: float
-    client_cpu: float
-    node_cpu: list[float] = field(default_factory=list)
-    #: share of all cores busy with anything (ours and others'), and waiting for disk
-    machine_busy: float = 0.0
-    machine_iowait: float = 0.0
-
-    @property
-    def cpu(self) -> float:
-        return self.client_cpu + sum(self.node_cpu)
-
-    def busy(self) -> float:
-        """Share of all cores busy with this process and the nodes (1.0: every core)."""
-        return self.cpu / self.seconds / CORES if self.seconds > 0 else 0.0
-
-    def cpu_per_gb(self, nbytes: int) -> float:
-        return self.cpu / (nbytes / GB)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "seconds": round(self.seconds, 4),
-            "client_cpu_s": round(self.client_cpu, 3),
-            "node_cpu_s": [round(c, 3) for c in self.node_cpu],
-            "busy_share_of_cores": round(self.busy(), 3),
-            "machine_busy_share": round(self.machine_busy, 3),
-            "machine_iowait_share": round(self.machine_iowait, 3),
-        }
-
-
-class Stopwatch:
-    """Starts now; ``lap()`` is the Window from the start to now."""
-
-    def __init__(self, pids: Sequence[int] = ()) -> None:
-        self.pids = list(pids)
-        self.nodes0 = [proc_cpu_seconds(p) for p in self.pids]
-        self.machine0 = machine_jiffies()
-        self.cpu0 = time.process_time()
-        self.t0 = time.perf_counter()
-
-    def lap(self) -> Window:
-        seconds = time.perf_counter() - self.t0
-        cpu = time.process_time() - self.cpu0
-        nodes = [proc_cpu_seconds(p) - c for p, c in zip(self.pids, self.nodes0, strict=True)]
-        busy, iowait, total = (b - a for a, b in zip(self.machine0, machine_jiffies(), strict=True))
-        total = max(total, 1)
-        return Window(seconds, cpu, nodes, busy / total, iowait / total)
 
 
 def median_window(windows: Sequence[Window]) -> Window:
@@ -465,18 +332,6 @@ def run_dcp(
 # -- storaged -------------------------------------------------------------------------------------
 
 
-def memory_per_node(total: int, nodes: int, chunk: int = DEFAULT_CHUNK_SIZE) -> int:
-    """RAM tier per node for three copies of ``total`` bytes spread by placement, rounded up."""
-    share = 3 * total / nodes * MEMORY_MARGIN + 4 * chunk
-    return max(MIN_MEMORY, math.ceil(share / MiB) * MiB)
-
-
-def start_cluster(root: Path, nodes: int, memory: int) -> LocalCluster:
-    """The load tests' cluster (``loadtest.harness.cluster``), with 64 MiB chunks allowed."""
-
-    return harness.start_cluster(root, nodes, memory=f"{memory // MiB}MiB", max_chunk=64 * MiB)
-
-
 def node_log_tails(data: Path, nodes: int, lines: int = 20) -> str:
     """The last lines of each node's log (the data dir goes away with the run)."""
     out = []
@@ -498,10 +353,6 @@ def yield_to_oom_killer(pids: Sequence[int], score: int) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):
             Path(f"/proc/{pid}/oom_score_adj").write_text(f"{score}\n")
-
-
-def node_pids(cluster: LocalCluster) -> list[int]:
-    return [cluster.procs[i].pid for i in range(cluster.nodes)]
 
 
 @dataclass
@@ -571,17 +422,6 @@ async def save_round(
     # would: the background work of one checkpoint is not charged to the next.
     nvme, cold = await _settle(client, name, watch, settle_limit)
     return SaveRound(name, first, stall, ack, nvme, cold, uploaded, skipped)
-
-
-async def ram_tier_check(client: Client, name: str) -> dict[str, int]:
-    """How many of the checkpoint's chunks the RAM tier can serve, and from how many nodes."""
-    plan = await client.plan(name)
-    in_memory = [sum(1 for h in holders if h.tier == "memory") for holders in plan.values()]
-    return {
-        "chunks": len(plan),
-        "chunks_in_memory": sum(1 for n in in_memory if n > 0),
-        "min_memory_holders": min(in_memory, default=0),
-    }
 
 
 async def restore_rounds(

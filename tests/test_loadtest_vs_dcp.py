@@ -20,14 +20,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from loadtest.vs_dcp import (
-    Window,
-    median_window,
-    memory_per_node,
-    parse_size,
-    split_keys,
-    state_layout,
-)
+from loadtest.harness.state_dict import memory_per_node, state_layout
+from loadtest.harness.stopwatch import Window
+from loadtest.vs_dcp import median_window, parse_size, split_keys
 
 pytestmark = pytest.mark.torch
 

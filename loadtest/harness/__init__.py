@@ -10,7 +10,10 @@ them imports a benchmark.
 - ``checkpoint``: the checkpoint's bytes (``Layout``) and saving it with worker processes.
 - ``baselines``, ``loopback``: what this machine does without storaged (loopback, codecs,
   raw file writes, DCP), measured in the same run.
-- ``trace``: a ``Client`` that times its chunk requests.
+- ``state_dict``: a training job's state dict (tensor shapes, arrays, digests) and the
+  cluster sized for it.
+- ``trace``: a ``Client`` that times its chunk requests; ``stopwatch``: timed windows with
+  the CPU seconds of this process, of the nodes and of the machine.
 - ``command``, ``report``, ``plots``, ``profile``: command line, results (JSON, markdown),
   plots (matplotlib optional), py-spy profiles.
 """
