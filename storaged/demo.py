@@ -35,8 +35,8 @@ from typing import Any, Final
 import numpy as np
 
 from storaged.client.checkpoint import AsyncSaver, Shard, restore_checkpoint
-from storaged.client.cli import (
-    STORAGE_DTYPES,
+from storaged.client.client import Client, run_all
+from storaged.client.command import (
     ByteProgress,
     CommandError,
     UsageError,
@@ -46,7 +46,7 @@ from storaged.client.cli import (
     urls_of,
     watch_durability,
 )
-from storaged.client.client import Client, run_all
+from storaged.client.formats import STORAGE_DTYPES
 from storaged.config import ConfigError, parse_size
 
 MiB: Final = 1 << 20

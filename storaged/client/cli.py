@@ -36,36 +36,39 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Final, TypeVar
+from typing import IO, Any, Final
 
 import aiohttp
 import numpy as np
 
 from storaged.client.checkpoint import commit_checkpoint, restore_checkpoint
-from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout
+from storaged.client.client import STATES, CheckpointStatus, Client
+from storaged.client.command import (
+    EXIT_NODE_DOWN,
+    ByteProgress,
+    CommandError,
+    UsageError,
+    human_bytes,
+    run_async,
+    run_command,
+    urls_of,
+    watch_durability,
+)
 from storaged.client.errors import (
     CheckpointNotFound,
-    ConnectionFailed,
     Exists,
-    Forbidden,
-    StoragedError,
-    Unauthorized,
-    Unavailable,
 )
 from storaged.client.formats import (
     FORMATS,
     RESTORE_TO_STDOUT,
     SAVE_FROM_STDIN,
     STORAGE_DTYPES,
-    FormatError,
     NpzWriter,
     StreamWriter,
     UnknownFormat,
     check_writable,
-    clean_message,
     format_of,
     open_source,
     safetensors_header,
@@ -85,30 +88,10 @@ from storaged.client.streaming import (
 from storaged.config import ConfigError, parse_size
 from storaged.ids import is_checkpoint_name
 
-__all__ = ["STORAGE_DTYPES", "ByteProgress", "CommandError", "UsageError", "register"]
+__all__ = ["register"]
 
-T = TypeVar("T")
-
-EXIT_OK: Final = 0
-EXIT_FAILURE: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_NODE_DOWN: Final = 3
-EXIT_INTERRUPTED: Final = 130
 
 DEFAULT_URL: Final = "http://127.0.0.1:7400"
-
-
-class CommandError(Exception):
-    """An expected failure: its message is printed as is, ``status`` is the exit status."""
-
-    def __init__(self, message: str, status: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class UsageError(CommandError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, EXIT_USAGE)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -223,13 +206,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_demo_parser(sub, [progress])
 
 
-def urls_of(value: str) -> list[str]:
-    urls = [u.strip() for u in value.split(",") if u.strip()]
-    if not urls:
-        raise UsageError("--url names no node")
-    return urls
-
-
 def _check_name(name: str) -> None:
     if not is_checkpoint_name(name):
         raise UsageError(
@@ -250,205 +226,6 @@ def _format_of(path: str, given: str | None) -> str:
 
 def _client(args: argparse.Namespace) -> Client:
     return Client(urls_of(args.url), token=args.token)
-
-
-def explain(error: BaseException, url: str = "") -> str:
-    """One line saying what went wrong, for errors a user can meet in normal use."""
-    where = f" at {url}" if url else ""
-    if isinstance(error, Unauthorized):
-        return (
-            f"the cluster{where} refused the token (HTTP 401): pass --token or set STORAGED_TOKEN"
-        )
-    if isinstance(error, Forbidden):
-        return f"the cluster{where} refused the request (HTTP 403): {error.message}"
-    if isinstance(error, ConnectionFailed):
-        return (
-            f"cannot reach the cluster{where}: {error.message} "
-            "(is it running? --url or STORAGED_URL name it)"
-        )
-    if isinstance(error, Unavailable):
-        return f"the cluster{where} cannot serve now: {error}"
-    return str(error)
-
-
-def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
-    """Run ``body`` and turn expected failures into a message and an exit status."""
-    command = getattr(args, "command", None) or "storaged"
-
-    def fail(message: str, status: int = EXIT_FAILURE) -> int:
-        # One line, whatever a library put in its message (newlines, colour codes).
-        print(f"storaged {command}: error: {clean_message(message)}", file=sys.stderr)
-        return status
-
-    try:
-        body()
-    except CommandError as exc:
-        return fail(str(exc), exc.status)
-    except UnknownFormat as exc:
-        return fail(str(exc), EXIT_USAGE)
-    except (LayoutError, FormatError) as exc:  # a checkpoint or file this client cannot lay out
-        return fail(str(exc))
-    except (StoragedError, WaitTimeout) as exc:
-        return fail(explain(exc, getattr(args, "url", None) or ""))
-    except KeyboardInterrupt:
-        print(f"storaged {command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return EXIT_OK
-
-
-def run_async(main: Callable[[], Awaitable[T]]) -> T:
-    """``asyncio.run`` with uvloop when it is there."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - a dependency; still usable without it
-        return asyncio.run(_as_coroutine(main))
-    return uvloop.run(_as_coroutine(main))
-
-
-async def _as_coroutine(main: Callable[[], Awaitable[T]]) -> T:
-    return await main()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-class ByteProgress:
-    """A progress bar of bytes, fed from a counter (e.g. ``ClientStats``) while a transfer runs.
-
-    The counter is read every ``interval`` seconds, so the bar moves as chunks
-    complete. ``enabled=None`` shows it only when stderr is a terminal. On a clean
-    exit the bar is completed (dedup or coalescing may make the counter end short).
-    ``total=None``: the size is not known (stdin); ``position`` stacks several bars.
-    """
-
-    def __init__(
-        self,
-        counter: Callable[[], int],
-        total: int | None,
-        desc: str,
-        *,
-        enabled: bool | None = None,
-        interval: float = 0.1,
-        file: IO[str] | None = None,
-        position: int | None = None,
-    ) -> None:
-        self._counter = counter
-        self._total = total
-        self._desc = desc
-        self._enabled = enabled
-        self._interval = interval
-        self._file = file or sys.stderr
-        self._position = position
-        self._base = 0
-        self._bar: Any = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> ByteProgress:
-        from tqdm import tqdm
-
-        self._base = self._counter()
-        self._bar = tqdm(
-            total=self._total,
-            desc=self._desc,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            file=self._file,
-            disable=None if self._enabled is None else not self._enabled,
-            dynamic_ncols=True,
-            mininterval=self._interval,
-            position=self._position,
-            leave=True,
-        )
-        self._task = asyncio.get_running_loop().create_task(self._follow())
-        return self
-
-    def _update(self) -> None:
-        done = max(0, self._counter() - self._base)
-        if self._total is not None:
-            done = min(self._total, done)
-        if done > self._bar.n:
-            self._bar.update(done - self._bar.n)
-
-    async def _follow(self) -> None:
-        while True:
-            self._update()
-            await asyncio.sleep(self._interval)
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._update()
-        if exc_type is None and self._total is not None and self._bar.n < self._total:
-            self._bar.update(self._total - self._bar.n)
-        self._bar.close()
-
-
-@dataclass
-class Durability:
-    """What ``watch_durability`` saw: the last status and when each level was first reached."""
-
-    status: CheckpointStatus
-    #: level -> seconds since watching began
-    reached: dict[str, float] = field(default_factory=dict)
-
-
-async def watch_durability(
-    client: Client,
-    name: str,
-    level: str,
-    timeout: float,
-    emit: Callable[[str], None],
-    *,
-    interval: float = 0.25,
-    quiet_for: float = 1.0,
-    began: float | None = None,
-) -> Durability:
-    """Poll ``status`` until ``name`` reaches ``level``, emitting a line when the counts change.
-
-    Lines come at most every ``quiet_for`` seconds, except when a level is completed.
-    ``WaitTimeout`` after ``timeout`` seconds. Times are counted from ``began``
-    (a ``time.perf_counter()`` value; default now).
-    """
-    start = time.perf_counter() if began is None else began
-    deadline = time.perf_counter() + timeout
-    seen: tuple[int, int, int, str] | None = None
-    last_line = 0.0
-    result: Durability | None = None
-    while True:
-        status = await client.status(name)
-        now = time.perf_counter()
-        if result is None:
-            result = Durability(status)
-        result.status = status
-        completed = False
-        for state in STATES:
-            if status.reached(state) and state not in result.reached:
-                result.reached[state] = now - start
-                completed = True
-        counts = (status.memory, status.nvme, status.cold, status.state)
-        if counts != seen and (completed or now - last_line >= quiet_for or seen is None):
-            emit(
-                f"  {now - start:7.1f} s  {status.state:<6}  memory {status.memory}/{status.chunks}"
-                f"  nvme {status.nvme}/{status.chunks}  cold {status.cold}/{status.chunks}"
-            )
-            seen, last_line = counts, now
-        if status.reached(level):
-            return result
-        if now >= deadline:
-            raise WaitTimeout(
-                f"checkpoint {name} is {status.state} after {timeout:.0f} s, waiting for {level} "
-                f"(it is committed; `storaged status {name}` follows it)",
-                status,
-            )
-        await asyncio.sleep(interval)
 
 
 # --------------------------------------------------------------------------- output

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from storaged.cli import main
-from storaged.client.cli import ByteProgress, run_async
+from storaged.client.command import ByteProgress, run_async
 from storaged.cluster import LocalCluster, free_port_block
 from storaged.demo import build_model, shares
 from tests.conftest import TOKEN
