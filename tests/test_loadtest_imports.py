@@ -1,6 +1,10 @@
-"""Dependencies run one way: the product never imports its load tests, and the load tests
-import each other without a cycle. Every import counts, those inside functions too (a lazy
-import is a dependency all the same); found by reading the sources, not by importing them.
+"""Dependencies run one way: the product never imports its load tests, no module imports
+itself through others (no cycle in ``storaged``, ``tiers``, ``erasure`` and ``loadtest``,
+taken together), and a benchmark imports the harness (``loadtest.harness``), never another
+benchmark. Every import counts, those inside functions too (a lazy import is a dependency
+all the same), except those under ``if TYPE_CHECKING:``, which never run: that is how a
+stage names the type of the ``Node`` that owns it. Found by reading the sources, not by
+importing them.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("storaged", "tiers", "erasure", "loadtest")
+HARNESS = "loadtest.harness"
 
 
 def module_name(path: Path) -> str:
@@ -17,10 +23,26 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> Iterator[str]:
-    """Every module ``path`` imports (``from a import b`` yields ``a`` and ``a.b``)."""
-    package = module_name(path).rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+def _run_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` but the bodies of ``if TYPE_CHECKING:`` (their ``else`` runs)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and (
+            (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+            or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+        ):
+            for child in node.orelse:
+                yield child
+                yield from _run_nodes(child)
+            continue
+        yield node
+        yield from _run_nodes(node)
+
+
+def imports_in(source: str, module: str, filename: str = "<source>") -> Iterator[str]:
+    """Every module the code of ``module`` imports when it runs (``from a import b`` yields
+    ``a`` and ``a.b``)."""
+    package = module.rpartition(".")[0]
+    for node in _run_nodes(ast.parse(source, filename)):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -32,9 +54,13 @@ def imports_of(path: Path) -> Iterator[str]:
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def graph(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports (submodules it names included)."""
-    modules = {module_name(p): p for p in (REPO / package).rglob("*.py")}
+def imports_of(path: Path) -> Iterator[str]:
+    yield from imports_in(path.read_text(), module_name(path), str(path))
+
+
+def graph(*packages: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (submodules it names included)."""
+    modules = {module_name(p): p for package in packages for p in (REPO / package).rglob("*.py")}
     return {
         name: {m for m in imports_of(path) if m in modules and m != name}
         for name, path in modules.items()
@@ -69,6 +95,20 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def test_imports_that_run_count_and_type_checking_ones_do_not() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import a\n"
+        "if TYPE_CHECKING:\n    import b\nelse:\n    import c\n"
+        "if typing.TYPE_CHECKING:\n    import d\n"
+        "def f():\n    from e import g\n"
+        "from . import h\n"
+    )
+    found = set(imports_in(source, "pkg.mod"))
+    assert {"a", "c", "e", "e.g", "pkg", "pkg.h"} <= found
+    assert not found & {"b", "d"}
+
+
 def test_the_product_never_imports_the_load_tests() -> None:
     offenders = {
         module_name(path): sorted(m for m in imports_of(path) if m.split(".")[0] == "loadtest")
@@ -78,14 +118,37 @@ def test_the_product_never_imports_the_load_tests() -> None:
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_the_load_tests_import_each_other_without_a_cycle() -> None:
-    edges = graph("loadtest")
-    assert "loadtest.harness.cluster" in edges and edges["loadtest.restore"]  # the graph is real
+def test_no_import_cycle_in_the_product_or_the_load_tests() -> None:
+    edges = graph(*PACKAGES)
+    # The graph is real: edges within and across packages, lazy imports included.
+    assert "storaged.demo" in edges["storaged.client.cli"]
+    assert "storaged.client.command" in edges["storaged.demo"]
+    assert "storaged.client" in edges["loadtest.harness.trace"]
+    assert "tiers.nvme" in edges["storaged.node.core"]
     assert a_cycle(edges) is None
-    # The harness imports no benchmark.
-    harness = {name: found for name, found in edges.items() if name.startswith("loadtest.harness")}
-    assert {
-        name: sorted(m for m in found if not m.startswith("loadtest.harness"))
+
+
+def test_a_benchmark_imports_the_harness_not_another_benchmark() -> None:
+    edges = graph("loadtest")
+    benchmarks = {
+        name for name in edges if name not in ("loadtest", "loadtest.__main__")
+        if not name.startswith(HARNESS)
+    }  # fmt: skip
+    assert {"loadtest.restore", "loadtest.vs_dcp", "loadtest.direct"} <= benchmarks
+    assert all(edges[name] for name in benchmarks - {"loadtest.etcd_coord", "loadtest.nvme"})
+    offenders = {
+        name: sorted(m for m in edges[name] if not m.startswith(HARNESS) and m != "loadtest")
+        for name in benchmarks
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_harness_imports_no_benchmark() -> None:
+    edges = graph("loadtest")
+    harness = {name: found for name, found in edges.items() if name.startswith(HARNESS)}
+    assert len(harness) > 10 and edges["loadtest.harness.command"]
+    offenders = {
+        name: sorted(m for m in found if not m.startswith(HARNESS))
         for name, found in harness.items()
-        if any(not m.startswith("loadtest.harness") for m in found)
-    } == {}
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
