@@ -27,8 +27,12 @@ from loadtest.harness.checkpoint import ROW_BYTES, Layout
 from loadtest.harness.command import run_and_write
 from loadtest.harness.machine import drop_page_cache, torch_available
 from loadtest.harness.report import markdown_table, ratio
+from loadtest.harness.trace import TracedClient, TracedGets
 from loadtest.harness.workers import Prepared, WorkerError, WorkerPool
+from storaged.client import ChunkNotFound, Client
+from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from tests.conftest import TOKEN
 
 REPO = Path(__file__).resolve().parent.parent
 #: a whole --quick run on this shared two-core machine takes about a minute
@@ -499,3 +503,33 @@ def test_model_without_matplotlib_writes_its_tables(
     assert json.loads((out / "model.json").read_text())["rows"]
     assert (out / "model.md").is_file() and not (out / "scale.png").exists()
     assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("direct_reads", [True, False], ids=["direct", "aiohttp"])
+async def test_traced_client_times_every_chunk_get_and_counts_bytes_by_tier(
+    cluster: LocalCluster, direct_reads: bool
+) -> None:
+    # The product's Client has no trace hooks: the direct path is traced by the harness's
+    # own DirectGets (TracedGets), the aiohttp path by aiohttp's trace hooks.
+    chunks = [os.urandom((1 << 20) + i) for i in range(3)]
+    async with Client(cluster.urls, token=TOKEN) as writer:
+        ids = [await writer.put_chunk(c) for c in chunks]
+    client = TracedClient(cluster.urls, token=TOKEN, direct_reads=direct_reads)
+    await client.open_traced()
+    try:
+        assert isinstance(client.direct, TracedGets) == direct_reads
+        for cid, data in zip(ids, chunks, strict=True):
+            assert bytes(await client.get_chunk(cid)) == data
+        with pytest.raises(ChunkNotFound):
+            await client.get_chunk(chunk_id_of(b"never stored"))
+        if direct_reads:
+            assert isinstance(client.direct, TracedGets)
+            assert client.direct.stats.requests >= len(ids)
+    finally:
+        await client.close()
+    log = client.log
+    # Every byte of the three GETs, from RAM; the missing chunk's 404s count for nothing.
+    assert log.tier_bytes == {"memory": sum(len(c) for c in chunks)}
+    assert len(log.get_latencies) == len(ids) and all(s > 0 for s in log.get_latencies)
+    assert log.first_byte is not None and log.first_byte <= time.monotonic()

@@ -21,7 +21,7 @@ from loadtest.harness.machine import GB, new_loop
 from loadtest.harness.report import percentile
 from storaged.client import Client
 from storaged.client.client import Holder, WritableBuffer
-from storaged.client.direct import ResponseHead
+from storaged.client.direct import Addr, BodyPlan, DirectGets, Planner, ResponseHead, Result
 from tiers.base import ByteRange
 
 
@@ -54,13 +54,51 @@ def _chunk_request(method: str, url: Any) -> bool:
     return "/v1/chunks/" in str(url.path) and method in ("GET", "PUT")
 
 
+class TracedGets(DirectGets):
+    """``DirectGets`` that notes in ``log`` when each chunk GET is sent and when its 200/206
+    head arrives, as aiohttp's trace hooks do for the aiohttp path."""
+
+    def __init__(
+        self,
+        log: RequestLog,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        pool_size: int,
+        idle_timeout: float,
+    ) -> None:
+        super().__init__(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            pool_size=pool_size,
+            idle_timeout=idle_timeout,
+        )
+        self.log = log
+
+    async def get(self, addr: Addr, request: bytes, planner: Planner) -> Result:
+        fetch = _current_fetch.get()
+        if fetch is not None:
+            fetch.start = time.monotonic()  # a retry or failover restarts the clock
+
+        def answered(head: ResponseHead) -> BodyPlan:
+            # The client's planner sees only the heads of chunks it will read.
+            now = time.monotonic()
+            if self.log.first_byte is None or now < self.log.first_byte:
+                self.log.first_byte = now
+            tier = head.headers.get("x-storaged-tier", "?")
+            self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + head.content_length
+            return planner(head)
+
+        return await super().get(addr, request, answered)
+
+
 class TracedClient(Client):
     """A ``Client`` whose session records every chunk request in ``self.log``.
 
     Open it with ``open_traced`` (it makes the session with the trace hooks and the
     headers ``Client.open`` would use). Chunk GETs read directly, as with ``Client``'s
-    own session (``direct_reads=False`` to measure aiohttp's), are traced by the
-    client's ``_direct_*`` hooks.
+    own session (``direct_reads=False`` to measure aiohttp's), are traced by its
+    ``TracedGets``.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -84,6 +122,17 @@ class TracedClient(Client):
             trace_configs=[trace],
         )
         await self.open(self._own_session)
+        if self.direct is not None:
+            # The direct read path, traced: the same settings, reporting to self.log.
+            plain = self.direct
+            self.direct = TracedGets(
+                self.log,
+                connect_timeout=plain.connect_timeout,
+                read_timeout=plain.read_timeout,
+                pool_size=plain.pool_size,
+                idle_timeout=plain.idle_timeout,
+            )
+            await plain.close()
 
     async def close(self) -> None:
         await super().close()
@@ -114,18 +163,6 @@ class TracedClient(Client):
         tier = resp.headers.get("X-Storaged-Tier", "?")
         size = resp.content_length or 0
         self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + size
-
-    def _direct_sent(self, node: str) -> None:
-        fetch = _current_fetch.get()
-        if fetch is not None:
-            fetch.start = time.monotonic()  # a retry or failover restarts the clock
-
-    def _direct_answered(self, head: ResponseHead) -> None:
-        now = time.monotonic()
-        if self.log.first_byte is None or now < self.log.first_byte:
-            self.log.first_byte = now
-        tier = head.headers.get("x-storaged-tier", "?")
-        self.log.tier_bytes[tier] = self.log.tier_bytes.get(tier, 0) + head.content_length
 
     async def get_chunk(
         self,

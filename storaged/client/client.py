@@ -995,7 +995,6 @@ class Client:
 
         def plan_body(head: ResponseHead) -> BodyPlan:
             # The same decisions as handle() and _read_body, made before any body byte.
-            self._direct_answered(head)
             whole = ranged and head.status == 200
             to_skip = skip if whole else 0
             length = head.content_length
@@ -1027,7 +1026,6 @@ class Client:
                 raise NotHandled(f"{node}: not a plain-http node")
             addr, prefix, head_lines = where
             request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}{extra_lines}\r\n"
-            self._direct_sent(node)
             async with asyncio.timeout(self._request_timeout):
                 head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
             if head.status >= 400:
@@ -1296,13 +1294,6 @@ class Client:
         if expected is not None and pos != expected:
             raise ProtocolError(message=f"response of {pos} bytes, expected {expected}")
         return out[:pos]
-
-    def _direct_sent(self, node: str) -> None:
-        """Hook, called as a direct chunk GET is sent (what aiohttp's trace hooks see for
-        the others; the load tests time requests with it). Does nothing here."""
-
-    def _direct_answered(self, head: ResponseHead) -> None:
-        """Hook, called when a direct chunk GET's 200/206 head has arrived. Does nothing here."""
 
     def _direct_target(self, node: str) -> tuple[tuple[str, int], str, str] | None:
         """Where a direct GET to ``node`` goes: address, path prefix and the head lines
