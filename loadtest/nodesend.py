@@ -9,8 +9,9 @@ walking the chunks round-robin, for ``--rounds`` rounds of ``--passes`` passes. 
 default of 2 connections is what one node of a 4-node restore with 8 requests in flight
 serves.
 
-Two clusters run side by side, one started with ``STORAGED_GET_SEND=response`` (the old
-path: ``web.Response(body=...)``) and one with ``stream`` (the default path); rounds alternate
+Two clusters run side by side, one of ``loadtest.harness.response_node`` nodes (``response``,
+the old path: ``web.Response(body=...)``) and one of product nodes (``stream``, the view
+sent after the head); rounds alternate
 between them, the order flipping from round to round. Reported per mode: GB/s and n0's
 CPU seconds per GB (``/proc/<pid>/stat``, all threads), min-max (median) over the rounds.
 """
@@ -30,11 +31,14 @@ from pathlib import Path
 
 from loadtest.harness.cluster import TOKEN, start_cluster
 from loadtest.harness.machine import new_loop, proc_cpu_seconds
+from loadtest.harness.response_node import RESPONSE_NODE
 from storaged.client import Client
 from storaged.cluster import LocalCluster
 
 GB = 1e9
 MODES = ("stream", "response")
+#: what each mode's nodes run: the product, or its variant with the old GET path
+NODE_MODULES = {"stream": "storaged", "response": RESPONSE_NODE}
 
 
 class _Get(asyncio.BufferedProtocol):
@@ -145,19 +149,15 @@ async def run(args: argparse.Namespace) -> None:
     clusters: dict[str, LocalCluster] = {}
     try:
         for mode in MODES:
-            env = {"STORAGED_GET_SEND": mode}
-            os.environ.update(env)
-            try:
-                clusters[mode] = await asyncio.to_thread(
-                    start_cluster,
-                    root / mode,
-                    3,
-                    memory=f"{memory}MiB",
-                    max_chunk=args.chunk_mib << 20,
-                    settings={"replication": 3},
-                )
-            finally:
-                os.environ.pop("STORAGED_GET_SEND", None)
+            clusters[mode] = await asyncio.to_thread(
+                start_cluster,
+                root / mode,
+                3,
+                memory=f"{memory}MiB",
+                max_chunk=args.chunk_mib << 20,
+                settings={"replication": 3},
+                node_module=NODE_MODULES[mode],
+            )
         ids = {m: await _load(c, args.chunks, args.chunk_mib) for m, c in clusters.items()}
         for m, c in clusters.items():  # warm-up: connections, first touches
             await _round(c.urls[0], ids[m], c.procs[0].pid, args.concurrency, 1)

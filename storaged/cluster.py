@@ -124,6 +124,9 @@ class LocalCluster:
     #: nodes inherit no STORAGED_* variable from this process: the cluster file (and
     #: ``env``) alone configure them, as for the demo's cluster made for the occasion
     clean_env: bool = False
+    #: the module the node processes run (``python -m MODULE serve ...``): another module
+    #: taking ``storaged serve``'s arguments runs a variant node (a benchmark's baseline)
+    node_module: str = "storaged"
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: where each node's log stood when it was last started: its exit cause is after that
     _log_starts: dict[int, int] = field(default_factory=dict)
@@ -311,7 +314,7 @@ class LocalCluster:
         node_dir = self.data / self.node_id(i)
         node_dir.mkdir(parents=True, exist_ok=True)
         # -P: the working directory is not put first on the node's sys.path (see above).
-        cmd = [sys.executable, "-P", "-m", "storaged", "serve"]
+        cmd = [sys.executable, "-P", "-m", self.node_module, "serve"]
         cmd += ["--config", str(self.config_path), "--node", self.node_id(i)]
         if self.coordinator_url:
             cmd += ["--coordinator", self.coordinator_url, "--url", self.url(i)]

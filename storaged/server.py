@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import re
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -351,12 +350,8 @@ def _parse_range(header: str, size: int) -> ByteRange:
     return ByteRange(start, end)
 
 
-# Only for loadtest.nodesend's baseline: "response" answers chunk GETs the old way
-# (web.Response, whose body aiohttp joins to the head in a new bytes object on Python
-# < 3.12.9). Read once at import: the node's environment does not change.
-_GET_SEND = os.environ.get("STORAGED_GET_SEND", "stream")
-
-
+# loadtest.harness.response_node replaces this function in its own node processes to
+# measure the old path (web.Response): handlers call it by its module-level name.
 async def _send_body(
     request: web.Request, body: memoryview, status: int, headers: dict[str, str]
 ) -> web.StreamResponse:
@@ -405,10 +400,6 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
         status = 206
     node.metrics.restore_bytes.labels(tier).inc(end - start)
     body = memoryview(data)[start:end]
-    if _GET_SEND == "response":
-        return web.Response(
-            body=body, status=status, headers=headers, content_type="application/octet-stream"
-        )
     return await _send_body(request, body, status, headers)
 
 

@@ -249,7 +249,13 @@ class ClusterFactory:
         self.clusters: list[LocalCluster] = []
 
     def __call__(
-        self, nodes: int = 4, *, token: str = TOKEN, https: bool = False, **settings: Any
+        self,
+        nodes: int = 4,
+        *,
+        token: str = TOKEN,
+        https: bool = False,
+        node_module: str = "storaged",
+        **settings: Any,
     ) -> LocalCluster:
         merged = {**FAST_SETTINGS, **settings}
         if "tiers" in settings:
@@ -266,6 +272,7 @@ class ClusterFactory:
                 env=_node_env(),
                 https=https,
                 coordinator=self.coordinator() if self.coordinator is not None else "",
+                node_module=node_module,
             )
             self.clusters.append(cluster)
             try:
@@ -280,11 +287,19 @@ class ClusterFactory:
         raise AssertionError("unreachable")
 
     async def start(
-        self, nodes: int = 4, *, token: str = TOKEN, https: bool = False, **settings: Any
+        self,
+        nodes: int = 4,
+        *,
+        token: str = TOKEN,
+        https: bool = False,
+        node_module: str = "storaged",
+        **settings: Any,
     ) -> LocalCluster:
         """``self(...)`` off the event loop: for async tests."""
         return await asyncio.to_thread(
-            functools.partial(self, nodes, token=token, https=https, **settings)
+            functools.partial(
+                self, nodes, token=token, https=https, node_module=node_module, **settings
+            )
         )
 
     def stop_all(self) -> None:

@@ -26,7 +26,6 @@ _LINE = re.compile(
 def test_small_run_reports_both_send_paths() -> None:
     # The node processes and the benchmark run without asyncio debug mode (conftest sets it).
     env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
-    env.pop("STORAGED_GET_SEND", None)
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.nodesend", "--chunks", "2", "--chunk-mib", "1",
          "--rounds", "2", "--passes", "1", "--concurrency", "4"],

@@ -16,4 +16,6 @@ them imports a benchmark.
   the CPU seconds of this process, of the nodes and of the machine.
 - ``command``, ``report``, ``plots``, ``profile``: command line, results (JSON, markdown),
   plots (matplotlib optional), py-spy profiles.
+- ``response_node``: a node variant that answers chunk GETs the old way (``web.Response``),
+  the baseline of ``nodesend``.
 """

@@ -42,8 +42,10 @@ def start_cluster(
     memory: str = "2GiB",
     max_chunk: int = 16 * MiB,
     settings: Mapping[str, Any] | None = None,
+    node_module: str = "storaged",
 ) -> LocalCluster:
-    """A ``LocalCluster`` with token ``TOKEN`` under ``root``, healthy; stopped if start fails."""
+    """A ``LocalCluster`` with token ``TOKEN`` under ``root``, healthy; stopped if start fails.
+    ``node_module``: what the nodes run (``response_node.RESPONSE_NODE``: the old GET path)."""
     merged: dict[str, Any] = {
         "max_chunk_size": max_chunk,
         "tiers": {"memory_capacity": memory, "nvme_capacity": "256GiB",
@@ -64,6 +66,7 @@ def start_cluster(
         token=TOKEN,
         settings=merged,
         env={"PYTHONASYNCIODEBUG": ""},
+        node_module=node_module,
     )
     try:
         cluster.start()

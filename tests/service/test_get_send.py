@@ -1,8 +1,8 @@
 """Chunk GET bodies are sent as views (``server._send_body``), not as ``web.Response`` bodies.
 
-The wire answer must be the one ``web.Response`` gave (the node's ``STORAGED_GET_SEND=
-response`` baseline, kept for ``loadtest.nodesend``), and a client that goes away in the
-middle of a body must leave the node as it was.
+The wire answer must be the one ``web.Response`` gave (``loadtest.harness.response_node``,
+a node that still answers that way: the baseline of ``loadtest.nodesend``), and a client
+that goes away in the middle of a body must leave the node as it was.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from loadtest.harness.response_node import ANSWERED, RESPONSE_NODE
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
@@ -71,14 +72,15 @@ def _get(cid: str, extra: str = "") -> bytes:
     ).encode()
 
 
+def _answered_by_response(cluster: LocalCluster) -> bool:
+    """Whether node 0 of ``cluster`` answered a chunk GET with ``web.Response``."""
+    return ANSWERED in cluster.log_path(0).read_text()
+
+
 async def test_same_answer_as_web_response(
-    api: Api,
-    cluster: LocalCluster,
-    cluster_factory: ClusterFactory,
-    monkeypatch: pytest.MonkeyPatch,
+    api: Api, cluster: LocalCluster, cluster_factory: ClusterFactory
 ) -> None:
-    monkeypatch.setenv("STORAGED_GET_SEND", "response")
-    old = await cluster_factory.start(2, replication=2, k=1, n=2)
+    old = await cluster_factory.start(2, replication=2, k=1, n=2, node_module=RESPONSE_NODE)
     data = random_chunk(3 * 2**20 + 5)
     cid = chunk_id_of(data)
     empty = chunk_id_of(b"")
@@ -105,15 +107,15 @@ async def test_same_answer_as_web_response(
         old_head, old_body = await asyncio.to_thread(_exchange, old.port, request)
         assert _head_lines(new_head) == _head_lines(old_head), request
         assert new_body == old_body, request
+    # The reference really is the old path, and the product's node does not take it.
+    assert _answered_by_response(old) and not _answered_by_response(cluster)
     head, body = await asyncio.to_thread(_exchange, cluster.port, requests[1])
     assert head.startswith(b"HTTP/1.1 206 ") and body == data[10:20]
     head, body = await asyncio.to_thread(_exchange, cluster.port, requests[0])
     assert head.startswith(b"HTTP/1.1 200 ") and body == data
 
 
-async def test_same_answer_from_nvme(
-    cluster_factory: ClusterFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_same_answer_from_nvme(cluster_factory: ClusterFactory) -> None:
     # The nvme tier's bytes (read and BLAKE3-checked per GET) go through the same send.
     # A chunk node 0 owns: it keeps the nvme copy once the chunk is cold (retention).
     data = next(
@@ -123,9 +125,8 @@ async def test_same_answer_from_nvme(
     )
     cid = chunk_id_of(data)
     clusters = {}
-    for mode in ("stream", "response"):
-        monkeypatch.setenv("STORAGED_GET_SEND", mode)
-        clusters[mode] = await cluster_factory.start(2, replication=2, k=1, n=2)
+    for mode, module in (("stream", "storaged"), ("response", RESPONSE_NODE)):
+        clusters[mode] = await cluster_factory.start(2, replication=2, k=1, n=2, node_module=module)
     async with aiohttp.ClientSession() as session:
         for c in clusters.values():
             a = Api(session, c.urls[0], TOKEN)
@@ -151,6 +152,8 @@ async def test_same_answer_from_nvme(
         assert _head_lines(new_head) == _head_lines(old_head), request
         assert new_body == old_body, request
     assert new_body == data[-5:]
+    assert _answered_by_response(clusters["response"])
+    assert not _answered_by_response(clusters["stream"])
 
 
 def _walk_away(port: int, cid: str, reset: bool, at: int) -> int:
