@@ -112,6 +112,12 @@ class EtcdMembership(Membership):
             return None
         return self._down_at.get(node_id)
 
+    shares_marks = True
+
+    def is_draining(self, node_id: str) -> bool:
+        entry = self._members.get(node_id)
+        return entry is not None and entry[1] == DRAINING
+
     def view(self) -> MembershipView:
         return MembershipView(
             members=self.nodes(),
