@@ -2,12 +2,13 @@
 config edit, while a save and a restore run: a joining node (``serve --coordinator ...
 --node ID --url ... --peer ... --data DIR``) takes new placements at once; a drained node
 (``storaged drain NODE --wait``) is killed with SIGKILL and nothing acked is lost or
-under-replicated."""
+under-replicated; restarted it is still draining, and stopped it leaves the members."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import signal
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from storaged.cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, ClusterFactory
-from tests.service.drain_workload import DrainWorkload, drain_until_it_can_leave
+from tests.service.drain_workload import DrainWorkload, drain_until_it_can_leave, storaged_cli
 from tests.service.http import Api
 from tests.service.inproc import wait_until
 
@@ -68,6 +69,11 @@ def _join(cluster: LocalCluster, i: int) -> None:
     cluster.wait_converged(timeout=SLOW)
 
 
+def _restart(cluster: LocalCluster, i: int) -> None:
+    cluster.start_node(i)
+    cluster.wait_healthy([i], timeout=SLOW)
+
+
 async def test_a_node_joins_another_drains_and_leaves_under_a_save_and_a_restore(
     cluster_factory: ClusterFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -117,6 +123,29 @@ async def test_a_node_joins_another_drains_and_leaves_under_a_save_and_a_restore
 
     await wait_until("n3 down (and draining) everywhere", n3_down_everywhere, SLOW)
     await work.check_after(urls[4])  # through the node that joined
+
+    # Back again, n3 is still draining (the mark is etcd's); stopped, it leaves for good.
+    await asyncio.to_thread(_restart, cluster, 3)
+
+    async def n3_is(alive: bool | None) -> bool:
+        for url in (urls[0], urls[1], urls[2], urls[4]):
+            r = await api.request("GET", "/v1/cluster", url=url)
+            n3 = [n for n in r.doc["nodes"] if n["id"] == "n3"]
+            if alive is None and n3:
+                return False
+            if alive is not None and not (n3 and n3[0]["alive"] == alive):
+                return False
+            if n3 and n3[0]["state"] != "draining":
+                return False
+        return True
+
+    await wait_until("n3 back, still draining", lambda: n3_is(True), SLOW)
+    await asyncio.to_thread(cluster.kill, 3, signal.SIGTERM)
+    await wait_until("n3 left: listed nowhere", lambda: n3_is(None), SLOW)
+    status, out, err = await storaged_cli("nodes", "--json", "--url", urls[0])
+    assert status == 0, (out, err)  # no node down: the one that left is not a member
+    assert sorted(row["id"] for row in json.loads(out)["nodes"]) == ["n0", "n1", "n2", "n4"]
+    await work.check_after(urls[0])
     assert cluster.config_path.read_bytes() == config_before  # no config edit
 
 
