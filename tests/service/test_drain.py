@@ -166,6 +166,10 @@ async def test_repair_evacuates_a_draining_node_and_it_can_leave(inproc: InprocF
     # half cold (fragments on every node), half left hot: nothing to encode them yet
     await wait_until("the first half is cold", lambda: all(
         len(cluster.fragments(chunk_id_of(c))) == 6 for c in chunks[:12]), 60)  # fmt: skip
+    # the cold half loses its hot copies: its fragments are all there is of it
+    assert (await entry.evict("drain/cold", nvme=True))["nvme"] > 0
+    await wait_until("the cold half has no hot copy", lambda: not any(
+        cluster.hot_holders(chunk_id_of(c)) for c in chunks[:12]), 60)  # fmt: skip
     victim = cluster.node(4)
     held_before = await victim.drain_progress("n4")
     assert held_before["state"] == "active" and held_before["can_leave"] is False
@@ -193,6 +197,15 @@ async def test_repair_evacuates_a_draining_node_and_it_can_leave(inproc: InprocF
     await wait_until("n4 can leave", can_leave, 120)
     done = await entry.drain_progress("n4")
     assert done["chunks_pending"] == 0 and done["fragments_pending"] == 0
+    # n4's fragments of the cold half moved as they were (no whole copy to encode from)
+    moved = sum(
+        cluster.node(i).metrics.registry.get_sample_value(
+            "storaged_repaired_total", {"kind": "fragment_moved"}
+        )
+        or 0.0
+        for i in range(5)
+    )
+    assert moved > 0
     await cluster.kill(4)
     for data in [*chunks, late]:
         cid = chunk_id_of(data)
