@@ -102,6 +102,8 @@ class NodeInfo:
     alive: bool
     #: Space per tier ("memory", "nvme", "cold") as the node reported it.
     tiers: Mapping[str, TierSpace] = field(default_factory=dict)
+    #: Being drained (docs/API.md E12): it serves what it holds but takes no new copies.
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,13 @@ class ClusterInfo:
                     if isinstance(raw.get(tier), dict)
                 }
                 nodes.append(
-                    NodeInfo(str(raw["id"]), str(raw["url"]).rstrip("/"), bool(raw["alive"]), tiers)
+                    NodeInfo(
+                        str(raw["id"]),
+                        str(raw["url"]).rstrip("/"),
+                        bool(raw["alive"]),
+                        tiers,
+                        raw.get("state") == "draining",
+                    )
                 )
             erasure_doc = doc.get("erasure")
             erasure = (
@@ -748,7 +756,9 @@ class Client:
         if len(view) > limit:
             raise TooLarge(message=f"chunk of {len(view)} bytes exceeds max_chunk_size {limit}")
         size = len(view)
-        placement = self.placement(chunk_id)
+        # A draining node takes no copy: sent there, the body would take one more hop.
+        draining = {n.id for n in self.cluster.nodes if n.draining}
+        placement = [n for n in self.placement(chunk_id) if n not in draining]
         others = [n.id for n in self.cluster.nodes if n.id not in placement]
 
         async def handle(resp: aiohttp.ClientResponse) -> PutResult:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from storaged.client import Client
 from storaged.config import NodeSpec
 from storaged.errors import NotFound
 from storaged.ids import chunk_id_of
@@ -23,6 +24,7 @@ from storaged.membership import MembershipView
 from storaged.node import Node
 from storaged.peer import PeerError
 from storaged.placement import Placement, rendezvous_order
+from tests.conftest import TOKEN
 from tests.service.http import manifest_for
 from tests.service.inproc import InprocFactory, wait_until
 
@@ -224,3 +226,22 @@ async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
 
 async def _checked(node: Node, chunks: list[bytes]) -> CheckedManifest:
     return check_manifest(manifest_for(chunks), node.config.max_chunk_size)
+
+
+async def test_the_client_sends_no_put_to_a_draining_node(inproc: InprocFactory) -> None:
+    """A draining node takes no copy: a PUT sent to it would cost one more hop. The client
+    sees the state in ``/v1/cluster`` and uses the other nodes as entries."""
+    cluster = await inproc.start(4)
+    await cluster.node(0).drain("n1")
+    rng = random.Random(3)
+    async with Client(cluster.urls, token=TOKEN) as client:
+        info = await client.refresh_cluster()
+        assert [n.id for n in info.nodes if n.draining] == ["n1"]
+        for _ in range(24):
+            result = await client.put_chunk_result(rng.randbytes(8 * 1024))
+            assert "n1" not in result.replicas
+    entries = [
+        cluster.node(i).metrics.registry.get_sample_value("storaged_put_bytes_total") or 0.0
+        for i in range(4)
+    ]
+    assert entries[1] == 0 and sum(entries) == 24 * 8 * 1024, entries
