@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from storaged.config import NodeSpec
+from tiers import TierFull
 from tiers._durable import write_file_durably
 
 log = logging.getLogger("storaged.membership")
@@ -157,6 +158,7 @@ class StaticMembership(Membership):
         self.self_id = self_id
         #: where the drain marks are kept across restarts (None: in memory only)
         self._marks_path = marks_path
+        self._saving = asyncio.Lock()
         self._nodes = nodes
         self._ping = ping
         self._interval = interval
@@ -219,9 +221,12 @@ class StaticMembership(Membership):
     async def _save_marks(self) -> None:
         if self._marks_path is None:
             return
-        doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks().items()}}
-        blob = json.dumps(doc).encode()
-        await asyncio.to_thread(write_file_durably, self._marks_path, blob)
+        # One save at a time, each of the marks as they are when it starts: two heartbeats'
+        # saves finishing out of order would otherwise leave the older marks on disk.
+        async with self._saving:
+            doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks().items()}}
+            blob = json.dumps(doc).encode()
+            await asyncio.to_thread(write_file_durably, self._marks_path, blob)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -257,5 +262,5 @@ class StaticMembership(Membership):
                 await self.merge_drain_marks(
                     {str(n): (bool(m[0]), float(m[1])) for n, m in marks.items()}
                 )
-            except (TypeError, ValueError, IndexError, OSError) as exc:
+            except (TypeError, ValueError, IndexError, OSError, TierFull) as exc:
                 log.warning("drain marks from %s not taken: %s", peer.id, exc)

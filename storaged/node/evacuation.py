@@ -26,6 +26,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from storaged.catalogue import CoordinatorUnavailable
 from storaged.errors import NotFound, unavailable
 from storaged.membership import ACTIVE, DRAINING
 from storaged.peer import PeerError
@@ -57,7 +58,10 @@ class Evacuation:
         node = self.node
         self._known(node_id)
         membership = node.membership
-        await membership.mark_draining(node_id, draining)
+        try:
+            await membership.mark_draining(node_id, draining)
+        except CoordinatorUnavailable as exc:
+            raise unavailable("coordinator_unavailable", str(exc), retry_after=1.0) from exc
         unreached: list[str] = []
         if not membership.shares_marks:
             marks = {n: [on, at] for n, (on, at) in membership.drain_marks().items()}

@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import pytest
 
 from storaged.client import Client
@@ -24,8 +25,8 @@ from storaged.membership import MembershipView
 from storaged.node import Node
 from storaged.peer import PeerError
 from storaged.placement import Placement, rendezvous_order
-from tests.conftest import TOKEN
-from tests.service.http import manifest_for
+from tests.conftest import ADMIN_TOKEN, TOKEN
+from tests.service.http import Api, manifest_for
 from tests.service.inproc import InprocFactory, wait_until
 
 
@@ -245,3 +246,36 @@ async def test_the_client_sends_no_put_to_a_draining_node(inproc: InprocFactory)
         for i in range(4)
     ]
     assert entries[1] == 0 and sum(entries) == 24 * 8 * 1024, entries
+
+
+async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    cluster = await inproc.start(4)
+    api = Api(http, cluster.url(0), TOKEN)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    r = await api.request("POST", "/v1/nodes/n2/drain")
+    assert (r.status, r.error) == (403, "forbidden")
+    r = await api.request("GET", "/v1/nodes/n2/drain")
+    assert (r.status, r.error) == (403, "forbidden")
+    assert not any(cluster.node(i).membership.is_draining("n2") for i in range(4))
+    r = await api.request("POST", "/v1/nodes/n9/drain", headers=admin)
+    assert (r.status, r.error) == (404, "node_not_found")
+    r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": "yes"}, headers=admin)
+    assert (r.status, r.error) == (400, "bad_request")
+    r = await api.request("POST", "/v1/nodes/n2/drain", headers=admin)
+    assert r.status == 200 and r.doc == {"node": "n2", "state": "draining", "unreached": []}
+    r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin, url=cluster.url(3))
+    assert r.status == 200 and r.doc["node"] == "n2" and r.doc["state"] == "draining"
+    assert set(r.doc) == {"node", "state", "chunks", "fragments", "chunks_pending",
+                          "fragments_pending", "can_leave"}  # fmt: skip
+    r = await api.request("GET", "/v1/cluster")
+    assert {n["id"]: n["state"] for n in r.doc["nodes"]} == {
+        "n0": "active", "n1": "active", "n2": "draining", "n3": "active"}  # fmt: skip
+    r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": True}, headers=admin)
+    assert r.status == 200 and r.doc["state"] == "active"
+    assert not any(cluster.node(i).membership.is_draining("n2") for i in range(4))
+    # the node a progress request names does not answer: 503, not a guess
+    await cluster.kill(2)
+    r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin)
+    assert (r.status, r.error) == (503, "node_unavailable")
