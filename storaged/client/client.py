@@ -102,7 +102,7 @@ class NodeInfo:
     alive: bool
     #: Space per tier ("memory", "nvme", "cold") as the node reported it.
     tiers: Mapping[str, TierSpace] = field(default_factory=dict)
-    #: Being drained (docs/API.md E12): it serves what it holds but takes no new copies.
+    #: Being drained (docs/API.md E13): it serves what it holds but takes no new copies.
     draining: bool = False
 
 
@@ -845,7 +845,7 @@ class Client:
     async def drain(
         self, node_id: str, *, cancel: bool = False, admin_token: str | None = None
     ) -> dict[str, Any]:
-        """Admin (``POST /v1/nodes/{id}/drain``, docs/API.md E12): mark ``node_id``
+        """Admin (``POST /v1/nodes/{id}/drain``, docs/API.md E13): mark ``node_id``
         draining (no new placements; its data is copied to where placement without it
         says), or active again with ``cancel``. Returns ``{"node", "state", "unreached"}``
         (``unreached``: members the embedded mode could not tell now). ``NotFound`` for an

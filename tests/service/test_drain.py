@@ -27,7 +27,7 @@ from storaged.peer import PeerError
 from storaged.placement import Placement, rendezvous_order
 from tests.conftest import ADMIN_TOKEN, TOKEN
 from tests.service.http import Api, manifest_for
-from tests.service.inproc import InprocFactory, wait_until
+from tests.service.inproc import InprocCluster, InprocFactory, wait_until
 
 
 def _view(alive: list[str], draining: set[str], members: int = 6) -> MembershipView:
@@ -123,6 +123,10 @@ async def _in_context(call: Callable[[], Any]) -> Any:
     return await contextvars.copy_context().run(call)
 
 
+@pytest.mark.embedded_only(
+    "the embedded marks' broadcast, heartbeats and files; with etcd the mark is etcd's "
+    "(tests/coordination/test_etcd_drain.py)"
+)
 async def test_embedded_marks_reach_a_node_down_during_the_broadcast_and_survive_restarts(
     inproc: InprocFactory,
 ) -> None:
@@ -178,6 +182,7 @@ async def test_repair_evacuates_a_draining_node_and_it_can_leave(inproc: InprocF
     assert held_before["state"] == "active" and held_before["can_leave"] is False
     assert held_before["chunks"] + held_before["fragments"] > 0
     await entry.drain("n4")
+    await _seen(cluster, "n4")
     assert (await entry.drain_progress("n4"))["state"] == "draining"
     # a copy a peer sends the draining node (its view older than the mark) is refused,
     # at the start and at the end of the body: the sender places it on its next node
@@ -218,6 +223,14 @@ async def test_repair_evacuates_a_draining_node_and_it_can_leave(inproc: InprocF
         assert bytes(got) == data
 
 
+async def _seen(cluster: InprocCluster, node_id: str, draining: bool = True) -> None:
+    """Until every running node's view has ``node_id`` draining (or not): with etcd a mark
+    reaches the other nodes by watch, a moment after the call that set it returned."""
+    await wait_until(f"{node_id} draining={draining} everywhere", lambda: all(
+        cluster.node(i).membership.is_draining(node_id) == draining
+        for i in cluster.running()), 30)  # fmt: skip
+
+
 async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
     async def body() -> Any:
         yield memoryview(data)
@@ -234,6 +247,7 @@ async def test_the_client_sends_no_put_to_a_draining_node(inproc: InprocFactory)
     sees the state in ``/v1/cluster`` and uses the other nodes as entries."""
     cluster = await inproc.start(4)
     await cluster.node(0).drain("n1")
+    await _seen(cluster, "n1")
     rng = random.Random(3)
     async with Client(cluster.urls, token=TOKEN) as client:
         info = await client.refresh_cluster()
@@ -265,6 +279,7 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
     assert (r.status, r.error) == (400, "bad_request")
     r = await api.request("POST", "/v1/nodes/n2/drain", headers=admin)
     assert r.status == 200 and r.doc == {"node": "n2", "state": "draining", "unreached": []}
+    await _seen(cluster, "n2")
     r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin, url=cluster.url(3))
     assert r.status == 200 and r.doc["node"] == "n2" and r.doc["state"] == "draining"
     assert set(r.doc) == {"node", "state", "chunks", "fragments", "chunks_pending",
@@ -274,7 +289,7 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
         "n0": "active", "n1": "active", "n2": "draining", "n3": "active"}  # fmt: skip
     r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": True}, headers=admin)
     assert r.status == 200 and r.doc["state"] == "active"
-    assert not any(cluster.node(i).membership.is_draining("n2") for i in range(4))
+    await _seen(cluster, "n2", draining=False)
     # the node a progress request names does not answer: 503, not a guess
     await cluster.kill(2)
     r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin)
