@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.peer import PeerError
+from storaged.placement import Placement
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -124,23 +125,24 @@ class EmbeddedCatalogue(Catalogue):
     def __init__(self, node: Node) -> None:
         self.node = node
 
-    def holders(self, name: str) -> tuple[str, list[str]]:
-        """(the primary, the live secondaries) of ``name``'s record."""
-        targets = self.node.name_targets(name)
+    def holders(self, name: str, placement: Placement) -> tuple[str, list[str]]:
+        """(the primary, the live secondaries that are not draining) of ``name``'s record,
+        in the caller's view."""
+        targets = placement.name_targets(name)
         return targets[0], targets[1:]
 
-    def quorum(self) -> int:
+    def quorum(self, placement: Placement) -> int:
         """How many nodes must answer a lookup or a GC snapshot."""
-        node = self.node
-        return len(node.membership.all_ids()) - (node.config.replication - 1)
+        return len(placement.view.members) - (self.node.config.replication - 1)
 
-    def _enough(self, answered: int) -> bool:
-        return answered >= self.quorum()
+    def _enough(self, answered: int, placement: Placement) -> bool:
+        return answered >= self.quorum(placement)
 
     async def commit(self, record: CatalogRecord) -> bool:
         node = self.node
-        primary, others = self.holders(record.name)
-        if not node.membership.is_alive(primary):
+        placement = node.placement()  # one view for the whole commit
+        primary, others = self.holders(record.name, placement)
+        if not placement.is_alive(primary):
             raise CatalogueUnavailable(
                 f"{primary}, the catalogue primary of {record.name!r}, is down; retry later"
             )
@@ -148,7 +150,7 @@ class EmbeddedCatalogue(Catalogue):
             raise CatalogueUnavailable(
                 f"{len(others) + 1} live holder(s), replication needs {node.config.replication}"
             )
-        existing = await self.find(record.name)
+        existing = await self._find(record.name, placement)
         if existing is not None and existing.deleted is None:
             if existing.digest != record.digest:
                 raise CommitConflict(f"checkpoint {record.name!r} exists with other contents")
@@ -177,6 +179,9 @@ class EmbeddedCatalogue(Catalogue):
         return created
 
     async def find(self, name: str) -> CatalogRecord | None:
+        return await self._find(name, self.node.placement())
+
+    async def _find(self, name: str, placement: Placement) -> CatalogRecord | None:
         node = self.node
         best: CatalogRecord | None = None
         answered = 0
@@ -193,18 +198,18 @@ class EmbeddedCatalogue(Catalogue):
             if record is not None and (best is None or newer(record, best)):
                 best = record
 
-        await asyncio.gather(*(ask(n) for n in node.membership.alive_ids()))
-        if not self._enough(answered):
+        await asyncio.gather(*(ask(n) for n in placement.alive))
+        if not self._enough(answered, placement):
             raise CatalogueUnavailable(
-                f"only {answered} node(s) answered about {name!r}, {self.quorum()} needed"
+                f"only {answered} node(s) answered about {name!r}, {self.quorum(placement)} needed"
             )
         return best
 
     async def _gather(
-        self, prefix: str, *, with_chunks: bool
+        self, prefix: str, placement: Placement, *, with_chunks: bool
     ) -> tuple[dict[str, CatalogRecord], int]:
         node = self.node
-        alive = node.membership.alive_ids()
+        alive = placement.alive
         merged: dict[str, CatalogRecord] = {}
         replies = await asyncio.gather(
             *(
@@ -226,18 +231,19 @@ class EmbeddedCatalogue(Catalogue):
         return merged, answered
 
     async def list(self, prefix: str = "") -> list[CatalogRecord]:
-        merged, _ = await self._gather(prefix, with_chunks=False)
+        merged, _ = await self._gather(prefix, self.node.placement(), with_chunks=False)
         return sorted((r for r in merged.values() if r.deleted is None), key=lambda r: r.name)
 
     async def delete(self, name: str) -> None:
         node = self.node
-        record = await self.find(name)
+        placement = node.placement()  # one view for the whole delete
+        record = await self._find(name, placement)
         if record is None or record.deleted is not None:
             raise CheckpointNotFound(name)
         record.deleted = time.time()
         record.manifest = None
-        primary, others = self.holders(name)
-        holders = {primary, *others} | set(node.membership.alive_ids())
+        primary, others = self.holders(name, placement)
+        holders = {primary, *others} | set(placement.alive)
         results = await asyncio.gather(
             *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
             return_exceptions=True,
@@ -254,10 +260,11 @@ class EmbeddedCatalogue(Catalogue):
     async def references(self) -> References:
         node = self.node
         taken_at = time.time()
-        merged, answered = await self._gather("", with_chunks=True)
+        placement = node.placement()
+        merged, answered = await self._gather("", placement, with_chunks=True)
         # Every committed record is on `replication` holders: hearing from all nodes but
         # replication - 1 guarantees one of them answered.
-        complete = self._enough(answered)
+        complete = self._enough(answered, placement)
         if complete:
             # Tombstones seen anywhere are applied here, so this node cannot bring back a
             # deleted checkpoint.
@@ -277,10 +284,11 @@ class EmbeddedCatalogue(Catalogue):
         disk, a membership change. Asks each target in batches what it holds first."""
         node = self.node
         by_target: dict[str, list[CatalogRecord]] = {}
+        placement = node.placement()  # one view for the pass
         for record in node.catalog.records(tombstones=True):
-            primary, others = self.holders(record.name)
+            primary, others = self.holders(record.name, placement)
             for target in (primary, *others):
-                if target != node.id and node.membership.is_alive(target):
+                if target != node.id and placement.is_alive(target):
                     by_target.setdefault(target, []).append(record)
         written = 0
         for target, records in by_target.items():

@@ -9,13 +9,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from storaged.config import NodeSpec
+from tiers import TierFull
+from tiers._durable import write_file_durably
 
 log = logging.getLogger("storaged.membership")
 
@@ -82,27 +86,51 @@ class Membership(abc.ABC):
         return MembershipView(
             nodes,
             frozenset(n.id for n in nodes if self.is_alive(n.id)),
-            frozenset(self._marked_draining()),
+            frozenset(n for n, (on, _) in self._marks().items() if on),
             0,
         )
 
-    def _marked_draining(self) -> set[str]:
+    #: whether ``mark_draining`` reaches every node by itself (a coordinator does); when
+    #: not, the node that marks tells its live peers, and the marks travel in heartbeats
+    shares_marks = False
+
+    def is_draining(self, node_id: str) -> bool:
+        return self._marks().get(node_id, (False, 0.0))[0]
+
+    def _marks(self) -> dict[str, tuple[bool, float]]:
         # Created on first use, so that implementations need not call an __init__ here.
         try:
-            return self._draining_ids
+            return self._drain_marks
         except AttributeError:
-            self._draining_ids: set[str] = set()
-            return self._draining_ids
+            self._drain_marks: dict[str, tuple[bool, float]] = {}
+            return self._drain_marks
+
+    def drain_marks(self) -> dict[str, tuple[bool, float]]:
+        """Every drain mark this node knows: node id -> (draining, when it was set)."""
+        return dict(self._marks())
 
     async def mark_draining(self, node_id: str, draining: bool = True) -> None:
-        """Mark ``node_id`` draining (or active again). Here, in this node's view only: a
-        static cluster has nowhere to share it; a coordinator makes it cluster-wide."""
-        self.node(node_id)  # KeyError for a stranger
-        marked = self._marked_draining()
-        if draining:
-            marked.add(node_id)
-        else:
-            marked.discard(node_id)
+        """Mark ``node_id`` draining (or active again); KeyError for a stranger. Here, in
+        this node's view (see ``shares_marks``); a coordinator makes it cluster-wide."""
+        self.node(node_id)
+        await self.merge_drain_marks({node_id: (draining, time.time())})
+
+    async def merge_drain_marks(self, marks: dict[str, tuple[bool, float]]) -> bool:
+        """Take the marks newer than the ones known here (the last set wins, by the clock of
+        the node that set it); True if any changed. Marks of strangers are ignored."""
+        known = self._marks()
+        members = {n.id for n in self.nodes()}
+        changed = False
+        for node_id, (draining, stamp) in marks.items():
+            if node_id in members and stamp > known.get(node_id, (False, 0.0))[1]:
+                known[node_id] = (bool(draining), float(stamp))
+                changed = True
+        if changed:
+            await self._save_marks()
+        return changed
+
+    async def _save_marks(self) -> None:  # noqa: B027
+        """Persist the marks (where the implementation keeps them)."""
 
     async def start(self) -> None:  # noqa: B027
         pass
@@ -125,8 +153,12 @@ class StaticMembership(Membership):
         *,
         interval: float = 0.5,
         down_after: float = 3.0,
+        marks_path: Path | None = None,
     ) -> None:
         self.self_id = self_id
+        #: where the drain marks are kept across restarts (None: in memory only)
+        self._marks_path = marks_path
+        self._saving = asyncio.Lock()
         self._nodes = nodes
         self._ping = ping
         self._interval = interval
@@ -168,7 +200,33 @@ class StaticMembership(Membership):
         return time.time() - (time.monotonic() - seen)
 
     async def start(self) -> None:
+        if self._marks_path is not None:
+            await self._load_marks(self._marks_path)
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
+
+    async def _load_marks(self, path: Path) -> None:
+        try:
+            blob = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return
+        try:
+            doc = json.loads(blob)
+            marks = {str(n): (bool(on), float(at)) for n, (on, at) in doc["marks"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Written durably, so only a hand edit gets here: say so, start without marks.
+            log.error("ignoring unreadable drain marks in %s: %s", path, exc)
+            return
+        self._marks().update(marks)
+
+    async def _save_marks(self) -> None:
+        if self._marks_path is None:
+            return
+        # One save at a time, each of the marks as they are when it starts: two heartbeats'
+        # saves finishing out of order would otherwise leave the older marks on disk.
+        async with self._saving:
+            doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks().items()}}
+            blob = json.dumps(doc).encode()
+            await asyncio.to_thread(write_file_durably, self._marks_path, blob)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -196,3 +254,13 @@ class StaticMembership(Membership):
             self._failed.discard(peer.id)
         self._last_seen[peer.id] = time.monotonic()
         self._info[peer.id] = info
+        # Drain marks travel in every heartbeat: a node that was down when one was set
+        # (or cancelled) learns it from the first peer it hears from.
+        marks = info.get("drain_marks")
+        if isinstance(marks, dict):
+            try:
+                await self.merge_drain_marks(
+                    {str(n): (bool(m[0]), float(m[1])) for n, m in marks.items()}
+                )
+            except (TypeError, ValueError, IndexError, OSError, TierFull) as exc:
+                log.warning("drain marks from %s not taken: %s", peer.id, exc)

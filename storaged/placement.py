@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from storaged.membership import MembershipView
 
 
 def _score(node_id: str, chunk_id: str) -> int:
@@ -23,3 +28,69 @@ def rendezvous_order(chunk_id: str, node_ids: Sequence[str]) -> list[str]:
     highest first; equal scores are ordered by node id. Duplicate ids are kept as given.
     """
     return sorted(node_ids, key=lambda node: (-_score(node, chunk_id), node))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where things go, computed from one membership view: an operation (a PUT, a read, the
+    repair of a chunk, an encode, a GC pass, a commit) takes one at its start and asks only
+    it, so a membership change in the middle cannot split its targets between two views.
+
+    Reads walk ``order`` (every live node, draining ones included: they still serve what
+    they hold). New data goes only to live nodes that are not draining (``placeable``): hot
+    targets, fragment targets, the owner that encodes, catalogue secondaries.
+    """
+
+    view: MembershipView
+    replication: int
+    n: int
+
+    @property
+    def alive(self) -> list[str]:
+        """Live node ids, in member order (whom to ask about holdings)."""
+        return [m.id for m in self.view.members if m.id in self.view.alive]
+
+    @property
+    def placeable(self) -> list[str]:
+        """Live node ids that take new placements: not draining."""
+        return [n for n in self.alive if n not in self.view.draining]
+
+    def is_alive(self, node_id: str) -> bool:
+        return node_id in self.view.alive
+
+    def is_draining(self, node_id: str) -> bool:
+        return node_id in self.view.draining
+
+    def order(self, key: str) -> list[str]:
+        """Every live node in ``key``'s rendezvous order: where readers look, and who leads
+        a chunk's repair (the first holder, a draining one included: it has the bytes)."""
+        return rendezvous_order(key, self.alive)
+
+    def write_order(self, chunk_id: str) -> list[str]:
+        """The placeable nodes in the chunk's order: hot targets first, then the nodes a PUT
+        or a repair falls back to."""
+        return rendezvous_order(chunk_id, self.placeable)
+
+    def hot_targets(self, chunk_id: str) -> list[str]:
+        return self.write_order(chunk_id)[: self.replication]
+
+    def owner(self, chunk_id: str) -> str | None:
+        """The node that encodes the chunk (the first placeable one); None with none."""
+        order = self.write_order(chunk_id)
+        return order[0] if order else None
+
+    def fragment_targets(self, chunk_id: str) -> list[str]:
+        """Node of fragment ``i`` at position ``i``: a second ordering of the placeable
+        nodes, wrapped (empty when there is none)."""
+        order = rendezvous_order("fragments/" + chunk_id, self.placeable)
+        return [order[i % len(order)] for i in range(self.n)] if order else []
+
+    def name_targets(self, name: str) -> list[str]:
+        """Where a checkpoint's record lives in the embedded catalogue: its primary (the
+        first node of the name's order over every member, alive, draining or not: the same
+        on every node whatever each thinks is alive) and the next ``replication - 1``
+        placeable nodes."""
+        order = rendezvous_order("checkpoint/" + name, [m.id for m in self.view.members])
+        placeable = set(self.placeable)
+        secondaries = [n for n in order[1:] if n in placeable]
+        return [order[0], *secondaries[: self.replication - 1]]

@@ -200,11 +200,17 @@ def _bearer_is(given: str, token: str) -> bool:
     return hmac.compare_digest(raw, f"Bearer {token}".encode())
 
 
+def _admin_path(path: str) -> bool:
+    """Endpoints that need the admin token: ``/v1/admin/...`` and a node's drain."""
+    return path.startswith(("/v1/admin/", "/v1/nodes/"))
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Client endpoints need the client token (when one is set); ``/v1/admin/`` needs the
-    admin token, and is closed when a client token is set without an admin token (a
-    cluster with no token at all is open). The admin token also opens client endpoints."""
+    """Client endpoints need the client token (when one is set); ``/v1/admin/`` and
+    ``/v1/nodes/`` need the admin token, and are closed when a client token is set without
+    an admin token (a cluster with no token at all is open). The admin token also opens
+    client endpoints."""
     if not request.path.startswith("/v1/"):
         return await handler(request)
     cfg = request.app[NODE].config
@@ -212,7 +218,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     admin = bool(cfg.admin_token) and _bearer_is(given, cfg.admin_token)
     if not (admin or not cfg.token or _bearer_is(given, cfg.token)):
         raise ApiError(401, "unauthorized", "missing or wrong bearer token")
-    if request.path.startswith("/v1/admin/") and not admin:
+    if _admin_path(request.path) and not admin:
         if cfg.admin_token and not cfg.token:
             raise ApiError(401, "unauthorized", "admin endpoints need the admin token")
         if cfg.admin_token:
@@ -437,7 +443,7 @@ async def head_chunk(request: web.Request) -> web.StreamResponse:
     elif node.nvme_has(cid):
         tier = "nvme"
     else:
-        held = (await node.holdings(node.membership.alive_ids(), [cid]))[cid]
+        held = (await node.holdings(node.placement().alive, [cid]))[cid]
         tier = "cold"
         if any(h.memory for h in held):
             tier = "memory"
@@ -540,11 +546,13 @@ async def list_checkpoints(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     node = request.app[NODE]
     nodes = []
-    for spec in node.membership.nodes():
-        alive = node.membership.is_alive(spec.id)
+    view = node.membership.view()
+    for spec in view.members:
+        alive = spec.id in view.alive
         usage = node.usage() if spec.id == node.id else node.membership.info(spec.id).get("usage")
         info = node.heartbeat() if spec.id == node.id else node.membership.info(spec.id)
         entry: dict[str, Any] = {"id": spec.id, "url": spec.url, "alive": alive}
+        entry["state"] = "draining" if spec.id in view.draining else "active"
         for tier in STATES:
             u = (usage or {}).get(tier, {})
             entry[tier] = {
@@ -589,6 +597,33 @@ async def evict(request: web.Request) -> web.Response:
     return reply(request, {"evicted": totals})
 
 
+def _node_id(request: web.Request) -> str:
+    node_id = request.match_info["id"]
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", node_id):
+        raise ApiError(400, "bad_request", f"{node_id!r} is not a node id")
+    return node_id
+
+
+async def drain_node(request: web.Request) -> web.Response:
+    """Admin: mark a node draining (no new placements; repair copies what it holds to where
+    placement without it says), or active again with ``{"cancel": true}``."""
+    node = request.app[NODE]
+    node_id = _node_id(request)
+    cancel = False
+    if request.can_read_body:
+        doc = await read_document(request, 1 << 20)
+        if not isinstance(doc, dict) or not isinstance(doc.get("cancel", False), bool):
+            raise bad_request('body must be empty or {"cancel": true|false}')
+        cancel = bool(doc.get("cancel", False))
+    return reply(request, await node.drain(node_id, cancel=cancel))
+
+
+async def drain_progress(request: web.Request) -> web.Response:
+    """Admin: how far a node's evacuation is, and whether it can leave."""
+    node = request.app[NODE]
+    return reply(request, await node.drain_progress(_node_id(request)))
+
+
 async def healthz(request: web.Request) -> web.Response:
     node = request.app[NODE]
     return web.json_response({"ok": True, "node": node.id, "version": __version__})
@@ -618,6 +653,8 @@ def make_app(node: Node) -> web.Application:
     r.add_delete("/v1/checkpoints/{name:.+}", delete_checkpoint)
     r.add_get("/v1/cluster", cluster)
     r.add_post("/v1/admin/evict", evict)
+    r.add_post("/v1/nodes/{id}/drain", drain_node)
+    r.add_get("/v1/nodes/{id}/drain", drain_progress)
     r.add_get("/healthz", healthz)
     r.add_get("/metrics", metrics)
     return app

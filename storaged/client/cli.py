@@ -162,6 +162,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.set_defaults(func=cmd_nodes)
 
+    p = sub.add_parser(
+        "drain",
+        parents=[conn, as_json],
+        help="mark a node draining (no new placements; what it holds is copied elsewhere) "
+        "and say when it can leave with nothing under-replicated",
+    )
+    p.add_argument("node", metavar="NODE", help="the node's id (as storaged nodes shows it)")
+    p.add_argument("--wait", action="store_true", help="poll until the node can leave")
+    p.add_argument("--cancel", action="store_true", help="mark the node active again")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait may take")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("STORAGED_ADMIN_TOKEN") or None,
+        help="admin bearer token (default $STORAGED_ADMIN_TOKEN)",
+    )
+    p.set_defaults(func=cmd_drain)
+
     p = sub.add_parser("rm", parents=[conn, as_json], help="delete checkpoints")
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--prefix", help="delete every checkpoint whose name starts with this")
@@ -364,6 +382,7 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     """A node's figures: ``/v1/cluster``'s, else its ``/metrics``'; None where neither has one."""
     alive = bool(raw.get("alive"))
     row: dict[str, Any] = {"id": raw.get("id"), "url": raw.get("url"), "alive": alive}
+    row["state"] = str(raw.get("state") or "active")
     since = raw.get("down_since") if not alive else raw.get("up_since")
     row["since"] = since if isinstance(since, int | float) else None
     for tier in STATES:
@@ -436,6 +455,8 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
     table = [["NODE", "STATE", "MEMORY", "NVME", "COLD", "CHUNKS m/n/c", "DRAIN", "ENCODE", "URL"]]
     for row in rows:
         state = "alive" if row["alive"] else "DOWN"
+        if row["state"] != "active":
+            state += f", {row['state']}"
         if row["since"] is not None:
             state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
         counts = [row[t]["chunks"] for t in STATES]
@@ -453,6 +474,64 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
+# --------------------------------------------------------------------------- drain
+
+
+def _drain_line(doc: Mapping[str, Any]) -> str:
+    verdict = (
+        "can leave: everything it holds is safely elsewhere"
+        if doc.get("can_leave")
+        else "cannot leave yet"
+    )
+    return (
+        f"{doc.get('node')}: {doc.get('state')}, {doc.get('chunks')} chunks "
+        f"({doc.get('chunks_pending')} not yet elsewhere), {doc.get('fragments')} fragments "
+        f"({doc.get('fragments_pending')} not yet elsewhere): {verdict}"
+    )
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    def body() -> None:
+        if args.cancel and args.wait:
+            raise UsageError("--wait waits for a drain: it does not go with --cancel")
+        if args.timeout <= 0 or args.interval <= 0:
+            raise UsageError("--timeout and --interval must be positive")
+
+        async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+            async with _client(args) as client:
+                marked = await client.drain(
+                    args.node, cancel=args.cancel, admin_token=args.admin_token
+                )
+                if marked.get("unreached") and not args.json:
+                    print(
+                        f"not told now (they learn it from their peers once back): "
+                        f"{', '.join(map(str, marked['unreached']))}",
+                        file=sys.stderr,
+                    )
+                deadline = time.monotonic() + args.timeout
+                while True:
+                    doc = await client.drain_progress(args.node, admin_token=args.admin_token)
+                    if not args.json:
+                        print(_drain_line(doc), file=sys.stderr if args.wait else sys.stdout)
+                    if not args.wait or doc.get("can_leave"):
+                        return marked, doc
+                    if time.monotonic() + args.interval > deadline:
+                        raise CommandError(
+                            f"{args.node} cannot leave yet after {args.timeout:.0f} s: "
+                            f"{doc.get('chunks_pending')} chunks and "
+                            f"{doc.get('fragments_pending')} fragments not yet safely elsewhere"
+                        )
+                    await asyncio.sleep(args.interval)
+
+        marked, doc = run_async(main)
+        if args.json:
+            _print_json({**doc, "unreached": marked.get("unreached", [])})
+        elif args.wait:
+            print(f"{args.node} can leave: nothing it holds is under-replicated without it")
+
+    return run_command(args, body)
 
 
 # --------------------------------------------------------------------------- rm

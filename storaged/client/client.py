@@ -102,6 +102,8 @@ class NodeInfo:
     alive: bool
     #: Space per tier ("memory", "nvme", "cold") as the node reported it.
     tiers: Mapping[str, TierSpace] = field(default_factory=dict)
+    #: Being drained (docs/API.md E13): it serves what it holds but takes no new copies.
+    draining: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +144,13 @@ class ClusterInfo:
                     if isinstance(raw.get(tier), dict)
                 }
                 nodes.append(
-                    NodeInfo(str(raw["id"]), str(raw["url"]).rstrip("/"), bool(raw["alive"]), tiers)
+                    NodeInfo(
+                        str(raw["id"]),
+                        str(raw["url"]).rstrip("/"),
+                        bool(raw["alive"]),
+                        tiers,
+                        raw.get("state") == "draining",
+                    )
                 )
             erasure_doc = doc.get("erasure")
             erasure = (
@@ -748,7 +756,9 @@ class Client:
         if len(view) > limit:
             raise TooLarge(message=f"chunk of {len(view)} bytes exceeds max_chunk_size {limit}")
         size = len(view)
-        placement = self.placement(chunk_id)
+        # A draining node takes no copy: sent there, the body would take one more hop.
+        draining = {n.id for n in self.cluster.nodes if n.draining}
+        placement = [n for n in self.placement(chunk_id) if n not in draining]
         others = [n.id for n in self.cluster.nodes if n.id not in placement]
 
         async def handle(resp: aiohttp.ClientResponse) -> PutResult:
@@ -831,6 +841,57 @@ class Client:
         return await self._call(
             "POST", "/v1/admin/evict", handle, body=lambda: payload, headers=headers
         )
+
+    async def drain(
+        self, node_id: str, *, cancel: bool = False, admin_token: str | None = None
+    ) -> dict[str, Any]:
+        """Admin (``POST /v1/nodes/{id}/drain``, docs/API.md E13): mark ``node_id``
+        draining (no new placements; its data is copied to where placement without it
+        says), or active again with ``cancel``. Returns ``{"node", "state", "unreached"}``
+        (``unreached``: members the embedded mode could not tell now). ``NotFound`` for an
+        unknown node."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+            return self._document(await self._decoded(resp), "drain", ("node", "state"))
+
+        payload: bytes = msgpack.packb({"cancel": cancel})
+        return await self._call(
+            "POST",
+            f"/v1/nodes/{quote(node_id, safe='')}/drain",
+            handle,
+            body=lambda: payload,
+            headers=self._admin_headers(admin_token, {"Content-Type": MSGPACK}),
+        )
+
+    async def drain_progress(
+        self, node_id: str, *, admin_token: str | None = None
+    ) -> dict[str, Any]:
+        """Admin (``GET /v1/nodes/{id}/drain``): ``{"node", "state", "chunks",
+        "fragments", "chunks_pending", "fragments_pending", "can_leave"}`` as the node
+        answers now; ``Unavailable`` (``node_unavailable``) when it does not answer."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+            return self._document(await self._decoded(resp), "drain progress", ("can_leave",))
+
+        return await self._call(
+            "GET",
+            f"/v1/nodes/{quote(node_id, safe='')}/drain",
+            handle,
+            headers=self._admin_headers(admin_token, {}),
+        )
+
+    @staticmethod
+    def _admin_headers(admin_token: str | None, headers: dict[str, str]) -> dict[str, str]:
+        # Sent instead of the client token: admin endpoints refuse the client token.
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        return headers
+
+    @staticmethod
+    def _document(doc: Any, what: str, required: tuple[str, ...]) -> dict[str, Any]:
+        if not isinstance(doc, dict) or any(key not in doc for key in required):
+            raise ProtocolError(message=f"malformed {what} answer: {doc!r:.200}")
+        return dict(doc)
 
     async def chunk_ids(self, chunks: Sequence[BytesLike]) -> list[str]:
         """BLAKE3 ids of ``chunks``, hashed in threads (at most ``hash_threads`` at a time)."""

@@ -112,6 +112,12 @@ class EtcdMembership(Membership):
             return None
         return self._down_at.get(node_id)
 
+    shares_marks = True
+
+    def is_draining(self, node_id: str) -> bool:
+        entry = self._members.get(node_id)
+        return entry is not None and entry[1] == DRAINING
+
     def view(self) -> MembershipView:
         return MembershipView(
             members=self.nodes(),
@@ -186,6 +192,12 @@ class EtcdMembership(Membership):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.is_draining(self.self_id):
+            # A drained node that stops leaves the cluster: it is no longer listed as a
+            # member (down), so nothing waits for it; started again, it joins anew.
+            with contextlib.suppress(CoordinatorUnavailable):
+                await self.leave()
+                log.info("node %s was draining: it left the cluster", self.self_id)
         if self._lease:
             # Going down on purpose: the others see it now, not after the TTL.
             lease = await self.s.lease()
@@ -199,8 +211,12 @@ class EtcdMembership(Membership):
     async def _register(self) -> None:
         lease = await self.s.lease()
         kv = await self.s.kv()
-        granted = await self.s.call("lease grant", lease.grant(self.ttl))
         spec = self._spec
+        # A drain mark outlives the node's restarts: keep the state etcd has for it.
+        got = await self.s.call("member read", kv.get(self._node_key(spec.id)))
+        if got.kvs:
+            self._state = str(msgpack.unpackb(got.kvs[0].value, raw=False).get("state", ACTIVE))
+        granted = await self.s.call("lease grant", lease.grant(self.ttl))
         member = {"id": spec.id, "url": spec.url, "peer": spec.peer, "state": self._state}
         alive = {"id": spec.id, "since": time.time()}
         await self.s.call(

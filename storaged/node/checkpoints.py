@@ -140,8 +140,9 @@ class Checkpoints:
         they reached stays)."""
         node = self.node
         record = await self.get(name)
-        held = await node.holdings(node.membership.alive_ids(), record.chunks)
-        states = await node.chunk_states(record.chunks)
+        placement = node.placement()  # one view for both questions
+        held = await node.holdings(placement.alive, record.chunks)
+        states = await node.chunk_states(record.chunks, placement=placement)
         counts = {s: 0 for s in STATES}
         for cid in record.chunks:
             rank = states.get(cid, (0, 0))[0]
@@ -185,8 +186,7 @@ class Checkpoints:
     async def restore_plan(self, name: str) -> dict[str, Any]:
         node = self.node
         record = await self.get(name)
-        alive = node.membership.alive_ids()
-        held = await node.holdings(alive, record.chunks)
+        held = await node.holdings(node.placement().alive, record.chunks)
         tier_rank = {"memory": 0, "nvme": 1, "cold": 2}
         plan: dict[str, list[dict[str, Any]]] = {}
         for cid in record.chunks:

@@ -12,6 +12,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/repair.py``      missing copies, fragments and catalogue records
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
+``evacuation.py``           draining a node that is to leave: the marks, and when it can go
 ``rpc.py``                  the peer calls other nodes make on this one
 ==========================  ==========================================================
 
@@ -40,6 +41,7 @@ from storaged.manifest import CheckedManifest
 from storaged.membership import Membership, StaticMembership
 from storaged.metrics import NodeMetrics
 from storaged.node.checkpoints import Checkpoints
+from storaged.node.evacuation import Evacuation
 from storaged.node.index import (
     COLD,
     MEMORY,
@@ -58,7 +60,7 @@ from storaged.node.read import ReadPath
 from storaged.node.rpc import DOC_METHODS, PeerRpc
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
-from storaged.placement import rendezvous_order
+from storaged.placement import Placement
 from tiers import ByteRange
 from tiers.cold import ColdTier
 from tiers.memory import MemoryTier
@@ -112,6 +114,7 @@ class Node:
             self._ping,
             interval=config.heartbeat_interval,
             down_after=config.down_after,
+            marks_path=config.data_dir / "drain-marks.json",
         )
         self.catalogue: Catalogue = catalogue or EmbeddedCatalogue(self)
         self.writes = WritePath(self)
@@ -122,6 +125,7 @@ class Node:
         self.repairer = Repair(self)
         self.collector = Collector(self)
         self.scrubber = Scrubber(self)
+        self.evacuation = Evacuation(self)
         self._tasks: set[asyncio.Task[None]] = set()
         #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
         self.stopping = False
@@ -275,28 +279,10 @@ class Node:
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))
 
     # ---- placement -------------------------------------------------------------------------
-    def live_order(self, key: str) -> list[str]:
-        """Live node ids in the rendezvous order of ``key`` (a chunk id)."""
-        return rendezvous_order(key, self.membership.alive_ids())
-
-    def hot_targets(self, chunk_id: str) -> list[str]:
-        return self.live_order(chunk_id)[: self.config.replication]
-
-    def owner(self, chunk_id: str) -> str:
-        return self.live_order(chunk_id)[0]
-
-    def fragment_targets(self, chunk_id: str) -> list[str]:
-        """Node of fragment ``i`` at position ``i``: a second ordering, wrapped over live nodes."""
-        order = rendezvous_order("fragments/" + chunk_id, self.membership.alive_ids())
-        return [order[i % len(order)] for i in range(self.config.n)]
-
-    def name_targets(self, name: str) -> list[str]:
-        """Where a checkpoint's record lives in the embedded catalogue: its primary (the first
-        node of the name's order over every member, alive or not: the same on every node
-        whatever each thinks is alive) and the next ``replication - 1`` live nodes."""
-        order = rendezvous_order("checkpoint/" + name, self.membership.all_ids())
-        secondaries = [n for n in order[1:] if self.membership.is_alive(n)]
-        return [order[0], *secondaries[: self.config.replication - 1]]
+    def placement(self) -> Placement:
+        """Placement from the membership as it is now: take one per operation and ask only
+        it (``storaged.placement.Placement``)."""
+        return Placement(self.membership.view(), self.config.replication, self.config.n)
 
     def spec(self, node_id: str) -> NodeSpec:
         return self.membership.node(node_id)
@@ -365,12 +351,13 @@ class Node:
         return out
 
     async def chunk_states(
-        self, ids: list[str], *, touch: float | None = None
+        self, ids: list[str], *, touch: float | None = None, placement: Placement | None = None
     ) -> dict[str, tuple[int, int]]:
         """Cluster-wide (state, size) of each held chunk; absent ids are not held anywhere.
 
-        Held: a hot copy on some live node, or at least ``k`` distinct fragments."""
-        alive = self.membership.alive_ids()
+        Held: a hot copy on some live node, or at least ``k`` distinct fragments. Asks the
+        live nodes of ``placement`` (the caller's view; a new one without)."""
+        alive = (placement or self.placement()).alive
         held = await self.holdings(alive, ids, touch=touch)
         out: dict[str, tuple[int, int]] = {}
         for cid, answers in held.items():
@@ -418,6 +405,7 @@ class Node:
             "drain_backlog": self.drainer.backlog,
             "encode_backlog": self.encoder.backlog,
             "repair_backlog": self.repairer.backlog,
+            "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
         }
 
     def note_stored(self, chunk_id: str, size: int) -> None:
@@ -497,7 +485,7 @@ class Node:
         results = await asyncio.gather(
             *(
                 self.call(n, "evict", {"ids": record.chunks, "nvme": nvme})
-                for n in self.membership.alive_ids()
+                for n in self.placement().alive
             ),
             return_exceptions=True,
         )
@@ -507,6 +495,12 @@ class Node:
                 for k in totals:
                     totals[k] += int(r[0].get(k, 0))
         return totals
+
+    async def drain(self, node_id: str, *, cancel: bool = False) -> dict[str, Any]:
+        return await self.evacuation.mark(node_id, draining=not cancel)
+
+    async def drain_progress(self, node_id: str) -> dict[str, Any]:
+        return await self.evacuation.progress(node_id)
 
     # ---- background passes (also called directly by tests) ----------------------------------
     async def gc_pass(self) -> None:

@@ -19,6 +19,7 @@ from erasure import fragment_key
 from erasure.base import ErasureError
 from storaged.ids import chunk_id_of_async
 from storaged.peer import PeerError
+from storaged.placement import Placement
 from tiers import ByteRange, ChunkNotFound, CorruptChunk
 
 if TYPE_CHECKING:
@@ -77,14 +78,16 @@ class ReadPath:
                 yield data
 
     async def read_chunk(
-        self, chunk_id: str, rng: ByteRange | None = None
+        self, chunk_id: str, rng: ByteRange | None = None, placement: Placement | None = None
     ) -> tuple[bytes | memoryview, str]:
-        """The chunk (or a range of it) from the fastest source: here, a peer, or fragments."""
+        """The chunk (or a range of it) from the fastest source: here, a peer, or fragments,
+        found with one view (``placement``, the caller's; a new one without)."""
         node = self.node
         data, tier = await self.read_hot(chunk_id, rng)
         if data is not None:
             return data, tier
-        for node_id in node.live_order(chunk_id):
+        placement = placement or node.placement()
+        for node_id in placement.order(chunk_id):
             if node_id == node.id:
                 continue
             try:
@@ -97,7 +100,7 @@ class ReadPath:
                 log.error("peer %s served bytes that fail the id of %s", node_id, chunk_id)
                 continue
             return _slice(body, rng), str(reply.get("tier", "memory"))
-        whole = await self.rebuild(chunk_id)
+        whole = await self.rebuild(chunk_id, placement)
         if whole is None:
             raise ChunkNotFound(chunk_id)
         return _slice(whole, rng), "cold"
@@ -120,18 +123,21 @@ class ReadPath:
             node.forget_fragment(key)
             raise
 
-    async def whole_copy(self, chunk_id: str) -> bytes | memoryview | None:
+    async def whole_copy(
+        self, chunk_id: str, placement: Placement | None = None
+    ) -> bytes | memoryview | None:
         """The whole chunk from wherever it can be had (for repair and encode), or None."""
         try:
-            data, _ = await self.read_chunk(chunk_id)
+            data, _ = await self.read_chunk(chunk_id, placement=placement)
         except ChunkNotFound:
             return None
         return data
 
-    async def rebuild(self, chunk_id: str) -> bytes | None:
-        """Decode a chunk from any ``k`` good fragments found on the live nodes."""
+    async def rebuild(self, chunk_id: str, placement: Placement | None = None) -> bytes | None:
+        """Decode a chunk from any ``k`` good fragments found on the live nodes (of the
+        caller's view, ``placement``; a new one without)."""
         node = self.node
-        alive = node.membership.alive_ids()
+        alive = (placement or node.placement()).alive
         held = (await node.holdings(alive, [chunk_id]))[chunk_id]
         sources = [(h.node, i) for h in held for i in h.fragments]
         if not sources:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 #: peer calls whose arguments and replies can be large: sent as msgpack bodies
 DOC_METHODS = frozenset(
     {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "catalog_versions",
-     "set_state", "drop_nvme", "evict"}
+     "set_state", "drop_nvme", "evict", "drain_marks"}
 )  # fmt: skip
 
 Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
@@ -144,6 +144,15 @@ class PeerRpc:
                 await node.nvme.delete(cid)
                 evicted["nvme"] += 1
         return evicted, None
+
+    async def rpc_drain_marks(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """Embedded mode: the drain marks another node set, to take where newer."""
+        marks = {str(n): (bool(m[0]), float(m[1])) for n, m in args["marks"].items()}
+        await self.node.membership.merge_drain_marks(marks)
+        return {}, None
+
+    async def rpc_drain_progress(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        return await self.node.evacuation.local_progress(), None
 
     async def rpc_catalog_put(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         record = CatalogRecord.from_wire(args["record"])

@@ -29,6 +29,7 @@ from storaged.errors import BadInput, unavailable
 from storaged.ids import chunk_id_of_async
 from storaged.node.index import state_name
 from storaged.peer import PeerError, PeerUnavailable, PutStream
+from storaged.placement import Placement
 from tiers import TierFull
 
 if TYPE_CHECKING:
@@ -47,6 +48,9 @@ class WritePath:
         self.node = node
         #: PUTs in flight on this node (drain and encode give way to them)
         self.inflight = 0
+        #: local stores under way (a PUT's, a peer's copy, a repair's): a drain's
+        #: ``can_leave`` waits for them, since a copy may still land here
+        self.storing = 0
 
     # ---- entry node ----------------------------------------------------------------------
     async def put_chunk(
@@ -64,16 +68,19 @@ class WritePath:
             )
         started = time.perf_counter()
         # One membership view for the whole PUT: targets, replacements and the reply's order.
-        order = node.live_order(chunk_id)
+        # Draining nodes take no new copies (``Placement.write_order``).
+        placement = node.placement()
+        order = placement.write_order(chunk_id)
         targets = order[: node.config.replication]
         if len(targets) < node.config.replication:
             raise unavailable(
                 "insufficient_replicas",
-                f"{len(targets)} live node(s), replication needs {node.config.replication}",
+                f"{len(targets)} live node(s) that are not draining, replication needs "
+                f"{node.config.replication}",
                 retry_after=node.config.down_after,
             )
         if chunk_id in node.index:
-            held = await self.already_held(chunk_id)
+            held = await self.already_held(chunk_id, placement)
             if held is not None:
                 return 200, held
         self.inflight += 1
@@ -82,20 +89,19 @@ class WritePath:
         finally:
             self.inflight -= 1
 
-    async def already_held(self, chunk_id: str) -> dict[str, Any] | None:
+    async def already_held(self, chunk_id: str, placement: Placement) -> dict[str, Any] | None:
         """The 200 reply if the cluster holds ``chunk_id`` as an ack promises (``replication``
-        hot copies or all ``n`` fragments), as the holders report it now; else None. Every
-        copy counted is touched, so GC keeps it for another grace period."""
+        hot copies or all ``n`` fragments), as the live nodes of ``placement`` (the PUT's
+        view) report it now; else None. Every copy counted is touched, so GC keeps it for
+        another grace period."""
         node = self.node
-        answers = (await node.holdings(node.membership.alive_ids(), [chunk_id], touch=time.time()))[
-            chunk_id
-        ]
+        answers = (await node.holdings(placement.alive, [chunk_id], touch=time.time()))[chunk_id]
         hot = [h.node for h in answers if h.hot]
         frags = {i for h in answers for i in h.fragments}
         size = max((h.size for h in answers), default=-1)
         state = max((h.state for h in answers), default=0)
         if len(hot) >= node.config.replication:
-            rank = {n: i for i, n in enumerate(node.live_order(chunk_id))}
+            rank = {n: i for i, n in enumerate(placement.order(chunk_id))}
             replicas = sorted(hot, key=lambda n: rank.get(n, len(rank)))
         elif len(frags) >= node.config.n:
             replicas = sorted({h.node for h in answers if h.fragments})
@@ -317,6 +323,13 @@ class WritePath:
         it counts as used now. True if the copy is new. Under the chunk's lock, so a
         collection of an older copy is either finished (we store anew) or not begun (it will
         see the fresh use and keep the copy)."""
+        self.storing += 1
+        try:
+            return await self._store_local(chunk_id, buf)
+        finally:
+            self.storing -= 1
+
+    async def _store_local(self, chunk_id: str, buf: memoryview) -> bool:
         node = self.node
         async with node.locks.hold(chunk_id):
             if node.holds_hot(chunk_id):
@@ -344,6 +357,7 @@ class WritePath:
         node = self.node
         if node.stopping:
             raise PeerError("shutting_down", f"node {node.id} is stopping")
+        self._refuse_if_draining()
         if size > node.config.max_chunk_size:
             raise PeerError("too_large", f"{size} bytes is over the max chunk size")
         try:
@@ -356,7 +370,21 @@ class WritePath:
         if await chunk_id_of_async(buf) != chunk_id:
             self.node.memory.release(buf)
             raise PeerError("checksum_mismatch", "the body does not hash to the chunk id")
+        try:
+            # Again at the end: the node may have been marked draining while the body came.
+            self._refuse_if_draining()
+        except PeerError:
+            self.node.memory.release(buf)
+            raise
         return {"new": await self.store_local(chunk_id, buf)}
+
+    def _refuse_if_draining(self) -> None:
+        """A draining node takes no new copies from peers: a sender whose view predates the
+        mark then places the copy on the next node of its order (and the drain's
+        ``can_leave`` cannot be outrun by a copy arriving after it was computed)."""
+        node = self.node
+        if node.membership.is_draining(node.id):
+            raise PeerError("draining", f"node {node.id} is draining: it takes no new copies")
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
         self.node.memory.release(buf)

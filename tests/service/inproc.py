@@ -226,7 +226,7 @@ class InprocCluster:
     def order(self, chunk_id: str) -> list[int]:
         """Node indexes in ``chunk_id``'s placement order (as the first running node sees it)."""
         first = self.node(self.running()[0])
-        return [self.index_of(n) for n in first.live_order(chunk_id)]
+        return [self.index_of(n) for n in first.placement().order(chunk_id)]
 
 
 @dataclass

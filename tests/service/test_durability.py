@@ -240,7 +240,7 @@ async def test_scenario_4_commit_retry_completes_a_partial_catalogue_write(
     cluster = await inproc.start(4, gc_grace=grace, gc_interval=3600.0)
     name = "s4/ckpt"
     chunks = [new_chunk()[0] for _ in range(2)]
-    p, q, r_ = (cluster.index_of(t) for t in cluster.node(0).name_targets(name))
+    p, q, r_ = (cluster.index_of(t) for t in cluster.node(0).placement().name_targets(name))
     api = api_of(http, cluster, p)
     for data in chunks:
         assert (await api.put_chunk(data)).status == 201
@@ -423,7 +423,7 @@ async def test_scenario_10_repair_when_first_holder_has_only_fragments(
     data, cid = new_chunk()
     a = cluster.order(cid)[0]
     owner = cluster.node(a)
-    targets = owner.fragment_targets(cid)
+    targets = owner.placement().fragment_targets(cid)
     assert cluster.node_id(a) in targets
     e = next(cluster.index_of(t) for t in targets if t != cluster.node_id(a))
     expected = {i for i, t in enumerate(targets) if t != cluster.node_id(e)}
@@ -476,7 +476,7 @@ async def test_scenario_12_racing_commits_of_one_name(
     outcomes = []
     for round_ in range(8):
         name = f"s12/round-{round_}"
-        p, q, _ = (cluster.index_of(t) for t in cluster.node(0).name_targets(name))
+        p, q, _ = (cluster.index_of(t) for t in cluster.node(0).placement().name_targets(name))
         replies = await asyncio.gather(
             api_of(http, cluster, p).commit(name, manifests[0]),
             api_of(http, cluster, q).commit(name, manifests[1]),
@@ -538,7 +538,7 @@ async def test_catalogue_records_survive_their_holders_losing_them_one_at_a_time
     api = api_of(http, cluster, 0)
     assert (await api.put_chunk(data)).status == 201
     assert (await api.commit(name, manifest_for([data]))).status == 201
-    holders = [cluster.index_of(t) for t in cluster.node(0).name_targets(name)]
+    holders = [cluster.index_of(t) for t in cluster.node(0).placement().name_targets(name)]
     for victim in holders:
         await cluster.kill(victim)
         shutil.rmtree(cluster.members[victim].config.data_dir / "catalog")
@@ -570,7 +570,7 @@ async def test_racing_commits_with_split_views_of_who_is_alive(
         assert (await api_of(http, cluster, 0).put_chunk(data)).status == 201
         manifests = [manifest_for([data], created=1764403200.0 + k) for k in range(2)]
         name = f"split/round-{round_}"
-        targets = [cluster.index_of(t) for t in cluster.node(0).name_targets(name)]
+        targets = [cluster.index_of(t) for t in cluster.node(0).placement().name_targets(name)]
         primary = targets[0]
         a, b = [i for i in range(4) if i != primary][:2]
         # a believes the primary is down (a failed call), b does not
@@ -606,7 +606,7 @@ async def test_a_lookup_nobody_answered_is_503_not_404(
     name = next(
         f"cut/{k}"
         for k in range(100)
-        if cluster.node_id(3) not in cluster.node(0).name_targets(f"cut/{k}")
+        if cluster.node_id(3) not in cluster.node(0).placement().name_targets(f"cut/{k}")
     )
     assert (await api.commit(name, manifest_for([data]))).status == 201
     for i in (0, 1, 2):

@@ -104,7 +104,9 @@ class Drain:
                 return  # collected meanwhile: nothing left to drain
         node.memory.mark_clean(chunk_id)
         node.metrics.drained.inc()
-        owner = node.owner(chunk_id)
+        owner = node.placement().owner(chunk_id)
+        if owner is None:
+            return  # no placeable node now: repair offers the chunk to its owner later
         if owner == node.id:
             node.encoder.offer(chunk_id)
         else:

@@ -23,6 +23,7 @@ from erasure import fragment_key
 from storaged.node.index import COLD, NVME
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
+from storaged.placement import Placement
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -69,10 +70,11 @@ class Encoder:
     async def advance(self, chunk_id: str) -> None:
         """As the owner: nvme once every hot holder drained, then encode, then trim copies."""
         node = self.node
-        if node.owner(chunk_id) != node.id or node.is_cold(chunk_id):
+        placement = node.placement()  # one view for the whole encode
+        if placement.owner(chunk_id) != node.id or node.is_cold(chunk_id):
             return
         rf = node.config.replication
-        order = node.live_order(chunk_id)
+        order = placement.order(chunk_id)
         ask = order[: rf + 2]
         held = (await node.holdings(ask, [chunk_id]))[chunk_id]
         if sum(1 for h in held if h.hot) < rf:
@@ -94,11 +96,11 @@ class Encoder:
             data = local
             if data is None:
                 # Placed while this node was thought down: the owner holds no copy itself.
-                data = await node.reads.whole_copy(chunk_id)
+                data = await node.reads.whole_copy(chunk_id, placement)
                 if data is None:
                     log.warning("cannot encode %s: no holder serves it", chunk_id)
                     return
-            if not await self.encode_and_spread(chunk_id, data):
+            if not await self.encode_and_spread(chunk_id, data, placement):
                 return
         holders = [h.node for h in hot]
         await asyncio.gather(
@@ -115,11 +117,18 @@ class Encoder:
         )
 
     async def encode_and_spread(
-        self, chunk_id: str, data: bytes | memoryview, only: Iterable[int] | None = None
+        self,
+        chunk_id: str,
+        data: bytes | memoryview,
+        placement: Placement,
+        only: Iterable[int] | None = None,
     ) -> bool:
-        """Encode and store fragments (all, or the indexes in ``only``) durably on their nodes."""
+        """Encode and store fragments (all, or the indexes in ``only``) durably on their
+        nodes in ``placement`` (the caller's view: draining nodes get none)."""
         node = self.node
-        targets = node.fragment_targets(chunk_id)
+        targets = placement.fragment_targets(chunk_id)
+        if not targets:
+            return False
         per_node = math.ceil(node.config.n / len(set(targets)))
         if per_node > node.config.n - node.config.k:
             log.info(

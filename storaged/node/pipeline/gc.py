@@ -27,6 +27,7 @@ from erasure import fragment_key
 from storaged.catalog import CatalogRecord
 from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD
+from storaged.placement import Placement
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -80,6 +81,7 @@ class Collector:
         self.referenced = referenced
         protected = newest_per_prefix(live, cfg.retain_newest)
         deadline = snapshot_at + cfg.gc_grace / 2
+        placement = node.placement()  # one view for the pass
         freed = 0
         trim: list[str] = []
         for cid in list(node.index):
@@ -93,11 +95,11 @@ class Collector:
                 if await self.collect(cid, referenced, deadline):
                     freed += 1
                 continue
-            keep = node.owner(cid) == node.id and cid in protected
+            keep = placement.owner(cid) == node.id and cid in protected
             if info.state >= COLD and node.nvme_has(cid) and not keep:
                 trim.append(cid)
         if trim:
-            await self._trim_nvme(trim)
+            await self._trim_nvme(trim, placement)
         node.metrics.gc_freed.inc(freed)
         node.update_gauges()
 
@@ -137,10 +139,11 @@ class Collector:
         if node.index.pop(chunk_id, None) is not None:
             await node.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
 
-    async def _trim_nvme(self, ids: list[str]) -> None:
-        """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now."""
+    async def _trim_nvme(self, ids: list[str], placement: Placement) -> None:
+        """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now by
+        nodes that are not draining (a draining node's fragments are about to leave)."""
         node = self.node
-        held = await node.holdings(node.membership.alive_ids(), ids)
+        held = await node.holdings(placement.placeable, ids)
         for cid in ids:
             frags = {i for h in held[cid] for i in h.fragments}
             if len(frags) >= node.config.n and node.is_cold(cid) and cid not in node.collecting:
