@@ -10,6 +10,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/drain.py``       RAM -> nvme on every holder
 ``pipeline/encode.py``      nvme -> cold fragments, by the chunk's owner
 ``pipeline/repair.py``      missing copies, fragments and catalogue records
+``pipeline/rebalance.py``   copies and fragments to where placement says, paced
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
 ``rpc.py``                  the peer calls other nodes make on this one
@@ -52,6 +53,7 @@ from storaged.node.index import (
 from storaged.node.pipeline.drain import Drain
 from storaged.node.pipeline.encode import Encoder
 from storaged.node.pipeline.gc import Collector
+from storaged.node.pipeline.rebalance import Rebalance
 from storaged.node.pipeline.repair import Repair
 from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
@@ -120,6 +122,7 @@ class Node:
         self.drainer = Drain(self)
         self.encoder = Encoder(self)
         self.repairer = Repair(self)
+        self.rebalance = Rebalance(self)
         self.collector = Collector(self)
         self.scrubber = Scrubber(self)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -197,6 +200,7 @@ class Node:
         await self.membership.start()
         self.drainer.start()
         self.encoder.start()
+        self.rebalance.start()
         self.spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
         self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
@@ -254,6 +258,7 @@ class Node:
                 await task
         await self.drainer.close()
         await self.encoder.close()
+        await self.rebalance.close()
         await self.membership.close()
         await self.peer_server.close()
         await self.peers.close()
@@ -337,16 +342,23 @@ class Node:
         ids: list[str],
         *,
         touch: float | None = None,
+        pin: float | None = None,
         timeout: float = 30.0,
+        answered: set[str] | None = None,
     ) -> dict[str, list[Holding]]:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
 
         With ``touch``, every node that reports a chunk held also records that a request
         relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
         touch are one step on that node, so GC cannot collect what was just reported held.
+        With ``pin`` (seconds), every chunk reported held is kept from a rebalance drop
+        there that long, in the same step (see ``pipeline/rebalance.py``). ``answered``, if
+        given, gets the ids of the nodes that answered.
         """
         out: dict[str, list[Holding]] = {cid: [] for cid in ids}
-        args_extra = {} if touch is None else {"touch": touch}
+        args_extra: dict[str, float] = {} if touch is None else {"touch": touch}
+        if pin is not None:
+            args_extra["pin"] = pin
 
         async def ask(node_id: str, batch: list[str]) -> None:
             try:
@@ -355,6 +367,8 @@ class Node:
                 )
             except PeerError:
                 return
+            if answered is not None:
+                answered.add(node_id)
             for cid, (mem, nvme, frags, state, size) in reply["info"].items():
                 if cid in out:
                     out[cid].append(Holding(node_id, mem, nvme, tuple(frags), state, size))
@@ -418,6 +432,7 @@ class Node:
             "drain_backlog": self.drainer.backlog,
             "encode_backlog": self.encoder.backlog,
             "repair_backlog": self.repairer.backlog,
+            "misplaced_backlog": self.repairer.misplaced,
         }
 
     def note_stored(self, chunk_id: str, size: int) -> None:
