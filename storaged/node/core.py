@@ -342,7 +342,6 @@ class Node:
         ids: list[str],
         *,
         touch: float | None = None,
-        pin: float | None = None,
         timeout: float = 30.0,
         answered: set[str] | None = None,
     ) -> dict[str, list[Holding]]:
@@ -351,14 +350,10 @@ class Node:
         With ``touch``, every node that reports a chunk held also records that a request
         relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
         touch are one step on that node, so GC cannot collect what was just reported held.
-        With ``pin`` (seconds), every chunk reported held is kept from a rebalance drop
-        there that long, in the same step (see ``pipeline/rebalance.py``). ``answered``, if
-        given, gets the ids of the nodes that answered.
+        ``answered``, if given, gets the ids of the nodes that answered.
         """
         out: dict[str, list[Holding]] = {cid: [] for cid in ids}
-        args_extra: dict[str, float] = {} if touch is None else {"touch": touch}
-        if pin is not None:
-            args_extra["pin"] = pin
+        args_extra = {} if touch is None else {"touch": touch}
 
         async def ask(node_id: str, batch: list[str]) -> None:
             try:

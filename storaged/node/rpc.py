@@ -53,7 +53,6 @@ class PeerRpc:
         node = self.node
         touch = args.get("touch")
         until = float(touch) if touch is not None else None
-        pin = args.get("pin")
         dropping = node.rebalance.dropping
         info: dict[str, list[Any]] = {}
         for cid in args["ids"]:
@@ -68,11 +67,6 @@ class PeerRpc:
             if mem or nvme or frags:
                 if known is not None and until is not None:
                     known.touch(until)
-                if pin is not None:
-                    # A witness of a drop elsewhere: one step with the answer (rebalance.py).
-                    node.rebalance.pin(cid, float(pin))
-                    if known is not None:
-                        known.touch(time.time())
                 state = known.state if known else MEMORY
                 size = known.size if known else -1
                 info[cid] = [mem, nvme, frags, state, size]
@@ -138,6 +132,14 @@ class PeerRpc:
             str(args["id"]), int(args["slot"]), witnesses
         )
         return {"dropped": dropped}, None
+
+    async def rpc_witness(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """Rebalance: whether a checked copy (``slot`` -1) or fragment ``slot`` of ``id`` is
+        here; if so it is kept from a drop here for ``pin`` seconds (``pipeline/rebalance.py``)."""
+        held = await self.node.rebalance.witness(
+            str(args["id"]), int(args["slot"]), float(args["pin"])
+        )
+        return {"held": held}, None
 
     async def rpc_drop_nvme(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         node = self.node

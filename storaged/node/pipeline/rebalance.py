@@ -14,39 +14,41 @@ second per node (apart from the repair pass, which must stay quick for what lack
 Nothing moves while a member is *away* (down for less than ``gone_after``): placement over
 the live nodes skips it, so fragments would move away and back for a node that returns.
 
-Relies on: the per-chunk locks, ``collecting`` (see ``index.py``); ``chunk_info`` reporting
-a copy and pinning it in one step.
+Relies on: the per-chunk locks and ``collecting`` (``index.py``); the disk tiers' check of
+every read (a corrupt file is quarantined and reads as absent).
 
-Upholds, the removal: a drop never takes a chunk below ``replication`` nvme copies (not
-yet cold) or below one holder per fragment index, whatever membership each node sees.
-The leader only *asks*; the holder ``H`` decides, under the chunk's lock:
+Upholds, for the removal: a drop never takes a chunk below ``replication`` verified nvme
+copies (not yet cold) or below one verified holder of each fragment index (cold), whatever
+membership each node sees. The leader only *asks* (``drop_misplaced``); the holder ``H``
+decides, under the chunk's lock:
 
-1. ``H`` refuses while its own copy is *pinned* (see 3), or is being collected, or its
-   RAM copy is not yet on disk.
-2. It asks the witnesses it was given (``replication`` nodes other than ``H`` for a copy,
-   one for a fragment) whether they hold the slot (an nvme copy, or fragment ``i``); each
-   answer *pins* the witness's chunk for ``PIN_SECONDS`` (in the same step as the answer:
-   no await between), and a pinned chunk is not dropped there.
-3. If every witness holds it, the answers came within ``PIN_SECONDS / 2`` of asking, and
-   ``H`` is still not pinned, ``H`` marks the slot dropping (``chunk_info`` reports it held
-   by no one from then on) in that same step, and deletes it.
+1. ``H`` refuses while its chunk is *pinned* (3), being collected, or its RAM copy is not
+   on disk yet.
+2. It asks each witness it was given (the ``replication`` placement targets of a copy, or
+   the new holder of fragment ``i``) to *witness* the slot: the witness reads it from disk
+   (checked on read), and then, in one step with no await (so nothing can remove it in
+   between), checks the slot is still held and not being dropped or collected, *pins* its
+   chunk for ``PIN_SECONDS`` (no slot of it is dropped there meanwhile) and answers held.
+3. If every witness (at least ``replication``, or one, other than ``H``) answered held
+   within ``PIN_SECONDS / 2`` of asking, and ``H`` is still not pinned, ``H`` marks the slot
+   dropping (``chunk_info`` reports it held by no one from then on) in that same step,
+   and deletes it.
 
-Why no two drops can both count each other: say ``H1`` counts ``H2`` and ``H2`` counts
-``H1``. ``H2`` answered ``H1`` at ``t1`` (before ``H2`` marked dropping at ``d2``, else it
-would have said "not held"), so ``t1 < d2``; likewise ``t2 < d1``. ``H1``'s answer at
-``t2`` pinned ``H1`` until at least ``d1`` (``d1`` came within ``PIN_SECONDS / 2`` of
-asking, and the pin lasts ``PIN_SECONDS`` from ``t2``, itself after the asking), and
-``t2 < d1`` — so at ``d1`` ``H1`` was pinned, and step 3 refused. Hence of all the drops
-that happen, none counts a copy that another drop removes: every drop leaves its
-``replication`` (or one) witnesses in place, until their pins lapse, by when the drop is
-done. Two nodes that disagree on membership (each thinks it leads, or that the other's
-copy is the misplaced one) can at worst both refuse; the pins lapse and one wins later.
+Why no drop can count a copy that another drop removes (the case of two nodes that each
+think the other's copy is the misplaced one, because they see different memberships, or
+both believe they lead): take two drops, by ``H1`` counting ``H2`` and by ``H2``, decided at
+``d2 < d1``. ``H2`` witnessed for ``H1`` at some ``t`` with ``t < d2`` (at ``t`` it did not yet
+drop) and ``t`` after ``H1`` asked; ``d1`` is within ``PIN_SECONDS / 2`` of that asking. So
+``t < d2 < d1 < t + PIN_SECONDS / 2``: ``H2`` was pinned at ``d2`` and refused — a
+contradiction. Hence each drop leaves its witnesses' slots in place (GC keeps them too: a
+witness answer counts as a use), and a drop leaves ``replication`` copies or one holder of
+the index. At worst two disagreeing nodes both refuse; the pins lapse and one goes later.
+(Pins are durations on each node's own monotonic clock: no clock needs to agree.)
 
-A PUT or a GC pass cannot count the dropped copy either: ``already_held`` and GC's checks
-count what ``chunk_info`` reports (a slot dropping is not reported), a store of a new copy
-waits for the chunk's lock, and a drop leaves at least ``replication`` copies (what an
-ack promised) or every fragment index (what GC's nvme trim counts). Pins count as a use
-(``last_use``), so GC keeps a witness's copy for another grace period.
+A PUT or GC cannot count the dropped copy either: ``already_held`` and GC's nvme trim count
+what ``chunk_info`` reports (a slot being dropped is not reported); a new copy's store waits
+for the chunk's lock; and what is left is what an ack promises (``replication`` copies) or
+what the trim needs (every fragment index).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from erasure import fragment_key
 from storaged.node.index import COLD, Holding
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
-from tiers import TierFull
+from tiers import ChunkNotFound, CorruptChunk, TierFull
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -157,13 +159,38 @@ class Rebalance:
     def pinned(self, chunk_id: str) -> bool:
         return self._pins.get(chunk_id, 0.0) > time.monotonic()
 
+    async def witness(self, chunk_id: str, slot: int, seconds: float) -> bool:
+        """Whether this node holds ``slot`` of ``chunk_id`` (read back and checked); if so,
+        no slot of the chunk is dropped here for ``seconds`` (at most ``PIN_SECONDS``)."""
+        node = self.node
+        try:
+            if slot == HOT:
+                await node.nvme.get(chunk_id)
+            else:
+                await node.cold.get(fragment_key(chunk_id, slot))
+        except CorruptChunk:
+            node.metrics.corrupt.labels("cold" if slot != HOT else "nvme").inc()
+            if slot != HOT:
+                node.forget_fragment(fragment_key(chunk_id, slot))
+            return False
+        except ChunkNotFound:
+            return False
+        # From here to the answer, one step: the pin is in force before anyone hears "held".
+        held = node.nvme_has(chunk_id) if slot == HOT else slot in node.fragments.get(chunk_id, ())
+        if not held or chunk_id in node.collecting or (chunk_id, slot) in self.dropping:
+            return False
+        self.pin(chunk_id, seconds)
+        info = node.index.get(chunk_id)
+        if info is not None:
+            info.touch(time.time())  # a use: GC keeps the witnessed copy another grace period
+        return True
+
     async def drop_misplaced(self, chunk_id: str, slot: int, witnesses: list[str]) -> bool:
         """Drop this node's copy (``slot`` ``HOT``) or fragment ``slot`` of ``chunk_id`` if
-        the witnesses hold it (see the module docstring); True if it was dropped."""
+        every witness holds it (see the module docstring); True if it was dropped."""
         node = self.node
         others = sorted(set(witnesses) - {node.id})
-        need = node.config.replication if slot == HOT else 1
-        if len(others) < need:
+        if len(others) < (node.config.replication if slot == HOT else 1):
             return False
         async with node.locks.hold(chunk_id):
             if chunk_id in node.collecting or self.pinned(chunk_id):
@@ -174,20 +201,33 @@ class Rebalance:
             elif slot not in node.fragments.get(chunk_id, ()):
                 return False
             asked = time.monotonic()
-            held = (
-                await node.holdings(others, [chunk_id], pin=PIN_SECONDS, timeout=PIN_SECONDS / 4)
-            )[chunk_id]
-            holding = {h.node for h in held if _holds(h, slot)}
-            if len(holding) < need or len(holding) < len(others):
+
+            async def held_by(witness: str) -> bool:
+                try:
+                    reply, _ = await node.call(
+                        witness,
+                        "witness",
+                        {"id": chunk_id, "slot": slot, "pin": PIN_SECONDS},
+                        timeout=PIN_SECONDS / 4,
+                    )
+                except PeerError:
+                    return False
+                return bool(reply.get("held"))
+
+            answers = await asyncio.gather(*(held_by(w) for w in others))
+            if not all(answers) or time.monotonic() - asked > PIN_SECONDS / 2:
                 return False
-            if time.monotonic() - asked > PIN_SECONDS / 2 or self.pinned(chunk_id):
+            if self.pinned(chunk_id):
                 return False
-            self.dropping.add((chunk_id, slot))  # the same step as the checks above
+            self.dropping.add((chunk_id, slot))  # the same step as the check just above
             try:
                 await self._delete(chunk_id, slot)
             finally:
                 self.dropping.discard((chunk_id, slot))
         node.metrics.rebalanced.labels("dropped").inc()
+        log.info(
+            "dropped misplaced %s of %s", "copy" if slot == HOT else f"fragment {slot}", chunk_id
+        )
         return True
 
     async def _delete(self, chunk_id: str, slot: int) -> None:
@@ -293,7 +333,3 @@ class Rebalance:
                 {"id": chunk_id, "slot": slot, "witnesses": witnesses},
                 timeout=PIN_SECONDS,
             )
-
-
-def _holds(h: Holding, slot: int) -> bool:
-    return h.nvme if slot == HOT else slot in h.fragments
