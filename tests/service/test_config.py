@@ -61,7 +61,7 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         (4, {"max_chunk_size": "4GiB"}, "max_chunk_size"),
         (4, {"memory_capacity": "lots"}, "not a size"),
         (4, {"tls_cert": "/x.pem"}, "TLS needs both"),
-        (4, {"gone_after": "1", "down_after": "3"}, "a node is down before it can be gone"),
+        (4, {"gone_after": "-1"}, "gone_after=-1.0: write seconds, 0 or more"),
         (4, {"rebalance_rate": "0"}, "rebalance_rate must be at least 1"),
     ],
 )
