@@ -29,6 +29,13 @@ def _nvme_holders(cluster: InprocCluster, chunk_id: str) -> list[int]:
     return [i for i in cluster.running() if cluster.node(i).nvme_has(chunk_id)]
 
 
+def _drained(cluster: InprocCluster, chunk_id: str) -> list[int]:
+    """Nodes whose copy is on nvme and no longer dirty in RAM (the drain is done)."""
+    return [
+        i for i in _nvme_holders(cluster, chunk_id) if not cluster.node(i).memory.is_dirty(chunk_id)
+    ]
+
+
 def _holders_of(cluster: InprocCluster, chunk_id: str, index: int) -> list[int]:
     return [i for i in cluster.running() if index in cluster.node(i).fragments.get(chunk_id, ())]
 
@@ -43,7 +50,7 @@ async def test_crossed_copy_drops_keep_replication_copies(
     assert (await Api(http, cluster.url(a), TOKEN).put_chunk(data)).status == 201
     # A fourth copy, as a join or a node's return leaves behind.
     await cluster.node(d).writes.keep_copy(cid, memoryview(data))
-    await wait_until("four copies on nvme", lambda: len(_nvme_holders(cluster, cid)) == 4)
+    await wait_until("four copies on nvme", lambda: len(_drained(cluster, cid)) == 4)
     ids = [cluster.node_id(i) for i in (a, b, c, d)]
     # a thinks d's copy is misplaced and d thinks a's is: each names the other a witness.
     dropped = await asyncio.gather(
@@ -64,7 +71,7 @@ async def test_crossed_copy_drops_keep_replication_copies(
     p, q, r, s = cluster.order(oid)
     assert (await Api(http, cluster.url(p), TOKEN).put_chunk(other)).status == 201
     await cluster.node(s).writes.keep_copy(oid, memoryview(other))
-    await wait_until("four copies on nvme", lambda: len(_nvme_holders(cluster, oid)) == 4)
+    await wait_until("four copies on nvme", lambda: len(_drained(cluster, oid)) == 4)
     witnesses = [cluster.node_id(i) for i in (p, q, r)]
     assert await cluster.node(s).rebalance.drop_misplaced(oid, HOT, witnesses)
     assert sorted(_nvme_holders(cluster, oid)) == sorted([p, q, r])
@@ -128,3 +135,34 @@ async def test_fragment_drops_need_a_sound_witness_and_never_cross(
     for c in chunks:
         got = await api.get_chunk(chunk_id_of(c))
         assert got.status == 200 and got.raw == c
+
+
+async def test_a_copy_that_missed_the_encode_is_trimmed_once_the_chunk_is_cold(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    cluster = await inproc.start(4, encode_defer=0.0, **QUIET)
+    data = os.urandom(300_000)
+    cid = chunk_id_of(data)
+    api = Api(http, cluster.url(0), TOKEN)
+    assert (await api.put_chunk(data)).status == 201
+    assert (await api.commit("drops/late", manifest_for([data]))).status == 201
+    n = cluster.node(0).config.n
+
+    def cold() -> bool:
+        holders = [cluster.node(i) for i in cluster.running() if cluster.node(i).holds_hot(cid)]
+        return cluster.fragments(cid) == set(range(n)) and all(h.is_cold(cid) for h in holders)
+
+    await wait_until("cold, and its holders told so", cold, timeout=60)
+    # A copy that lands after the encoder told the holders "cold" (a rebalance or repair
+    # copy racing the encode): its node never heard it.
+    late = next(i for i in cluster.running() if not cluster.node(i).holds_hot(cid))
+    node = cluster.node(late)
+    await node.writes.keep_copy(cid, memoryview(data))
+    await wait_until("on nvme", lambda: node.nvme_has(cid) and not node.memory.is_dirty(cid))
+    assert not node.is_cold(cid)
+    await node.repair_pass()
+    assert node.is_cold(cid)
+    await node.gc_pass()
+    assert not node.nvme_has(cid)  # not the owner: retention keeps no copy here
+    got = await api.get_chunk(cid)
+    assert got.status == 200 and got.raw == data

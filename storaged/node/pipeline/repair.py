@@ -140,10 +140,15 @@ class Repair:
             return None  # garbage waiting for GC: copying it back would undo the collection
         order = node.live_order(chunk_id)
         hot = {h.node for h in held if h.hot}
-        if self.leader(chunk_id, held) != node.id:
-            return None
         state = max((h.state for h in held), default=0)
         frags = {i for h in held for i in h.fragments}
+        info = node.index.get(chunk_id)
+        if state >= COLD and len(frags) >= cfg.n and info is not None and info.state < COLD:
+            # A copy that arrived while the chunk was being encoded (a rebalance or repair
+            # copy) missed the encoder's "cold": without it GC would keep it on nvme forever.
+            await node.record_state([chunk_id], COLD)
+        if self.leader(chunk_id, held) != node.id:
+            return None
         if state >= COLD or len(frags) >= cfg.n:
             missing = set(range(cfg.n)) - frags
             if missing and self.away and len(frags) >= cfg.k + 1:
