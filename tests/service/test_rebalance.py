@@ -21,6 +21,7 @@ import pytest
 
 from storaged.cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from storaged.ids import chunk_id_of
+from storaged.placement import rendezvous_order
 from tests.conftest import FAST_SETTINGS, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 
@@ -336,12 +337,22 @@ async def test_join_moves_misplaced_data_at_the_configured_rate(
     await asyncio.to_thread(cluster.wait_healthy, [4])
     await asyncio.to_thread(cluster.wait_converged)
     moved = await _paced_until_settled(api, session, cluster, joined, size)
-    assert moved[4] == 0.0  # the joiner receives; the chunks' leaders send
+    assert sum(moved) > 0, moved
     if tier == "cold":
         fragments = {f for f in _fragment_files(cluster, list(range(5))) if f[1] in ids}
         assert any(node == "n4" for node, _, _ in fragments), "nothing moved to the joiner"
         held = _by_chunk(fragments)
         assert all(sorted(held[cid]) == list(range(6)) for cid in ids), held
+        # Retention's nvme copy (the newest checkpoint) moved to each chunk's new owner.
+        members = [cluster.node_id(i) for i in range(5)]
+        owners = {cid: rendezvous_order(cid, members)[0] for cid in ids}
+        assert "n4" in owners.values(), "the joiner owns none: the check would mean nothing"
+
+        async def retained_at_owners() -> bool:
+            copies = _copy_files(cluster, list(range(5)), ids)
+            return all(copies[cid] == {owners[cid]} for cid in ids)
+
+        await _wait_for("one nvme copy per chunk, at its owner", retained_at_owners, timeout=60)
     else:
         copies = _copy_files(cluster, list(range(5)), ids)
         assert any("n4" in nodes for nodes in copies.values()), "nothing moved to the joiner"

@@ -9,7 +9,10 @@ second per node (apart from the repair pass, which must stay quick for what lack
 - a cold chunk's fragment ``i`` to ``fragment_targets[i]`` (read from a holder, checked on
   write), then the other holders of ``i`` drop theirs;
 - a not yet cold chunk whose copies are all on nvme: a copy to each of ``hot_targets``
-  lacking one, then, once those are on nvme, the copies outside them go.
+  lacking one, then, once those are on nvme, the copies outside them go;
+- the nvme copy retention keeps of a cold chunk of a newest checkpoint: to its owner, when
+  the owner changed (the old owner's GC then trims its own, as for any non-owner). Only a
+  copy that exists moves: one that GC trimmed first is not rebuilt, nor one an admin evicted.
 
 Nothing moves while a member is *away* (down for less than ``gone_after``): placement over
 the live nodes skips it, so fragments would move away and back for a node that returns.
@@ -249,7 +252,12 @@ class Rebalance:
         state = max((h.state for h in held), default=0)
         if state >= COLD:
             targets = node.fragment_targets(chunk_id)
-            return [(h.node, i) for h in held for i in h.fragments if targets[i] != h.node]
+            out = [(h.node, i) for h in held for i in h.fragments if targets[i] != h.node]
+            keepers = [h.node for h in held if h.hot]
+            owner = node.owner(chunk_id)
+            if chunk_id in node.collector.protected and keepers and owner not in keepers:
+                out += [(n, HOT) for n in keepers]  # the retained copy, away from its owner
+            return out
         hot = [h for h in held if h.hot]
         if not all(h.nvme for h in hot):
             return []  # copies still on their way to disk: the drain comes first
@@ -263,14 +271,18 @@ class Rebalance:
         misplaced = self.misplaced(chunk_id, held)
         if not misplaced:
             return
-        if any(slot == HOT for _, slot in misplaced):
+        cold = max((h.state for h in held), default=0) >= COLD
+        if cold and any(slot == HOT for _, slot in misplaced):
+            # No drop: once the owner has it, the other holders' GC trims theirs.
+            await self._place_copies(chunk_id, held, [node.owner(chunk_id)])
+        if not cold and any(slot == HOT for _, slot in misplaced):
             targets = node.hot_targets(chunk_id)
             if await self._place_copies(chunk_id, held, targets):
                 for holder, _ in misplaced:
                     await self._ask_drop(holder, chunk_id, HOT, targets)
             return
         frag_targets = node.fragment_targets(chunk_id)
-        for index in sorted({slot for _, slot in misplaced}):
+        for index in sorted({slot for _, slot in misplaced if slot != HOT}):
             target = frag_targets[index]
             placed = any(h.node == target and index in h.fragments for h in held)
             if not placed:
