@@ -56,7 +56,8 @@ class Repair:
         self.backlog = 0
         #: chunks it leads that lacked nothing but sat (partly) outside their placement
         self.misplaced = 0
-        #: members down for less than ``gone_after`` at the start of the current pass
+        #: members down for less than ``gone_after``, and live ones that did not answer the
+        #: current batch's question: what they hold is expected back (rebalance waits too)
         self.away: frozenset[str] = frozenset()
 
     async def repair_pass(self) -> None:
