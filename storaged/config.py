@@ -111,6 +111,14 @@ class Config:
     #: newest checkpoints per prefix whose chunks stay on nvme at their owner once cold
     retain_newest: int = 1
     repair_interval: float = 10.0
+    #: a node down for less than this is *away*: its nvme copies and fragments are expected
+    #: back, so repair waits for it while every chunk can still lose one more holder; down
+    #: longer, it is *gone*: what it held is rebuilt elsewhere (and, on etcd, its member
+    #: record is removed). As Ceph's mon_osd_down_out_interval or HDFS's dead-node interval.
+    gone_after: float = 600.0
+    #: bytes per second a node moves to where placement says after a join or a return
+    #: (rebalance); repair of missing copies and fragments is not limited by it
+    rebalance_rate: int = 32 * 2**20
     scrub_interval: float = 3600.0
     drain_workers: int = 2
     encode_workers: int = 1
@@ -234,9 +242,12 @@ class Config:
             "max_manifest_objects",
             "max_items_per_key",
             "max_missing_ids",
+            "rebalance_rate",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.gone_after < 0:
+            raise ConfigError(f"gone_after={self.gone_after}: write seconds, 0 or more")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
         return self
@@ -272,7 +283,7 @@ _SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nodes",)}
 def _coerce(name: str, raw: object) -> Any:
     kind = _SCALARS[name].type
     try:
-        if name.endswith(("_capacity", "_size")):
+        if name.endswith(("_capacity", "_size")) or name == "rebalance_rate":
             return parse_size(raw)
         if kind == "int":
             return int(str(raw))

@@ -75,6 +75,13 @@ class Membership(abc.ABC):
         """Wall-clock time since which ``node_id`` counts as down (None: alive or unknown)."""
         return None
 
+    async def forget(self, node_id: str) -> bool:
+        """Remove ``node_id``, down past ``gone_after``, from the members for everyone; True
+        if it is gone from them now. The embedded membership cannot: its cluster file decides
+        who the members are (and fixes each name's catalogue primary over all of them), so a
+        gone node stays listed as down until the file is edited."""
+        return False
+
     def coordinator_reachable(self) -> bool:
         """Whether the coordination service this view comes from answers now (the embedded
         membership has none: always True). Writes are refused while it does not."""

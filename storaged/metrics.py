@@ -55,6 +55,23 @@ class NodeMetrics:
             "repair pass",
             registry=r,
         )
+        self.misplaced_backlog = Gauge(
+            "storaged_misplaced_backlog",
+            "Chunks this node leads the repair of that lacked nothing but sat outside their "
+            "placement at its last repair pass (rebalance moves them, paced)",
+            registry=r,
+        )
+        self.rebalanced = Counter(
+            "storaged_rebalanced_total",
+            "Rebalance steps: copies and fragments moved to their placement, misplaced dropped",
+            ["kind"],
+            registry=r,
+        )
+        self.rebalanced_bytes = Counter(
+            "storaged_rebalanced_bytes_total",
+            "Bytes this node sent to move copies and fragments to their placement",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -566,6 +566,7 @@ async def cluster(request: web.Request) -> web.Response:
         entry["drain_backlog"] = info.get("drain_backlog")
         entry["encode_backlog"] = info.get("encode_backlog")
         entry["repair_backlog"] = info.get("repair_backlog")
+        entry["misplaced_backlog"] = info.get("misplaced_backlog")
         nodes.append(entry)
     cfg = node.config
     return reply(

@@ -35,6 +35,8 @@ FAST_SETTINGS: dict[str, Any] = {
     "heartbeat_interval": 0.2,
     "down_after": 1.5,
     "repair_interval": 1.0,
+    # a node down this long is gone: its data is rebuilt elsewhere (production: 600 s)
+    "gone_after": 3.0,
     "gc_interval": 1.0,
     "keepalive_timeout": 3.0,
     "prefault_fraction": 0.0,

@@ -396,7 +396,7 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
             "capacity": space.get("capacity"),
             "chunks": None if count is None else int(count),
         }
-    for backlog in ("drain_backlog", "encode_backlog"):
+    for backlog in ("drain_backlog", "encode_backlog", "repair_backlog", "misplaced_backlog"):
         value = raw.get(backlog)
         if value is None and metrics is not None:
             value = metrics.get(f"storaged_{backlog}")
@@ -452,7 +452,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def _print_nodes(rows: list[dict[str, Any]]) -> None:
     now = time.time()
-    table = [["NODE", "STATE", "MEMORY", "NVME", "COLD", "CHUNKS m/n/c", "DRAIN", "ENCODE", "URL"]]
+    header = "NODE STATE MEMORY NVME COLD CHUNKS_m/n/c DRAIN ENCODE LACKING MISPLACED URL"
+    table = [[name.replace("_", " ") for name in header.split()]]
     for row in rows:
         state = "alive" if row["alive"] else "DOWN"
         if row["state"] != "active":
@@ -466,8 +467,15 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
                 state,
                 *(_space(row[t]) for t in STATES),
                 "/".join("-" if c is None else str(c) for c in counts),
-                "-" if row["drain_backlog"] is None else str(row["drain_backlog"]),
-                "-" if row["encode_backlog"] is None else str(row["encode_backlog"]),
+                *(
+                    "-" if row[b] is None else str(row[b])
+                    for b in (
+                        "drain_backlog",
+                        "encode_backlog",
+                        "repair_backlog",
+                        "misplaced_backlog",
+                    )
+                ),
                 str(row["url"]),
             ]
         )

@@ -163,6 +163,24 @@ class EtcdMembership(Membership):
             ),
         )
 
+    async def forget(self, node_id: str) -> bool:
+        """Remove a member that is down (no alive key) for every node: its record goes in a
+        transaction that holds only while it has no alive key, so a node that registered
+        again meanwhile stays. If it comes back later it registers anew, as any joiner."""
+        if node_id == self.self_id:
+            return False
+        kv = await self.s.kv()
+        reply = await self.s.call(
+            "member removal",
+            kv.txn(
+                [KVService.txn_compare_create_revision(self._alive_key(node_id), 0)],
+                [KVService.txn_op_delete(self._node_key(node_id))],
+            ),
+        )
+        if reply.succeeded:
+            log.warning("member %s was down past gone_after: removed from the members", node_id)
+        return bool(reply.succeeded)
+
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
         """Register (waits up to ``start_timeout`` for etcd), read the members, then keep
@@ -286,6 +304,10 @@ class EtcdMembership(Membership):
         for item in kv_response(reply):
             self._apply(bytes(item.key).decode(), bytes(item.value), members, alive)
         members.setdefault(self.self_id, (self._spec, self._state))
+        now = time.time()
+        for node_id in members.keys() - alive:
+            # Down before this node saw it: count from now (it can only delay "gone").
+            self._down_at.setdefault(node_id, now)
         self._members, self._alive = members, alive | {self.self_id}
         self._revision = int(reply.header.revision)
 

@@ -10,6 +10,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/drain.py``       RAM -> nvme on every holder
 ``pipeline/encode.py``      nvme -> cold fragments, by the chunk's owner
 ``pipeline/repair.py``      missing copies, fragments and catalogue records
+``pipeline/rebalance.py``   copies and fragments to where placement says, paced
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
@@ -54,6 +55,7 @@ from storaged.node.index import (
 from storaged.node.pipeline.drain import Drain
 from storaged.node.pipeline.encode import Encoder
 from storaged.node.pipeline.gc import Collector
+from storaged.node.pipeline.rebalance import Rebalance
 from storaged.node.pipeline.repair import Repair
 from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
@@ -123,6 +125,7 @@ class Node:
         self.drainer = Drain(self)
         self.encoder = Encoder(self)
         self.repairer = Repair(self)
+        self.rebalance = Rebalance(self)
         self.collector = Collector(self)
         self.scrubber = Scrubber(self)
         self.evacuation = Evacuation(self)
@@ -201,6 +204,7 @@ class Node:
         await self.membership.start()
         self.drainer.start()
         self.encoder.start()
+        self.rebalance.start()
         self.spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
         self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
@@ -258,6 +262,7 @@ class Node:
                 await task
         await self.drainer.close()
         await self.encoder.close()
+        await self.rebalance.close()
         await self.membership.close()
         await self.peer_server.close()
         await self.peers.close()
@@ -324,12 +329,14 @@ class Node:
         *,
         touch: float | None = None,
         timeout: float = 30.0,
+        answered: set[str] | None = None,
     ) -> dict[str, list[Holding]]:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
 
         With ``touch``, every node that reports a chunk held also records that a request
         relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
         touch are one step on that node, so GC cannot collect what was just reported held.
+        ``answered``, if given, gets the ids of the nodes that answered.
         """
         out: dict[str, list[Holding]] = {cid: [] for cid in ids}
         args_extra = {} if touch is None else {"touch": touch}
@@ -341,6 +348,8 @@ class Node:
                 )
             except PeerError:
                 return
+            if answered is not None:
+                answered.add(node_id)
             for cid, (mem, nvme, frags, state, size) in reply["info"].items():
                 if cid in out:
                     out[cid].append(Holding(node_id, mem, nvme, tuple(frags), state, size))
@@ -406,6 +415,7 @@ class Node:
             "encode_backlog": self.encoder.backlog,
             "repair_backlog": self.repairer.backlog,
             "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
+            "misplaced_backlog": self.repairer.misplaced,
         }
 
     def note_stored(self, chunk_id: str, size: int) -> None:

@@ -1,8 +1,10 @@
 """The peer calls other nodes make on this one (``rpc_*``), and the peer server's handler.
 
 Chunk receives go to the write path; ``chunk_info`` answers for the index and, with
-``touch``, records the use in the same step (see ``index.ChunkInfo.last_use``). There is
-no call that deletes a chunk on request: collections are this node's own GC's decision.
+``touch``, records the use in the same step (see ``index.ChunkInfo.last_use``). No call
+deletes a chunk on a request's behalf: collections are this node's own GC's decision, and
+``drop_misplaced`` (rebalance) drops a copy only once this node has itself checked that
+enough others hold it (``pipeline/rebalance.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import msgpack
 from erasure import parse_fragment_key
 from storaged.catalog import CatalogRecord
 from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo
+from storaged.node.pipeline.rebalance import HOT
 from storaged.peer import PeerError, PeerHandler
 from tiers import ByteRange, ChunkNotFound, CorruptChunk, TierFull
 
@@ -50,13 +53,16 @@ class PeerRpc:
         node = self.node
         touch = args.get("touch")
         until = float(touch) if touch is not None else None
+        dropping = node.rebalance.dropping
         info: dict[str, list[Any]] = {}
         for cid in args["ids"]:
             if cid in node.collecting:
                 continue  # being collected: held by no one from the moment it was decided
-            mem = node.memory_has(cid)
-            nvme = node.nvme_has(cid)
-            frags = sorted(node.fragments.get(cid, ()))
+            # A slot being dropped is held by no one from the moment the drop was decided.
+            hot = (cid, HOT) not in dropping
+            mem = hot and node.memory_has(cid)
+            nvme = hot and node.nvme_has(cid)
+            frags = sorted(i for i in node.fragments.get(cid, ()) if (cid, i) not in dropping)
             known = node.index.get(cid)
             if mem or nvme or frags:
                 if known is not None and until is not None:
@@ -117,6 +123,23 @@ class PeerRpc:
     async def rpc_drained(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         self.node.encoder.offer(args["id"])
         return {}, None
+
+    async def rpc_drop_misplaced(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """Rebalance: drop this node's copy (``slot`` -1) or fragment ``slot`` of ``id`` if
+        every one of ``witnesses`` holds it; this node checks, the caller only asks."""
+        witnesses = [str(w) for w in args["witnesses"]]
+        dropped = await self.node.rebalance.drop_misplaced(
+            str(args["id"]), int(args["slot"]), witnesses
+        )
+        return {"dropped": dropped}, None
+
+    async def rpc_witness(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        """Rebalance: whether a checked copy (``slot`` -1) or fragment ``slot`` of ``id`` is
+        here; if so it is kept from a drop here for ``pin`` seconds (``pipeline/rebalance.py``)."""
+        held = await self.node.rebalance.witness(
+            str(args["id"]), int(args["slot"]), float(args["pin"])
+        )
+        return {"held": held}, None
 
     async def rpc_drop_nvme(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         node = self.node

@@ -378,6 +378,9 @@ def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path
     counts = [n[tier]["chunks"] for n in doc["nodes"] for tier in ("memory", "nvme", "cold")]
     assert all(isinstance(c, int) for c in counts) and sum(counts) >= 4
     assert all(n["drain_backlog"] is not None for n in doc["nodes"])
+    # Repair's backlog, apart: what lacks copies and what only sits outside its placement.
+    assert all(n["repair_backlog"] is not None for n in doc["nodes"])
+    assert all(n["misplaced_backlog"] is not None for n in doc["nodes"])
 
     # "reached" never goes back; "now" follows the copies: evicted from RAM, they are on nvme.
     async def evict() -> None:
@@ -401,6 +404,7 @@ def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path
     assert proc.returncode == 3, proc.stdout.decode() + proc.stderr.decode()
     table = proc.stdout.decode().splitlines()
     assert table[0].split()[:2] == ["NODE", "STATE"]
+    assert "LACKING" in table[0].split() and "MISPLACED" in table[0].split()
     row = next(line for line in table if line.startswith(cluster.node_id(1)))
     assert "DOWN" in row
     assert f"1 of 4 nodes down: {cluster.node_id(1)}" in proc.stderr.decode()

@@ -43,6 +43,10 @@ async def _eventually(what: str, check: object, timeout: float = 30.0) -> None:
 
 
 class MembershipTests:
+    #: whether ``forget`` removes a down member (a coordinator that holds the member list);
+    #: the embedded membership keeps it (its cluster file decides)
+    forgets: bool = False
+
     async def test_every_member_listed_in_a_stable_order_and_alive(self, members: Members) -> None:
         ids = members.ids()
         for node_id in ids:
@@ -82,6 +86,34 @@ class MembershipTests:
         view.report_failure(ids[0])
         assert view.is_alive(ids[0])  # a node never counts itself down
         await _eventually(f"{ids[1]} back after answering", lambda: view.is_alive(ids[1]))
+
+    async def test_down_since_and_forgetting_a_gone_member(self, members: Members) -> None:
+        ids = members.ids()
+        victim, others = ids[-1], ids[:-1]
+        view = members.of(ids[0])
+        assert view.down_since(victim) is None  # alive
+        assert not await view.forget(ids[1])  # a live member is never forgotten
+        assert view.all_ids() == ids
+        stopped = time.time()
+        await members.stop(victim)
+        await _eventually(f"{victim} down", lambda: not view.is_alive(victim))
+        since = view.down_since(victim)
+        # From its last sign of life (a heartbeat, the lease's last renewal) or later.
+        assert since is not None and stopped - 30 < since <= time.time()
+        assert await view.forget(victim) == self.forgets
+        if self.forgets:
+            await _eventually(
+                f"{victim} no longer a member anywhere",
+                lambda: all(victim not in members.of(n).all_ids() for n in others),
+            )
+            assert view.down_since(victim) is None  # not a member: neither up nor down
+        else:
+            assert view.all_ids() == ids  # still listed, as down
+        await members.start(victim)  # comes back: registers anew where it was forgotten
+        await _eventually(
+            f"{victim} a live member again everywhere",
+            lambda: all(members.of(n).alive_ids() == ids for n in ids),
+        )
 
 
 class InprocMembers(Members):

@@ -115,6 +115,8 @@ class TestEtcdCatalogue(CatalogueTests):
 
 
 class TestEtcdMembership(MembershipTests):
+    forgets = True
+
     @pytest.fixture
     async def members(self, rig: EtcdRig) -> AsyncIterator[Members]:
         cluster = await rig.start(4)

@@ -47,6 +47,9 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
     assert cfg.memory_capacity == 2 * 2**30 and cfg.put_wait == 3.5
     cfg = load_config(path, "n1", environ=env, overrides={"memory_capacity": "512MiB"})
     assert cfg.memory_capacity == 512 * 2**20 and cfg.put_wait == 3.5
+    assert cfg.gone_after == 600.0 and cfg.rebalance_rate == 32 * 2**20
+    cfg = load_config(path, "n1", environ={"STORAGED_REBALANCE_RATE": "8MiB"})
+    assert cfg.rebalance_rate == 8 * 2**20
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,8 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
         (4, {"max_chunk_size": "4GiB"}, "max_chunk_size"),
         (4, {"memory_capacity": "lots"}, "not a size"),
         (4, {"tls_cert": "/x.pem"}, "TLS needs both"),
+        (4, {"gone_after": "-1"}, "gone_after=-1.0: write seconds, 0 or more"),
+        (4, {"rebalance_rate": "0"}, "rebalance_rate must be at least 1"),
     ],
 )
 def test_refusals_say_why(

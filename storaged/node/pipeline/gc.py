@@ -53,6 +53,9 @@ class Collector:
         self.node = node
         #: chunks named by a live checkpoint, as of the last complete catalogue snapshot
         self.referenced: set[str] | None = None
+        #: chunks of the ``retain_newest`` newest checkpoints per prefix, as of that snapshot
+        #: (their owner keeps an nvme copy once cold; rebalance moves it to a new owner)
+        self.protected: set[str] = set()
 
     def is_garbage(self, chunk_id: str) -> bool:
         """Unreferenced at the last snapshot and unused for the grace period (what GC takes:
@@ -80,6 +83,7 @@ class Collector:
         live = list(refs.live)
         self.referenced = referenced
         protected = newest_per_prefix(live, cfg.retain_newest)
+        self.protected = protected
         deadline = snapshot_at + cfg.gc_grace / 2
         placement = node.placement()  # one view for the pass
         freed = 0

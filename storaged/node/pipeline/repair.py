@@ -8,6 +8,16 @@ leads a chunk's repair (the first in placement order holding a hot copy, or, wit
 the first holding fragments) brings it back to ``replication`` hot copies (not yet cold)
 or ``n`` fragments (cold), getting the bytes from wherever they are. An under-replicated
 chunk thus never waits on a node that cannot act (one holding only fragments).
+
+A member down for less than ``gone_after`` is *away* (Ceph's down but in; HDFS's stale, not
+yet dead): what it held on disk is expected back, so a chunk it may hold waits for it while
+it can still lose one more holder: a cold chunk with at least ``k + 1`` live fragments, a
+chunk durable on nvme (state ``nvme``) with at least two live copies. A RAM-only chunk is
+copied at once (durability first), and so is any chunk with fewer. A member down for
+longer is *gone* (Ceph's out; HDFS's dead): nothing waits for it, and on a coordinator
+that can, its member record is removed (``Membership.forget``). A chunk that lacks nothing
+but sits outside its placement is moved by ``pipeline/rebalance.py``; the backlog counts
+the two apart (``lacking``, ``misplaced``).
 """
 
 from __future__ import annotations
@@ -15,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.node.index import COLD, Holding
+from storaged.catalogue import CoordinatorUnavailable
+from storaged.node.index import COLD, NVME, Holding
 from storaged.peer import PeerError
 from storaged.placement import Placement
 from tiers import TierFull
@@ -34,12 +46,21 @@ _PARALLEL = 8
 #: a holder that does not answer a repair pass's question within this is skipped this pass
 _ASK_TIMEOUT = 5.0
 
+#: what ``repair_one`` found of a chunk it leads
+LACKING = "lacking"
+MISPLACED = "misplaced"
+
 
 class Repair:
     def __init__(self, node: Node) -> None:
         self.node = node
         #: chunks this node leads the repair of that lacked something at the last pass
         self.backlog = 0
+        #: chunks it leads that lacked nothing but sat (partly) outside their placement
+        self.misplaced = 0
+        #: members down for less than ``gone_after``, and live ones that did not answer the
+        #: current batch's question: what they hold is expected back (rebalance waits too)
+        self.away: frozenset[str] = frozenset()
 
     async def repair_pass(self) -> None:
         node = self.node
@@ -49,33 +70,77 @@ class Repair:
             raise
         except Exception:
             log.exception("catalogue repair failed")
+        away = await self._away_members()
         ids = list(node.index)
-        lacking = 0
+        lacking = misplaced = 0
         slots = asyncio.Semaphore(_PARALLEL)
 
         async def one(cid: str, held: list[Holding], placement: Placement) -> None:
-            nonlocal lacking
+            nonlocal lacking, misplaced
             async with slots:
                 try:
-                    if await self.repair_one(cid, held, placement):
-                        lacking += 1
+                    found = await self.repair_one(cid, held, placement)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    lacking += 1
+                    found = LACKING
                     log.exception("repair of %s failed", cid)
+                lacking += found == LACKING
+                misplaced += found == MISPLACED
 
         for start in range(0, len(ids), 256):
             batch = ids[start : start + 256]
             placement = node.placement()  # one view per batch: its questions and repairs
+            asked = placement.alive
+            answered: set[str] = set()
             # A stalled holder must not hold up every other chunk's repair for long.
-            held = await node.holdings(placement.alive, batch, timeout=_ASK_TIMEOUT)
+            held = await node.holdings(asked, batch, timeout=_ASK_TIMEOUT, answered=answered)
+            # One that did not answer (just died, or stalled) is away too: what it holds is
+            # missing from the answers, as an away member's is.
+            self.away = away | frozenset(asked).difference(answered)
             await asyncio.gather(*(one(cid, held[cid], placement) for cid in batch))
         self.backlog = lacking
+        self.misplaced = misplaced
         node.metrics.repair_backlog.set(lacking)
+        node.metrics.misplaced_backlog.set(misplaced)
 
-    async def repair_one(self, chunk_id: str, held: list[Holding], placement: Placement) -> bool:
-        """Repair ``chunk_id`` if this node leads it; True if it lacked copies or fragments.
+    async def _away_members(self) -> frozenset[str]:
+        """Members down for less than ``gone_after``; those down for longer are forgotten
+        where the membership can (etcd), and are not waited for either way."""
+        node = self.node
+        membership = node.membership
+        now = time.time()
+        away = set()
+        for node_id in membership.all_ids():
+            since = membership.down_since(node_id)
+            if since is None and not membership.is_alive(node_id):
+                since = now  # down, since when unknown: as if from now
+            if since is None:
+                continue
+            if now - since < node.config.gone_after:
+                away.add(node_id)
+                continue
+            try:
+                await membership.forget(node_id)
+            except CoordinatorUnavailable as exc:
+                log.warning("cannot remove gone member %s now: %s", node_id, exc)
+        return frozenset(away)
+
+    def leader(self, chunk_id: str, held: list[Holding], placement: Placement) -> str | None:
+        """Who leads the chunk's repair: the first in placement order holding a hot copy,
+        or, without any, the first holding fragments (a draining holder too: it has the
+        bytes)."""
+        hot = {h.node for h in held if h.hot}
+        with_fragments = {h.node for h in held if h.fragments}
+        holders = hot or with_fragments
+        return next((n for n in placement.order(chunk_id) if n in holders), None)
+
+    async def repair_one(
+        self, chunk_id: str, held: list[Holding], placement: Placement
+    ) -> str | None:
+        """Repair ``chunk_id`` if this node leads it; ``LACKING`` if it lacked copies or
+        fragments (repaired, or waiting for an away member), ``MISPLACED`` if it lacked
+        nothing but some of it sat outside its placement (moved, paced), else None.
 
         ``held`` is what the live nodes of ``placement`` (the caller's one view) reported.
         Evacuation: copies and fragments on draining nodes do not count toward
@@ -84,18 +149,28 @@ class Repair:
         node = self.node
         cfg = node.config
         if node.collector.is_garbage(chunk_id):
-            return False  # garbage waiting for GC: copying it back would undo the collection
-        order = placement.order(chunk_id)
-        hot = {h.node for h in held if h.hot}
-        with_fragments = {h.node for h in held if h.fragments}
-        leader = next((n for n in order if n in (hot or with_fragments)), None)
-        if leader != node.id:
-            return False
+            return None  # garbage waiting for GC: copying it back would undo the collection
         staying = [h for h in held if not placement.is_draining(h.node)]
         state = max((h.state for h in held), default=0)
         frags = {i for h in held for i in h.fragments}
+        info = node.index.get(chunk_id)
+        if state >= COLD and len(frags) >= cfg.n and info is not None and info.state < COLD:
+            # A copy that arrived while the chunk was being encoded (a rebalance or repair
+            # copy) missed the encoder's "cold": without it GC would keep it on nvme forever.
+            await node.record_state([chunk_id], COLD)
+        if self.leader(chunk_id, held, placement) != node.id:
+            return None
         if state >= COLD or len(frags) >= cfg.n:
             missing = set(range(cfg.n)) - {i for h in staying for i in h.fragments}
+            if missing and self.away and len(frags) >= cfg.k + 1:
+                # The away member likely holds them: wait (see the docstring), except for
+                # what a draining node holds: that must leave now, away member or not.
+                on_draining = {
+                    i for h in held if placement.is_draining(h.node) for i in h.fragments
+                }
+                if not missing & on_draining:
+                    return LACKING
+                missing &= on_draining
             if missing:
                 async with node.reads.local_copy(chunk_id) as local:
                     if local is None:
@@ -109,7 +184,8 @@ class Repair:
                         chunk_id, data, placement, missing
                     ):
                         node.metrics.repaired.labels("fragment").inc(len(missing))
-            return bool(missing)
+                return LACKING
+            return self._rebalance(chunk_id, held, placement)
         kept = {h.node for h in staying if h.hot}
         targets = placement.hot_targets(chunk_id)
         lacking = [n for n in targets if n not in kept]
@@ -120,12 +196,14 @@ class Repair:
                 if owner != node.id:
                     with contextlib.suppress(PeerError):
                         await node.call(owner, "drained", {"id": chunk_id})
-            return False
+            return self._rebalance(chunk_id, held, placement)
+        if self.away and state >= NVME and len(kept) >= 2:
+            return LACKING  # durable on the away member's disk too: wait for it
         async with node.reads.local_copy(chunk_id) as local:
             data = local if local is not None else await node.reads.whole_copy(chunk_id, placement)
             if data is None:
                 log.warning("repair of %s: no copy and too few fragments to read", chunk_id)
-                return True
+                return LACKING
             view = memoryview(data)
             for target in lacking[: cfg.replication - len(kept)]:
                 try:
@@ -136,7 +214,7 @@ class Repair:
                     node.metrics.repaired.labels("copy").inc()
                 except (PeerError, TierFull) as exc:
                     log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)
-        return True
+        return LACKING
 
     async def _move_fragments(
         self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
@@ -169,3 +247,13 @@ class Repair:
         if done:
             node.metrics.repaired.labels("fragment_moved").inc(len(done))
         return done
+
+    def _rebalance(self, chunk_id: str, held: list[Holding], placement: Placement) -> str | None:
+        """Move what lies outside the placement; not while a member is away (placement over
+        the live nodes skips it: what moved would move back on its return)."""
+        rebalance = self.node.rebalance
+        if not rebalance.misplaced(chunk_id, held, placement):
+            return None
+        if not self.away:
+            rebalance.offer(chunk_id)
+        return MISPLACED
