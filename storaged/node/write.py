@@ -41,6 +41,8 @@ BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
 
 #: sends of one copy to one replica that saw damaged bytes, before it counts as failed
 _RESENDS = 2
+#: a sealed chunk goes to each replica in slices this big
+_SEND_SLICE = 1 << 20
 
 
 class WritePath:
@@ -57,6 +59,43 @@ class WritePath:
         self, chunk_id: str, size: int, body: BodyPieces
     ) -> tuple[int, dict[str, Any]]:
         """Stream a chunk into RAM here and on the other replica holders; (status, reply)."""
+        started = time.perf_counter()
+        placement, order = self._admit(chunk_id)
+        if chunk_id in self.node.index:
+            held = await self.already_held(chunk_id, placement)
+            if held is not None:
+                return 200, held
+        self.inflight += 1
+        try:
+            return await self._put_new(chunk_id, size, body, order, started)
+        finally:
+            self.inflight -= 1
+
+    async def put_sealed(self, chunk_id: str, buf: memoryview) -> tuple[int, dict[str, Any]]:
+        """A chunk handed over in a sealed shared segment (``storaged.shm``): ``buf`` is an
+        allocation of the memory tier that already hashed to ``chunk_id``, and is taken over
+        whatever happens (adopted as this node's RAM copy when this node is a holder,
+        released otherwise). Replicates and answers as ``put_chunk`` does (I1, I2)."""
+        started = time.perf_counter()
+        try:
+            placement, order = self._admit(chunk_id)
+            if chunk_id in self.node.index:
+                held = await self.already_held(chunk_id, placement)
+                if held is not None:
+                    self.node.memory.release(buf)
+                    return 200, held
+        except BaseException:
+            self.node.memory.release(buf)
+            raise
+        self.inflight += 1
+        try:
+            return await self._put_new(chunk_id, len(buf), None, order, started, sealed=buf)
+        finally:
+            self.inflight -= 1
+
+    def _admit(self, chunk_id: str) -> tuple[Placement, list[str]]:
+        """Refusals that come before any byte; the PUT's one view of the membership (its
+        targets, replacements and the reply's order)."""
         node = self.node
         if node.stopping:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
@@ -66,28 +105,18 @@ class WritePath:
                 "the coordination service is unreachable: writes wait until it is back",
                 retry_after=1.0,
             )
-        started = time.perf_counter()
         # One membership view for the whole PUT: targets, replacements and the reply's order.
         # Draining nodes take no new copies (``Placement.write_order``).
         placement = node.placement()
         order = placement.write_order(chunk_id)
-        targets = order[: node.config.replication]
-        if len(targets) < node.config.replication:
+        if len(order) < node.config.replication:
             raise unavailable(
                 "insufficient_replicas",
-                f"{len(targets)} live node(s) that are not draining, replication needs "
+                f"{len(order)} live node(s) that are not draining, replication needs "
                 f"{node.config.replication}",
                 retry_after=node.config.down_after,
             )
-        if chunk_id in node.index:
-            held = await self.already_held(chunk_id, placement)
-            if held is not None:
-                return 200, held
-        self.inflight += 1
-        try:
-            return await self._put_new(chunk_id, size, body, order, started)
-        finally:
-            self.inflight -= 1
+        return placement, order
 
     async def already_held(self, chunk_id: str, placement: Placement) -> dict[str, Any] | None:
         """The 200 reply if the cluster holds ``chunk_id`` as an ack promises (``replication``
@@ -116,24 +145,38 @@ class WritePath:
         }
 
     async def _put_new(
-        self, chunk_id: str, size: int, body: BodyPieces, order: list[str], started: float
+        self,
+        chunk_id: str,
+        size: int,
+        body: BodyPieces | None,
+        order: list[str],
+        started: float,
+        sealed: memoryview | None = None,
     ) -> tuple[int, dict[str, Any]]:
+        """The PUT of a new chunk: ``body`` streamed into a fresh allocation, or ``sealed``
+        (an allocation already filled and checked) sent on as it is."""
         node = self.node
         targets = order[: node.config.replication]
-        try:
-            buf = await node.memory.allocate(size, timeout=node.config.put_wait)
-        except TierFull as exc:
-            raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+        if sealed is not None:
+            buf = sealed
+        else:
+            try:
+                buf = await node.memory.allocate(size, timeout=node.config.put_wait)
+            except TierFull as exc:
+                raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
         streams: dict[str, PutStream] = {}
         try:
             remote = [t for t in targets if t != node.id]
             streams = await self._open_streams(chunk_id, size, remote)
             refused: list[PeerError] = []
-            received = await self._receive(body, buf, streams, refused)
-            if received < size:
-                raise BadInput("truncated", f"body ended after {received} of {size} bytes")
-            if await chunk_id_of_async(buf) != chunk_id:
-                raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
+            if body is not None:
+                received = await self._receive(body, buf, streams, refused)
+                if received < size:
+                    raise BadInput("truncated", f"body ended after {received} of {size} bytes")
+                if await chunk_id_of_async(buf) != chunk_id:
+                    raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
+            else:
+                await self._send_all(buf, streams, refused)
             holders, created = await self._finish_streams(chunk_id, buf, streams, order, refused)
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
@@ -210,6 +253,29 @@ class WritePath:
                     streams.pop(node_id).abort()
             pos += n
         return pos
+
+    async def _send_all(
+        self, buf: memoryview, streams: dict[str, PutStream], refused: list[PeerError]
+    ) -> None:
+        """Send the whole of ``buf`` to every open stream at once, in slices (the transport
+        keeps what the socket does not take); failures leave ``streams`` as in ``_receive``."""
+        node = self.node
+        dropped: list[str] = []
+
+        async def send(node_id: str, stream: PutStream) -> None:
+            try:
+                for pos in range(0, len(buf), _SEND_SLICE):
+                    await stream.write(buf[pos : pos + _SEND_SLICE])
+            except PeerUnavailable:
+                node.membership.report_failure(node_id)
+                dropped.append(node_id)
+            except PeerError as exc:
+                refused.append(exc)
+                dropped.append(node_id)
+
+        await asyncio.gather(*(send(n, s) for n, s in streams.items()))
+        for node_id in dropped:
+            streams.pop(node_id).abort()
 
     async def _finish_streams(
         self,
