@@ -44,7 +44,7 @@ from storaged.errors import (
     bad_request,
     unavailable,
 )
-from storaged.ids import chunk_id_of_async, is_chunk_id
+from storaged.ids import chunk_id_and_crc32c, is_chunk_id
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
 from tiers import ChunkNotFound, TierFull
 from tiers.memory import SealRefused, SharedSegment
@@ -309,16 +309,17 @@ class _Connection:
         except BaseException:
             node.memory.release_shared(seg)
             raise
-        # From here the bytes cannot change: what is hashed is what is kept and sent.
+        # From here the bytes cannot change: what is hashed is what is kept and sent. The
+        # CRC-32C goes with the copies so that the replicas need not hash them again.
         try:
-            digest = await chunk_id_of_async(view)
+            digest, crc = await asyncio.to_thread(chunk_id_and_crc32c, view)
         except BaseException:
             node.memory.release(view)
             raise
         if claimed is not None and digest != claimed:
             node.memory.release(view)
             raise bad_request("the chunk's BLAKE3-256 is not the id", code="checksum_mismatch")
-        status, doc = await node.writes.put_sealed(digest, view)
+        status, doc = await node.writes.put_sealed(digest, view, crc)
         await self._send({"rid": rid, "status": status, **doc})
 
     async def _read(self, rid: Any, frame: dict[str, Any]) -> None:

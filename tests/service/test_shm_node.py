@@ -1,4 +1,6 @@
-"""The drain re-checks a chunk handed over in shared memory before it reaches disk.
+"""Node side of the co-located path: the drain's re-check, replicas checking the CRC.
+
+The drain re-checks a chunk handed over in shared memory before it reaches disk.
 
 The kernel's seals keep a sealed segment's pages from changing (``tests/client/
 test_shm.py`` shows every write refused), so bytes that fail their id can only come
@@ -14,9 +16,11 @@ import re
 
 import aiohttp
 import numpy as np
+import pytest
 
-from storaged.ids import chunk_id_of
+from storaged.ids import chunk_id_of, crc32c_of
 from storaged.node import Node
+from storaged.peer import PeerError
 from tests.conftest import TOKEN
 from tests.service.inproc import InprocFactory, wait_until
 from tiers.memory import size_class
@@ -79,3 +83,26 @@ async def test_drain_writes_good_shared_bytes(inproc: InprocFactory) -> None:
     assert bytes(await node.nvme.get(cid)) == data
     await node.memory.delete(cid)
     assert node.memory.usage().used == used - size_class(len(data))  # the segment is freed
+
+
+async def test_replica_checks_the_crc_it_is_given(inproc: InprocFactory) -> None:
+    """A copy sent with its CRC-32C (the sealed path's replicas) is checked against it:
+    a damaged body is refused as it would be by BLAKE3, a good one is stored."""
+    cluster = await inproc.start(3)
+    entry, replica = cluster.node(0), cluster.node_id(1)
+    data = np.random.default_rng(6).bytes(700_000)
+    cid = chunk_id_of(data)
+    crc = crc32c_of(data)
+    damaged = bytearray(data)
+    damaged[99] ^= 1
+    with pytest.raises(PeerError) as refused:
+        await entry.writes.push_copy(replica, cid, memoryview(damaged), crc)
+    assert refused.value.code == "checksum_mismatch"
+    assert not cluster.node(1).holds_hot(cid)
+    with pytest.raises(PeerError) as wrong:
+        await entry.writes.push_copy(replica, cid, memoryview(data), crc ^ 1)
+    assert wrong.value.code == "checksum_mismatch"
+    reply = await entry.writes.push_copy(replica, cid, memoryview(data), crc)
+    assert reply == {"new": True}
+    got, _ = await cluster.node(1).read_chunk(cid)
+    assert bytes(got) == data
