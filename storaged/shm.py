@@ -138,7 +138,12 @@ class ShmListener:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of descriptors, for one: clients use HTTP meanwhile
+                log.warning("shared-memory listener: accept failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
             conn.setblocking(False)
             task = asyncio.create_task(_Connection(self, conn).run(), name="shm-conn")
             self._conns.add(task)
@@ -272,6 +277,13 @@ class _Connection:
             raise TooLarge("too_large", f"{size} bytes is over the max chunk size")
         if node.stopping:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+        if len(self.leases) >= node.config.max_client_puts:
+            # As PUTs in flight per client address: one client cannot pin all the RAM.
+            raise unavailable(
+                "too_many_leases",
+                f"{len(self.leases)} leases held on this connection (max_client_puts)",
+                retry_after=1.0,
+            )
         try:
             seg = await node.memory.lease_shared(size, timeout=node.config.put_wait)
         except TierFull as exc:
@@ -292,6 +304,15 @@ class _Connection:
         await self._send({"rid": rid, "ok": True})
 
     async def _seal(self, rid: Any, frame: dict[str, Any]) -> None:
+        # A PUT in flight from the moment its lease is taken: a graceful stop waits for
+        # it, and background work gives way to it.
+        self.node.writes.inflight += 1
+        try:
+            await self._seal_lease(rid, frame)
+        finally:
+            self.node.writes.inflight -= 1
+
+    async def _seal_lease(self, rid: Any, frame: dict[str, Any]) -> None:
         node = self.node
         lease, length, claimed = frame.get("lease"), frame.get("length"), frame.get("id")
         if claimed is not None and not is_chunk_id(claimed):

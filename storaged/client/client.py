@@ -51,8 +51,8 @@ from storaged.client.errors import (
     is_retryable,
 )
 from storaged.client.retry import RetryPolicy
-from storaged.client.shm import ShmPath, pick_node, shm_wanted
-from storaged.ids import chunk_id_of_async, is_checkpoint_name, is_chunk_id
+from storaged.client.shm import ShmPath, in_thread, pick_node, shm_wanted, usable
+from storaged.ids import chunk_id_of, chunk_id_of_async, is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
 from storaged.shmwire import WireError
 from tiers.base import ByteRange
@@ -796,8 +796,8 @@ class Client:
         view = _as_bytes_view(data)
         if chunk_id is not None and not is_chunk_id(chunk_id):
             raise ValueError(f"not a chunk id: {chunk_id!r}")
-        shm = self.shm
-        if shm is not None and not shm.broken and 0 < len(view) <= self.cluster.max_chunk_size:
+        shm = usable(self.shm)
+        if shm is not None and 0 < len(view) <= self.cluster.max_chunk_size:
             # The node hashes what it is handed: no id needed here.
             handed = await shm.put(view, chunk_id)
             if handed is not None:
@@ -807,6 +807,10 @@ class Client:
                 self.stats.shm_chunks_uploaded += 1
                 self.stats.shm_bytes_uploaded += len(view)
                 return result
+            if chunk_id is None:
+                # As the shared-memory copy did: a cancelled caller (a saver that reuses
+                # the buffer) resumes only once no thread reads ``view`` any more.
+                chunk_id = await in_thread(chunk_id_of, view)
         if chunk_id is None:
             chunk_id = await chunk_id_of_async(view)
         elif not is_chunk_id(chunk_id):
@@ -1085,8 +1089,8 @@ class Client:
             raise ValueError(f"output buffer of {len(target)} bytes < {want} requested")
         ranged = "Range" in headers
         skip = byte_range.start if byte_range is not None else 0
-        shm = self.shm
-        if shm is not None and not shm.broken:
+        shm = usable(self.shm)
+        if shm is not None:
             # From the local node's RAM when it has the chunk there; checked like any read.
             try:
                 local = await shm.get(chunk_id, target, byte_range)

@@ -28,13 +28,14 @@ import logging
 import mmap
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
 
 from storaged.client.errors import (
+    BadRange,
     ChecksumMismatch,
     StoragedError,
     error_from_response,
@@ -42,7 +43,7 @@ from storaged.client.errors import (
 )
 from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
-from tiers.base import ByteRange
+from tiers.base import ByteRange, InvalidRange
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,30 @@ T = TypeVar("T")
 _CONNECT_TIMEOUT = 5.0
 #: below this a copy runs on the loop: a thread hop would cost more
 _INLINE_COPY_BYTES = 256 << 10
+
+
+#: set (by ``http_only``) where a caller wants no shared memory from an open client
+_HTTP_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "storaged_http_only", default=False
+)
+
+
+@contextlib.contextmanager
+def http_only() -> Iterator[None]:
+    """Within this block (and tasks created in it), clients take the HTTP way even when
+    they have a shared-memory path (``AsyncSaver(shm=False)`` uses it)."""
+    token = _HTTP_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _HTTP_ONLY.reset(token)
+
+
+def usable(path: object) -> ShmPath | None:
+    """``path`` (a client's ``shm``) if it may be used here and now, else None."""
+    if not isinstance(path, ShmPath) or path.broken or _HTTP_ONLY.get():
+        return None
+    return path
 
 
 def shm_wanted(option: bool | None, environ: Mapping[str, str] | None = None) -> bool:
@@ -85,7 +110,7 @@ def pick_node(doc: Any, seeds: list[str]) -> tuple[str, str] | None:
     return None
 
 
-async def _in_thread(func: Callable[..., T], *args: Any) -> T:
+async def in_thread(func: Callable[..., T], *args: Any) -> T:
     """``func(*args)`` in a thread; a cancelled caller resumes only once the thread is done
     (it may be reading the caller's buffer, which the caller may reuse once we return)."""
     loop = asyncio.get_running_loop()
@@ -246,7 +271,7 @@ class ShmPath:
                     return self._fallback(reply)
                 lease = reply["lease"]
                 try:
-                    await _in_thread(_stage, fd, data.nbytes, data)
+                    await in_thread(_stage, fd, data.nbytes, data)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         await self._ask({"op": "release", "lease": lease})
@@ -279,13 +304,16 @@ class ShmPath:
             try:
                 size = int(reply["size"])
                 start, end = (byte_range or ByteRange()).resolve(size)
+            except InvalidRange as exc:
+                os.close(fd)
+                raise BadRange(message=str(exc)) from None
             except BaseException:
                 os.close(fd)
                 raise
             if out is not None and len(out) < end - start:
                 os.close(fd)
                 raise ValueError(f"output buffer of {len(out)} bytes < {end - start} to read")
-            return await _in_thread(_fetch, fd, size, chunk_id, out, start, end)
+            return await in_thread(_fetch, fd, size, chunk_id, out, start, end)
 
     @staticmethod
     def _fallback(reply: dict[str, Any]) -> None:

@@ -176,6 +176,16 @@ async def test_save_and_restore_through_client_and_async_saver(cluster: LocalClu
             changed_w[:] = 0  # staged: the save must not see this
             await handle.acked()
             assert client.stats.shm_chunks_uploaded > before
+        # shm=False: this saver's uploads go over HTTP though its client has the path.
+        async with AsyncSaver(client, chunk_size=512 << 10, shm=False) as http_saver:
+            before = client.stats.shm_chunks_uploaded
+            uploaded = client.stats.chunks_uploaded
+            handle = await http_saver.save(f"{name}/http", {0: {**state, "w": w + 2}})
+            await handle.acked()
+            assert client.stats.shm_chunks_uploaded == before
+            assert client.stats.chunks_uploaded > uploaded
+        got = await restore_checkpoint(client, f"{name}/http")
+        assert np.array_equal(got["w"], w + 2)
         for tag, want in (("plain", w), ("async", w + 1)):
             before = client.stats.shm_chunks_downloaded
             got = await restore_checkpoint(client, f"{name}/{tag}")
@@ -304,6 +314,13 @@ async def test_length_outside_the_lease_and_unknown_leases_are_refused(
             assert released.get("ok") is True
             gone, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": 1})
             assert gone["error"] == "bad_request"
+            # One connection holds at most max_client_puts leases (64 by default).
+            for _ in range(64):
+                held, fd = await raw.ask({"op": "lease", "size": 4096})
+                assert fd is not None, held
+                os.close(fd)
+            more, fd = await raw.ask({"op": "lease", "size": 4096})
+            assert more["error"] == "too_many_leases" and more["status"] == 503 and fd is None
         finally:
             raw.close()
 
