@@ -518,7 +518,9 @@ class Client:
             return
         node_id, path = picked
         try:
-            self.shm = await ShmPath.connect(node_id, path, self._token, self._max_concurrency)
+            self.shm = await ShmPath.connect(
+                node_id, path, self._token, self._max_concurrency, self._request_timeout
+            )
         except (OSError, WireError, TimeoutError, StoragedError) as exc:
             log.warning("shared-memory path to %s not available (%s): using HTTP", node_id, exc)
 

@@ -177,8 +177,16 @@ class ShmPath:
     Not for several loops. ``put`` and ``get`` return ``None`` for "take the HTTP way";
     once the connection is lost the path stays off (``broken``)."""
 
-    def __init__(self, node_id: str, sock: socket.socket, reader: FrameReader, limit: int) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        sock: socket.socket,
+        reader: FrameReader,
+        limit: int,
+        timeout: float,
+    ) -> None:
         self.node_id = node_id
+        self._timeout = timeout
         self._sock = sock
         self._reader = reader
         self._rids = itertools.count(1)
@@ -189,8 +197,12 @@ class ShmPath:
         self._reading = asyncio.get_running_loop().create_task(self._read_replies())
 
     @classmethod
-    async def connect(cls, node_id: str, path: str, token: str | None, limit: int) -> ShmPath:
-        """Connect and authenticate; ``OSError``/``WireError``/``StoragedError`` on failure."""
+    async def connect(
+        cls, node_id: str, path: str, token: str | None, limit: int, timeout: float = 120.0
+    ) -> ShmPath:
+        """Connect and authenticate; ``OSError``/``WireError``/``StoragedError`` on failure.
+        ``limit`` requests at once, each answered within ``timeout`` seconds or the path
+        is given up (a node that stopped answering: a paused process, say)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         reader = FrameReader(sock, accept_fds=True)
@@ -207,7 +219,7 @@ class ShmPath:
             reader.close()
             sock.close()
             raise _error(answer)
-        return cls(node_id, sock, reader, limit)
+        return cls(node_id, sock, reader, limit, timeout)
 
     async def close(self) -> None:
         self.broken = True
@@ -217,6 +229,13 @@ class ShmPath:
         self._sock.close()
         self._reader.close()
         self._fail_waiting(WireError("closed"))
+
+    def _give_up(self) -> None:
+        self.broken = True
+        self._reading.cancel()
+        # Closed once the reader has let go of it (it may be waiting on its descriptor).
+        self._reading.add_done_callback(lambda _: self._sock.close())
+        self._fail_waiting(WireError("the shared-memory path was given up"))
 
     def _fail_waiting(self, exc: Exception) -> None:
         for fut in self._waiting.values():
@@ -249,9 +268,15 @@ class ShmPath:
         )
         self._waiting[rid] = fut
         try:
-            async with self._send_lock:
-                await send_frame(self._sock, {**doc, "rid": rid})
-            return await asyncio.shield(fut)
+            async with asyncio.timeout(self._timeout):
+                async with self._send_lock:
+                    await send_frame(self._sock, {**doc, "rid": rid})
+                return await asyncio.shield(fut)
+        except TimeoutError:
+            # The node may still carry the request out (a PUT is idempotent); hanging up
+            # frees what this connection leased.
+            self._give_up()
+            raise WireError(f"no answer within {self._timeout} s") from None
         except asyncio.CancelledError:
             # The reply may still come with a descriptor: close it then.
             fut.add_done_callback(_close_fd)

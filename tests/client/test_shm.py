@@ -450,3 +450,22 @@ def test_dcp_writer_and_reader(cluster: LocalCluster, shm: bool | None) -> None:
     else:
         assert writer.last_stats.shm_chunks_uploaded == writer.last_stats.chunks_uploaded > 0
         assert reader.last_read.shm_bytes > 0
+
+
+async def test_paused_node_the_client_gives_up_the_path_and_puts_over_http(
+    cluster_factory: ClusterFactory,
+) -> None:
+    cluster = await cluster_factory.start(4)
+    blob = os.urandom(MiB)
+    async with client_for(cluster, request_timeout=3.0) as client:
+        await client_sees_all_alive(client)
+        assert client.shm is not None
+        os.kill(cluster.procs[0].pid, signal.SIGSTOP)
+        try:
+            result = await client.put_chunk_result(blob)
+        finally:
+            os.kill(cluster.procs[0].pid, signal.SIGCONT)
+        assert client.shm.broken and client.stats.shm_chunks_uploaded == 0
+        assert result.chunk == chunk_id_of(blob) and cluster.node_id(0) not in result.replicas
+    async with client_for(cluster, shm=False) as reader:
+        assert bytes(await reader.get_chunk(result.chunk)) == blob
