@@ -331,7 +331,7 @@ class ShmPath:
                 start, end = (byte_range or ByteRange()).resolve(size)
             except InvalidRange as exc:
                 os.close(fd)
-                raise BadRange(message=str(exc)) from None
+                raise BadRange(message=str(exc), status=416) from None  # as HTTP says it
             except BaseException:
                 os.close(fd)
                 raise
