@@ -691,7 +691,13 @@ async def serve(node: Node, stop: asyncio.Event) -> None:
     await shm.start()
     node.shm_info = shm.info()
     await site.start()
-    log.info("node %s serving %s (peer %s)", node.id, node.config.node.url, node.config.node.peer)
+    log.info(
+        "node %s serving %s (peer %s, shared memory %s)",
+        node.id,
+        node.config.node.url,
+        node.config.node.peer,
+        shm.path,
+    )
     try:
         await stop.wait()
     except BaseException:

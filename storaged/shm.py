@@ -102,7 +102,7 @@ class ShmListener:
     async def start(self) -> None:
         await asyncio.to_thread(self._bind)
         self._accepting = asyncio.create_task(self._accept_loop(), name="shm-accept")
-        log.info("node %s: shared-memory listener on %s", self.node.id, self.path)
+        log.debug("node %s: shared-memory listener on %s", self.node.id, self.path)
 
     def _bind(self) -> None:
         directory = self.path.parent
