@@ -47,7 +47,7 @@ from storaged.errors import (
 from storaged.ids import chunk_id_and_crc32c, is_chunk_id
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
 from tiers import ChunkNotFound, TierFull
-from tiers.memory import SealRefused, SharedSegment
+from tiers.memory import SHARED_POPULATED, SealRefused, SharedSegment
 
 if TYPE_CHECKING:
     from storaged.node import Node
@@ -76,7 +76,7 @@ def socket_path(data_dir: Path) -> Path:
 
 def _fill_segment(fd: int, nbytes: int, data: memoryview) -> None:
     """Copy ``data`` into a fresh memfd (mapped writable only for the copy)."""
-    with mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+    with mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
         m[: data.nbytes] = data
 
 

@@ -106,6 +106,9 @@ def _map_buffer(nbytes: int) -> mmap.mmap | bytearray:
     return buf
 
 
+#: mappings of a shared segment set up whole at once (the pages exist: fallocate made
+#: them), not one fault per 4 KiB page as it is first touched
+SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -134,7 +137,7 @@ def _seal_and_map(fd: int, nbytes: int) -> mmap.mmap:
         if exc.errno == errno.EBUSY:
             raise SealRefused("the segment is still mapped writable: unmap it first") from exc
         raise SealRefused(f"cannot seal the segment: {exc}") from exc
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ)
 
 
 class SharedSegment:

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: the leased pages exist (the node allocated them): map their page tables at once, not
+#: one fault per 4 KiB page as the copy touches them
+_SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 #: how long connecting and authenticating may take before the client stays on HTTP
 _CONNECT_TIMEOUT = 5.0
 #: below this a copy runs on the loop: a thread hop would cost more
@@ -139,7 +142,9 @@ def _stage(fd: int, size: int, data: memoryview) -> None:
     """Map the leased memfd, copy ``data`` in, unmap: after this nothing of ours can write
     it (the node's seal checks that no writable mapping is left)."""
     try:
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+        with mmap.mmap(
+            fd, size, flags=_SHARED_POPULATED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        ) as m:
             view = memoryview(m)
             try:
                 _copy(view, data)
@@ -155,7 +160,7 @@ def _fetch(
     """Map a sealed chunk read-only, check it whole against its id, copy ``[start, end)``
     into ``out`` (or a new buffer). ``ChecksumMismatch`` when it fails the id."""
     try:
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+        with mmap.mmap(fd, size, flags=_SHARED_POPULATED, prot=mmap.PROT_READ) as m:
             view = memoryview(m)
             try:
                 if chunk_id_of(view) != chunk_id:
