@@ -430,7 +430,7 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
     # Clients that learned the membership while every node was up.
     # shm=False: the HTTP fail-over is the subject (a co-located client hands chunks to
     # its own node, which replaces a dead holder itself).
-    async with client_for(cluster, shm=False) as putter, client_for(cluster) as getter:
+    async with client_for(cluster, shm=False) as putter, client_for(cluster, shm=False) as getter:
         await all_alive(putter, cluster)
         await all_alive(getter, cluster)
         stored = rng.bytes(100_000)
