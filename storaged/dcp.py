@@ -298,6 +298,8 @@ class ReadStats:
     bytes_downloaded: int
     #: Chunk GETs made.
     requests: int
+    #: Of ``bytes_downloaded``, those read from the local node's RAM through shared memory.
+    shm_bytes: int = 0
 
 
 def _stage(rank: int, sources: Sequence[_Source], chunk_size: int) -> StagedShard:
@@ -374,6 +376,7 @@ class _ClusterCheckpoint:
         name: str,
         token: str | None,
         client_options: Mapping[str, Any] | None,
+        shm: bool | None = None,
     ) -> None:
         self.urls = [url] if isinstance(url, str) else list(url)
         if not self.urls:
@@ -381,6 +384,8 @@ class _ClusterCheckpoint:
         self.name = _check_name(name)
         self._token = token
         self._client_options = dict(client_options or {})
+        if shm is not None:
+            self._client_options["shm"] = shm
         self.rank = 0
 
     def __repr__(self) -> str:  # never shows the token
@@ -409,7 +414,9 @@ class StoragedWriter(_ClusterCheckpoint, StorageWriter):
     under ``other`` instead (checkpoints are immutable: each save needs a new name,
     and the coordinator refuses a name already committed before anything is
     uploaded). ``chunk_size`` caps the chunks (the cluster's maximum caps it too);
-    ``meta`` is added to the manifest's ``meta``; ``client_options`` go to ``Client``.
+    ``meta`` is added to the manifest's ``meta``; ``client_options`` go to ``Client``;
+    ``shm`` is ``Client``'s option of that name (``False``: HTTP only, never shared memory
+    with a node on this host).
 
     After a successful save, ``last_commit`` (coordinator) holds the commit answer
     and ``last_stats`` (every rank) the client counters of its upload.
@@ -426,11 +433,12 @@ class StoragedWriter(_ClusterCheckpoint, StorageWriter):
         chunk_size: int | None = None,
         meta: Mapping[str, Any] | None = None,
         client_options: Mapping[str, Any] | None = None,
+        shm: bool | None = None,
     ) -> None:
         super().__init__()
         if chunk_size is not None and chunk_size < 1:
             raise ValueError("chunk_size must be >= 1")
-        self._connect(url, name, token, client_options)
+        self._connect(url, name, token, client_options, shm)
         self._chunk_size = chunk_size
         self._meta = dict(meta or {})
         self.is_coordinator = True
@@ -611,7 +619,9 @@ class StoragedReader(_ClusterCheckpoint, StorageReader):
     each rank fetches only the byte ranges of the boxes it needs. ``coalesce_gap``
     (bytes): runs of one chunk closer than this are fetched as one range, the gap
     included (0 reads exactly the bytes needed). After ``read_data`` completes,
-    ``last_read`` tells what was needed and what was transferred.
+    ``last_read`` tells what was needed and what was transferred. ``shm`` is
+    ``Client``'s option of that name: chunks in the RAM of the node on this host are
+    read from shared memory unless it is ``False``.
     """
 
     def __init__(
@@ -622,11 +632,12 @@ class StoragedReader(_ClusterCheckpoint, StorageReader):
         *,
         coalesce_gap: int = DEFAULT_COALESCE_GAP,
         client_options: Mapping[str, Any] | None = None,
+        shm: bool | None = None,
     ) -> None:
         super().__init__()
         if coalesce_gap < 0:
             raise ValueError("coalesce_gap must be >= 0")
-        self._connect(url, name, token, client_options)
+        self._connect(url, name, token, client_options, shm)
         self._coalesce_gap = coalesce_gap
         self.load_id = uuid.uuid4().hex
         self._manifest: Manifest | None = None
@@ -800,5 +811,6 @@ class StoragedReader(_ClusterCheckpoint, StorageReader):
                 bytes_planned=restore.bytes_fetched,
                 bytes_downloaded=client.stats.bytes_downloaded,
                 requests=client.stats.chunks_downloaded,
+                shm_bytes=client.stats.shm_bytes_downloaded,
             )
         return fetched

@@ -6,6 +6,7 @@ import asyncio
 import re
 
 import blake3
+import crc32c
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -37,3 +38,20 @@ async def chunk_id_of_async(data: BytesLike) -> str:
     if len(data) <= _INLINE_HASH_BYTES:
         return chunk_id_of(data)
     return await asyncio.to_thread(chunk_id_of, data)
+
+
+def crc32c_of(data: BytesLike) -> int:
+    """CRC-32C of ``data`` (the check replicas may use instead of BLAKE3, see peer.py)."""
+    return int(crc32c.crc32c(data))
+
+
+def chunk_id_and_crc32c(data: BytesLike) -> tuple[str, int]:
+    """``chunk_id_of`` and ``crc32c_of`` of ``data`` in one call (for a thread)."""
+    return chunk_id_of(data), crc32c_of(data)
+
+
+async def crc32c_of_async(data: BytesLike) -> int:
+    """``crc32c_of`` off the event loop for anything but tiny inputs."""
+    if len(data) <= _INLINE_HASH_BYTES:
+        return crc32c_of(data)
+    return await asyncio.to_thread(crc32c_of, data)

@@ -48,6 +48,15 @@ class NodeMetrics:
         self.corrupt = Counter(
             "storaged_corrupt_total", "Stored copies that failed their check", ["tier"], registry=r
         )
+        self.shm_leases = Gauge(
+            "storaged_shm_leases", "Shared-memory leases held by local clients", registry=r
+        )
+        self.shm_ops = Counter(
+            "storaged_shm_ops_total",
+            "Shared-memory requests of local clients by operation and outcome",
+            ["op", "outcome"],
+            registry=r,
+        )
         self.gc_freed = Counter("storaged_gc_freed_total", "Chunks freed by GC", registry=r)
         self.repair_backlog = Gauge(
             "storaged_repair_backlog",

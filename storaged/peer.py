@@ -34,11 +34,13 @@ Both proofs cover both nonces, so neither can be replayed, and the role label
 keeps a proof from being reflected. The client checks ``Ps`` before it proves
 anything itself or sends any data. The secret authenticates the connection, not
 each frame: run with ``ssl`` on a network where TCP can be hijacked. (Chunk
-bodies are still checked end to end against their BLAKE3 id by the handler.)
+bodies are still checked end to end against their BLAKE3 id by the handler, or,
+when the sender, which checked the id itself, gives the body's CRC-32C, against
+that: see ``PeerHandler.chunk_received_crc``.)
 
 Requests, one at a time per connection (concurrency comes from the pool)::
 
-    {"op": "put", "id": chunk_id, "size": n} + n body bytes
+    {"op": "put", "id": chunk_id, "size": n, "crc32c": c?} + n body bytes
     {"op": "call", "method": str, "args": {...}, "body": n} + n body bytes
 
 Replies::
@@ -177,6 +179,14 @@ class PeerHandler(ABC):
 
         Raise ``PeerError`` (``checksum_mismatch``, ...) to refuse; the client gets the code.
         """
+
+    async def chunk_received_crc(
+        self, chunk_id: str, buf: memoryview, crc32c: int
+    ) -> dict[str, Any]:
+        """``chunk_received`` of a body whose sender checked it against the id and sent its
+        CRC-32C along: a handler may check that instead of hashing again (the link is
+        authenticated; the CRC catches damage on the way). By default, the full check."""
+        return await self.chunk_received(chunk_id, buf)
 
     @abstractmethod
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
@@ -608,6 +618,7 @@ class _ServerConn(_FramedProtocol):
         # The request in progress.
         self._kind = ""
         self._put_id = ""
+        self._put_crc: int | None = None
         self._inflight: tuple[str, memoryview] | None = None  # buffer owed to the handler
         self._method = ""
         self._args: dict[str, Any] = {}
@@ -795,8 +806,10 @@ class _ServerConn(_FramedProtocol):
         if not (isinstance(chunk_id, str) and 0 < len(chunk_id) <= MAX_CHUNK_ID_LEN):
             self._refuse(_error_header("bad_chunk_id", "put without a chunk id"), size)
             return
+        crc = header.get("crc32c")
         self._kind = "put"
         self._put_id = chunk_id
+        self._put_crc = crc if type(crc) is int and 0 <= crc < 2**32 else None
         self._mode = _BUSY
         self._pause_reading()
         self.task = self._loop.create_task(self._start_put(chunk_id, size))
@@ -873,13 +886,17 @@ class _ServerConn(_FramedProtocol):
         if self._kind == "put":
             assert body is not None
             self._inflight = None  # the handler owns the buffer from here on
-            self.task = self._loop.create_task(self._finish_put(self._put_id, body))
+            self.task = self._loop.create_task(self._finish_put(self._put_id, body, self._put_crc))
         else:
             self.task = self._loop.create_task(self._run_call(self._method, self._args, body))
 
-    async def _finish_put(self, chunk_id: str, buf: memoryview) -> None:
+    async def _finish_put(self, chunk_id: str, buf: memoryview, crc: int | None) -> None:
+        handler = self._server.handler
         try:
-            result = await self._server.handler.chunk_received(chunk_id, buf)
+            if crc is None:
+                result = await handler.chunk_received(chunk_id, buf)
+            else:
+                result = await handler.chunk_received_crc(chunk_id, buf, crc)
             reply: Header = {"ok": True, "result": result}
         except PeerError as exc:
             reply = _error_header(exc.code, exc.message)
@@ -1257,14 +1274,20 @@ class PeerClient:
         self._conns: set[_ClientConn] = set()
         self._closed = False
 
-    async def open_put(self, addr: Addr, chunk_id: str, size: int) -> PutStream:
-        """Start sending a chunk of ``size`` bytes to the peer at ``addr``."""
+    async def open_put(
+        self, addr: Addr, chunk_id: str, size: int, crc32c: int | None = None
+    ) -> PutStream:
+        """Start sending a chunk of ``size`` bytes to the peer at ``addr``; ``crc32c``,
+        when given, is the body's CRC-32C (see ``PeerHandler.chunk_received_crc``)."""
         if type(size) is not int or not 0 <= size <= MAX_BODY:
             raise ValueError(f"bad chunk size {size!r}")
         conn = await self._acquire(addr)
         stream = PutStream(self, conn, chunk_id, size, self.io_timeout)
+        header: Header = {"op": "put", "id": chunk_id, "size": size}
+        if crc32c is not None:
+            header["crc32c"] = crc32c
         try:
-            conn.send({"op": "put", "id": chunk_id, "size": size})
+            conn.send(header)
         except BaseException:
             self._discard(conn)
             raise

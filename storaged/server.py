@@ -36,6 +36,7 @@ from storaged.errors import (
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import STATES, Node, state_name
+from storaged.shm import ShmListener, socket_path
 from tiers import ByteRange, ChunkNotFound
 
 log = logging.getLogger("storaged.http")
@@ -567,6 +568,8 @@ async def cluster(request: web.Request) -> web.Response:
         entry["encode_backlog"] = info.get("encode_backlog")
         entry["repair_backlog"] = info.get("repair_backlog")
         entry["misplaced_backlog"] = info.get("misplaced_backlog")
+        # The co-located fast path (storaged.shm): host identity and socket, if it listens.
+        entry["shm"] = info.get("shm")
         nodes.append(entry)
     cfg = node.config
     return reply(
@@ -684,20 +687,32 @@ async def serve(node: Node, stop: asyncio.Event) -> None:
     await runner.setup()
     host, port = node.config.node.http_addr
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(node), backlog=1024)
+    shm = ShmListener(node, socket_path(node.config.data_dir), http_error)
     await node.start()
+    await shm.start()
+    node.shm_info = shm.info()
     await site.start()
-    log.info("node %s serving %s (peer %s)", node.id, node.config.node.url, node.config.node.peer)
+    log.info(
+        "node %s serving %s (peer %s, shared memory %s)",
+        node.id,
+        node.config.node.url,
+        node.config.node.peer,
+        shm.path,
+    )
     try:
         await stop.wait()
     except BaseException:
         with contextlib.suppress(Exception):
             await runner.cleanup()
+        await shm.close()
         await node.close()
         raise
     # Graceful stop (I5): reads go on being served while RAM-only chunks drain to disk;
-    # PUTs are refused from here on.
+    # PUTs are refused from here on (the shared-memory listener's too: it puts through
+    # the node's write path, which refuses once the node is stopping).
     try:
         await node.shutdown()
     finally:
+        await shm.close()
         with contextlib.suppress(Exception):
             await runner.cleanup()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import crc32c
 import msgpack
 import pytest
 
@@ -380,6 +381,23 @@ async def test_checksum_mismatch_is_refused_and_nothing_stored(node: Node) -> No
     assert node.handler.lent == 0
     await put(node.client, node.addr, bytes(data))  # same connection, still in step
     assert node.server.connections == 1
+
+
+async def test_a_crc_sent_along_does_not_weaken_a_handler_that_ignores_it(node: Node) -> None:
+    """A handler without ``chunk_received_crc`` gets the full check: a body that matches the
+    CRC sent with it but not the id is refused all the same."""
+    data = bytearray(blob(MiB))
+    cid = chunk_id(data)
+    data[777] ^= 1
+    stream = await node.client.open_put(node.addr, cid, len(data), crc32c.crc32c(data))
+    await send_body(stream, data, MiB)
+    with pytest.raises(PeerError) as info:
+        await stream.finish()
+    assert info.value.code == "checksum_mismatch" and node.handler.stored == {}
+    data[777] ^= 1
+    stream = await node.client.open_put(node.addr, cid, len(data), crc32c.crc32c(data))
+    await send_body(stream, data, MiB)
+    assert await stream.finish() == {"chunk": cid, "size": MiB}
 
 
 async def test_client_abort_mid_body_returns_the_buffer(node: Node) -> None:

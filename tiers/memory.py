@@ -35,13 +35,25 @@ which lets the buffer go back to the pool as soon as the last lease ends.
 
 This tier checks BLAKE3 on ``put`` (unless told the caller did) and does not re-hash
 on reads: the bytes never leave this process' memory.
+
+Shared segments (the co-located fast path, ``storaged.node.shm``): ``lease_shared``
+reserves a buffer's worth of capacity and backs it with a fresh ``memfd`` whose pages
+are already allocated, for a client on the same host to map and fill. ``seal_shared``
+adds the write, grow and shrink seals (the kernel refuses while any writable mapping of
+it remains, so from then on nobody can change the bytes), maps it read-only here and
+turns it into an ordinary allocation, which ``put`` adopts without a copy or
+``release`` frees. A sealed segment is never reused: its buffer is dropped, not pooled,
+when the value goes. ``release_shared`` ends a lease that was never sealed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import mmap
+import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -94,12 +106,60 @@ def _map_buffer(nbytes: int) -> mmap.mmap | bytearray:
     return buf
 
 
+#: mappings of a shared segment set up whole at once (the pages exist: fallocate made
+#: them), not one fault per 4 KiB page as it is first touched
+SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class SealRefused(TierError):
+    """A shared segment could not be sealed: a writable mapping of it still exists, or the
+    length is outside it. Nothing was stored; the lease stays the caller's to release."""
+
+
+def _new_memfd(nbytes: int) -> int:
+    """A memfd of ``nbytes`` whose pages are allocated now (so a mapping does not fault
+    them in one by one while a client stages into it)."""
+    fd = os.memfd_create("storaged-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _seal_and_map(fd: int, nbytes: int) -> mmap.mmap:
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:
+            raise SealRefused("the segment is still mapped writable: unmap it first") from exc
+        raise SealRefused(f"cannot seal the segment: {exc}") from exc
+    return mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ)
+
+
+class SharedSegment:
+    """A leased memfd of ``nbytes`` (a size class) for a value of up to ``size`` bytes.
+
+    ``fd`` is the tier's; the caller passes a duplicate to the client and must not close
+    it. Ends through exactly one of ``MemoryTier.seal_shared`` or ``release_shared``."""
+
+    __slots__ = ("fd", "nbytes", "size")
+
+    def __init__(self, fd: int, nbytes: int, size: int) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.size = size
+
+
 class _Buffer:
     """One pooled buffer and what holds it."""
 
-    __slots__ = ("detached", "leases", "mem", "nbytes", "stored")
+    __slots__ = ("detached", "fd", "leases", "mem", "nbytes", "stored")
 
-    def __init__(self, mem: mmap.mmap | bytearray, nbytes: int) -> None:
+    def __init__(self, mem: mmap.mmap | bytearray, nbytes: int, fd: int = -1) -> None:
         self.mem = mem
         self.nbytes = nbytes
         self.leases = 0
@@ -107,6 +167,8 @@ class _Buffer:
         self.detached = False
         #: an index entry refers to it
         self.stored = False
+        #: the sealed memfd behind a shared buffer (kept to hand read-only copies out), or -1
+        self.fd = fd
 
 
 @dataclass(slots=True)
@@ -173,6 +235,7 @@ class MemoryTier(Tier):
         self._evictable = 0  # class bytes of clean, unleased entries
         self._allocated: dict[int, tuple[memoryview, _Buffer]] = {}
         self._leases = 0
+        self._shared: dict[int, SharedSegment] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._closed = False
 
@@ -235,6 +298,78 @@ class MemoryTier(Tier):
         self._free_bytes = 0
         self._free_count = 0
         return released
+
+    # --- shared segments --------------------------------------------------------------
+
+    async def lease_shared(self, size: int, timeout: float | None = None) -> SharedSegment:
+        """A memfd for a value of ``size`` (> 0) bytes, its class size counted against
+        capacity as an allocation is (same waiting, same ``TierFull``)."""
+        self._check_open()
+        if size <= 0:
+            raise ValueError("a shared segment holds at least one byte")
+        nbytes = size_class(size)
+        await self._reserve(nbytes, self._put_timeout if timeout is None else timeout)
+        try:
+            fd = await asyncio.to_thread(_new_memfd, nbytes)
+        except BaseException as exc:
+            self._used -= nbytes
+            self._wake()
+            if isinstance(exc, OSError):
+                raise TierFull(f"cannot create a {nbytes}-byte shared segment: {exc}") from exc
+            raise
+        if self._closed:
+            os.close(fd)
+            raise TierError("memory tier is closed")
+        seg = SharedSegment(fd, nbytes, size)
+        self._shared[id(seg)] = seg
+        return seg
+
+    def release_shared(self, seg: SharedSegment) -> None:
+        """End a lease that was not sealed: the memfd is closed, its room given back.
+        Idempotent (a segment already sealed or released is left alone)."""
+        if self._shared.pop(id(seg), None) is not seg:
+            return
+        os.close(seg.fd)
+        if not self._closed:
+            self._used -= seg.nbytes
+            self._wake()
+
+    async def seal_shared(self, seg: SharedSegment, length: int) -> memoryview:
+        """Seal ``seg`` against every write, map it read-only here and return its first
+        ``length`` bytes as an allocation (for ``put``, which adopts it, or ``release``).
+
+        Raises ``SealRefused`` (a writable mapping remains, or a bad length): the lease
+        is then still the caller's."""
+        self._check_open()
+        if self._shared.get(id(seg)) is not seg:
+            raise ValueError("not an outstanding shared segment of this tier")
+        if not 0 < length <= seg.size:
+            raise SealRefused(f"length {length} outside the leased {seg.size} bytes")
+        mem = await asyncio.to_thread(_seal_and_map, seg.fd, seg.nbytes)
+        if self._shared.pop(id(seg), None) is not seg:  # released meanwhile (tier closed)
+            mem.close()
+            raise TierError("memory tier is closed")
+        buf = _Buffer(mem, seg.nbytes, seg.fd)
+        buf.detached = True  # sealed: never back to the pool
+        view = memoryview(mem)[:length]
+        self._allocated[id(view)] = (view, buf)
+        return view
+
+    def is_shared(self, key: str) -> bool:
+        """Whether the value of ``key`` lives in a sealed shared segment."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.buf.fd >= 0
+
+    @contextlib.asynccontextmanager
+    async def lease_fd(self, key: str) -> AsyncIterator[tuple[int, int]]:
+        """Like ``lease``, for a value in a shared segment: (its sealed memfd, its size),
+        valid until the block ends (hand out a duplicate, never the fd itself). Raises
+        ``ChunkNotFound`` when ``key`` is not held or not in a shared segment."""
+        entry = self._lookup(key)
+        if entry.buf.fd < 0:
+            raise ChunkNotFound(key)
+        async with self.lease(key) as view:
+            yield entry.buf.fd, view.nbytes
 
     # --- the tier interface -----------------------------------------------------------
 
@@ -398,6 +533,15 @@ class MemoryTier(Tier):
         if self._closed:
             return
         self._closed = True
+        for seg in self._shared.values():
+            os.close(seg.fd)
+        self._shared.clear()
+        for buf in [e.buf for e in self._entries.values()] + [
+            b for _, b in self._allocated.values()
+        ]:
+            if buf.fd >= 0:
+                os.close(buf.fd)
+                buf.fd = -1
         self._entries.clear()
         self._clean.clear()
         self._dirty.clear()
@@ -481,6 +625,9 @@ class MemoryTier(Tier):
 
     def _recycle(self, buf: _Buffer) -> None:
         """A buffer nobody holds any more: back to the free lists, or dropped."""
+        if buf.fd >= 0:
+            os.close(buf.fd)  # the mapping keeps the pages for views still alive
+            buf.fd = -1
         if self._closed:
             return
         self._used -= buf.nbytes
@@ -543,7 +690,13 @@ class MemoryTier(Tier):
         self._used += nbytes
         return True
 
-    async def _acquire(self, nbytes: int, timeout: float) -> _Buffer:
+    async def _reserve(self, nbytes: int, timeout: float) -> None:
+        """Count ``nbytes`` of new memory as used (for a shared segment): a pooled buffer
+        of that class, if one is free, is unmapped to make the room."""
+        # A pooled buffer it returns is dropped: its bytes stay counted, now for the segment.
+        await self._acquire(nbytes, timeout, map_new=False)
+
+    async def _acquire(self, nbytes: int, timeout: float, map_new: bool = True) -> _Buffer:
         if nbytes > self._capacity:
             raise TierFull(f"{nbytes} bytes can never fit in a {self._capacity}-byte memory tier")
         loop = asyncio.get_running_loop()
@@ -553,6 +706,8 @@ class MemoryTier(Tier):
             got = self._try_reserve(nbytes)
             if isinstance(got, _Buffer):
                 return got
+            if got and not map_new:
+                return _Buffer(bytearray(), nbytes)
             if got:
                 try:
                     if nbytes <= _INLINE_MAP_BYTES:

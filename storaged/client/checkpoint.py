@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import contextvars
 import functools
 import logging
@@ -70,6 +71,7 @@ from storaged.client.layout import (
     pack_stream,
     plan_restore,
 )
+from storaged.client.shm import http_only, usable
 from storaged.ids import chunk_id_of
 from tiers.base import ByteRange
 
@@ -524,14 +526,26 @@ class AsyncSaver:
     ``buffers`` sets of staging buffers (one per rank) are reused from save to save;
     while every set is still uploading, ``save`` waits for one (backpressure).
     Use as ``async with AsyncSaver(client) as saver`` or call ``aclose``.
+
+    ``shm``: with ``None`` (the default), when the client has a shared-memory path to
+    the node on this host (``Client(shm=...)``), staged chunks are handed to that node
+    as they are, unhashed: the node hashes them (and finds those the cluster holds
+    already). ``False``: this saver's uploads take the HTTP way, hashed here, with the
+    chunks the cluster holds skipped, whatever the client could do.
     """
 
     def __init__(
-        self, store: CheckpointStore, *, chunk_size: int | None = None, buffers: int = 1
+        self,
+        store: CheckpointStore,
+        *,
+        chunk_size: int | None = None,
+        buffers: int = 1,
+        shm: bool | None = None,
     ) -> None:
         if buffers < 1:
             raise ValueError("buffers must be >= 1")
         self._store = store
+        self._shm = shm
         self._chunk_size = chunk_size
         self._free: asyncio.Queue[dict[int, StagingBuffer]] = asyncio.Queue()
         for _ in range(buffers):
@@ -589,9 +603,11 @@ class AsyncSaver:
             time.perf_counter() - began,
             commit,
         )
-        task = asyncio.get_running_loop().create_task(
-            self._upload(handle, staged, buffers, meta, commit)
-        )
+        # The upload task copies this context: http_only() holds for all it does.
+        with http_only() if self._shm is False else contextlib.nullcontext():
+            task = asyncio.get_running_loop().create_task(
+                self._upload(handle, staged, buffers, meta, commit)
+            )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return handle
@@ -624,6 +640,11 @@ class AsyncSaver:
         """``upload_shard`` whose hashing threads are the saver's own, so that a failed or
         cancelled upload ends only once none of them reads the staging buffer any more
         (the client's hashing threads would go on after a cancel)."""
+        if usable(getattr(self._store, "shm", None)) is not None:
+            # The node hashes what it is handed (and dedups): hashing here would be a pass
+            # over the bytes for nothing. Each copy into shared memory ends with its thread.
+            ids = await run_all([self._store.put_chunk(chunk) for chunk in staged.chunks])
+            return staged.entry(ids)
 
         async def group(lo: int) -> list[str]:
             chunks = staged.chunks[lo : lo + _HASH_GROUP]

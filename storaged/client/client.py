@@ -51,8 +51,10 @@ from storaged.client.errors import (
     is_retryable,
 )
 from storaged.client.retry import RetryPolicy
-from storaged.ids import chunk_id_of_async, is_checkpoint_name, is_chunk_id
+from storaged.client.shm import ShmPath, in_thread, pick_node, shm_wanted, usable
+from storaged.ids import chunk_id_of, chunk_id_of_async, is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
+from storaged.shmwire import WireError
 from tiers.base import ByteRange
 
 log = logging.getLogger(__name__)
@@ -253,6 +255,11 @@ class ClientStats:
     fragments_downloaded: int = 0
     #: Fragments not used: refused, unreachable, or failing their checks.
     fragments_skipped: int = 0
+    #: Of the uploads and downloads above, those through shared memory (``storaged.client.shm``).
+    shm_chunks_uploaded: int = 0
+    shm_bytes_uploaded: int = 0
+    shm_chunks_downloaded: int = 0
+    shm_bytes_downloaded: int = 0
 
     def reset(self) -> None:
         for name in self.__slots__:
@@ -334,6 +341,20 @@ async def run_all(aws: Sequence[Awaitable[T]]) -> list[T]:
         raise
 
 
+def _put_result(doc: Any, status: int) -> PutResult:
+    """A PUT's answer (HTTP or shared memory) as a ``PutResult``."""
+    try:
+        return PutResult(
+            str(doc["chunk"]),
+            int(doc["size"]),
+            tuple(str(r) for r in doc.get("replicas", ())),
+            str(doc.get("state", "memory")),
+            status == 201,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(message=f"malformed PUT answer: {exc!r}") from exc
+
+
 def _as_bytes_view(data: BytesLike) -> memoryview:
     view = memoryview(data)
     if not view.c_contiguous:
@@ -363,6 +384,11 @@ class Client:
     ``decode_cache_bytes``: cold chunks this client decoded itself (see ``get_chunk``)
     stay this many bytes' worth, newest first, for further ranges of them: a restore
     reads many items out of one chunk, and each would otherwise decode it again.
+
+    ``shm``: chunks go to and come from the node on this host through shared memory
+    (``storaged.client.shm``) when one of the URLs is such a node. ``None`` (the
+    default) and ``True`` use it where it applies, unless ``STORAGED_SHM=0``; ``False``
+    keeps to HTTP. Whatever that path cannot do goes the HTTP way.
     """
 
     def __init__(
@@ -381,6 +407,7 @@ class Client:
         verify_reads: bool = False,
         direct_reads: bool | None = None,
         decode_cache_bytes: int = 128 << 20,
+        shm: bool | None = None,
     ) -> None:
         seeds = [urls] if isinstance(urls, str) else list(urls)
         if not seeds:
@@ -404,6 +431,9 @@ class Client:
         self._read_timeout = read_timeout
         #: keep-alive connections of the direct read path; None when it is off
         self.direct: DirectGets | None = None
+        self._shm_option = shm
+        #: the shared-memory path to the node on this host; None when off or not applicable
+        self.shm: ShmPath | None = None
         #: node base URL -> ((host, port), path prefix, request head lines), or None: https
         self._direct_targets: dict[str, tuple[tuple[str, int], str, str] | None] = {}
         self._base_headers: dict[str, str] = {}
@@ -475,9 +505,24 @@ class Client:
             )
         try:
             await self.refresh_cluster()
+            if shm_wanted(self._shm_option) and self.shm is None:
+                await self._open_shm()
         except BaseException:
             await self.close()
             raise
+
+    async def _open_shm(self) -> None:
+        """Connect to the shared-memory listener of a seed node on this host, if any."""
+        picked = pick_node(await self.cluster_document(), self._seeds)
+        if picked is None:
+            return
+        node_id, path = picked
+        try:
+            self.shm = await ShmPath.connect(
+                node_id, path, self._token, self._max_concurrency, self._request_timeout
+            )
+        except (OSError, WireError, TimeoutError, StoragedError) as exc:
+            log.warning("shared-memory path to %s not available (%s): using HTTP", node_id, exc)
 
     async def close(self) -> None:
         if self._refresh_task is not None:
@@ -493,6 +538,9 @@ class Client:
             self.direct = None
         self._cold_decodes.clear()
         self._cold_decoded_bytes = 0
+        if self.shm is not None:
+            await self.shm.close()
+            self.shm = None
 
     @property
     def cluster(self) -> ClusterInfo:
@@ -748,6 +796,23 @@ class Client:
     async def put_chunk_result(self, data: BytesLike, chunk_id: str | None = None) -> PutResult:
         """``put_chunk`` with the server's answer (replicas, state, created or not)."""
         view = _as_bytes_view(data)
+        if chunk_id is not None and not is_chunk_id(chunk_id):
+            raise ValueError(f"not a chunk id: {chunk_id!r}")
+        shm = usable(self.shm)
+        if shm is not None and 0 < len(view) <= self.cluster.max_chunk_size:
+            # The node hashes what it is handed: no id needed here.
+            handed = await shm.put(view, chunk_id)
+            if handed is not None:
+                result = _put_result(handed[1], handed[0])
+                self.stats.chunks_uploaded += 1
+                self.stats.bytes_uploaded += len(view)
+                self.stats.shm_chunks_uploaded += 1
+                self.stats.shm_bytes_uploaded += len(view)
+                return result
+            if chunk_id is None:
+                # As the shared-memory copy did: a cancelled caller (a saver that reuses
+                # the buffer) resumes only once no thread reads ``view`` any more.
+                chunk_id = await in_thread(chunk_id_of, view)
         if chunk_id is None:
             chunk_id = await chunk_id_of_async(view)
         elif not is_chunk_id(chunk_id):
@@ -762,17 +827,7 @@ class Client:
         others = [n.id for n in self.cluster.nodes if n.id not in placement]
 
         async def handle(resp: aiohttp.ClientResponse) -> PutResult:
-            doc = await self._decoded(resp)
-            try:
-                return PutResult(
-                    str(doc["chunk"]),
-                    int(doc["size"]),
-                    tuple(str(r) for r in doc.get("replicas", ())),
-                    str(doc.get("state", "memory")),
-                    resp.status == 201,
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(message=f"malformed PUT answer: {exc!r}") from exc
+            return _put_result(await self._decoded(resp), resp.status)
 
         result = await self._call(
             "PUT",
@@ -1036,6 +1091,20 @@ class Client:
             raise ValueError(f"output buffer of {len(target)} bytes < {want} requested")
         ranged = "Range" in headers
         skip = byte_range.start if byte_range is not None else 0
+        shm = usable(self.shm)
+        if shm is not None:
+            # From the local node's RAM when it has the chunk there; checked like any read.
+            try:
+                local = await shm.get(chunk_id, target, byte_range)
+            except ChecksumMismatch as exc:
+                log.error("%s: taking the chunk from another copy", exc)
+                local = None
+            if local is not None:
+                self.stats.chunks_downloaded += 1
+                self.stats.bytes_downloaded += len(local)
+                self.stats.shm_chunks_downloaded += 1
+                self.stats.shm_bytes_downloaded += len(local)
+                return local
 
         async def checked(view: memoryview) -> memoryview:
             if self._verify_reads and not ranged and await chunk_id_of_async(view) != chunk_id:

@@ -133,6 +133,8 @@ class Node:
         #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
         self.stopping = False
         self.started = time.time()
+        #: the shared-memory listener's address for local clients (set by the front end)
+        self.shm_info: dict[str, Any] | None = None
 
     # ---- life cycle ----------------------------------------------------------------------
     @classmethod
@@ -416,6 +418,7 @@ class Node:
             "repair_backlog": self.repairer.backlog,
             "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
             "misplaced_backlog": self.repairer.misplaced,
+            "shm": self.shm_info,
         }
 
     def note_stored(self, chunk_id: str, size: int) -> None:

@@ -229,6 +229,13 @@ class _PeerHandler(PeerHandler):
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
         return await self.rpc.node.writes.chunk_received(chunk_id, self._original(buf))
 
+    async def chunk_received_crc(
+        self, chunk_id: str, buf: memoryview, crc32c: int
+    ) -> dict[str, Any]:
+        return await self.rpc.node.writes.chunk_received(
+            chunk_id, self._original(buf), crc32c=crc32c
+        )
+
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
         self.rpc.node.writes.chunk_aborted(chunk_id, self._original(buf))
 

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from storaged.errors import BadInput, unavailable
-from storaged.ids import chunk_id_of_async
+from storaged.ids import chunk_id_of_async, crc32c_of_async
 from storaged.node.index import state_name
 from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
@@ -41,6 +41,8 @@ BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
 
 #: sends of one copy to one replica that saw damaged bytes, before it counts as failed
 _RESENDS = 2
+#: a sealed chunk goes to each replica in slices this big
+_SEND_SLICE = 1 << 20
 
 
 class WritePath:
@@ -57,6 +59,48 @@ class WritePath:
         self, chunk_id: str, size: int, body: BodyPieces
     ) -> tuple[int, dict[str, Any]]:
         """Stream a chunk into RAM here and on the other replica holders; (status, reply)."""
+        started = time.perf_counter()
+        placement, order = self._admit(chunk_id)
+        if chunk_id in self.node.index:
+            held = await self.already_held(chunk_id, placement)
+            if held is not None:
+                return 200, held
+        self.inflight += 1
+        try:
+            return await self._put_new(chunk_id, size, body, order, started)
+        finally:
+            self.inflight -= 1
+
+    async def put_sealed(
+        self, chunk_id: str, buf: memoryview, crc32c: int | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """A chunk handed over in a sealed shared segment (``storaged.shm``): ``buf`` is an
+        allocation of the memory tier that already hashed to ``chunk_id``, and is taken over
+        whatever happens (adopted as this node's RAM copy when this node is a holder,
+        released otherwise). Replicates and answers as ``put_chunk`` does (I1, I2).
+        ``crc32c`` (of ``buf``) goes with the copies, so replicas need not hash them."""
+        started = time.perf_counter()
+        try:
+            placement, order = self._admit(chunk_id)
+            if chunk_id in self.node.index:
+                held = await self.already_held(chunk_id, placement)
+                if held is not None:
+                    self.node.memory.release(buf)
+                    return 200, held
+        except BaseException:
+            self.node.memory.release(buf)
+            raise
+        self.inflight += 1
+        try:
+            return await self._put_new(
+                chunk_id, len(buf), None, order, started, sealed=buf, crc32c=crc32c
+            )
+        finally:
+            self.inflight -= 1
+
+    def _admit(self, chunk_id: str) -> tuple[Placement, list[str]]:
+        """Refusals that come before any byte; the PUT's one view of the membership (its
+        targets, replacements and the reply's order)."""
         node = self.node
         if node.stopping:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
@@ -66,28 +110,18 @@ class WritePath:
                 "the coordination service is unreachable: writes wait until it is back",
                 retry_after=1.0,
             )
-        started = time.perf_counter()
         # One membership view for the whole PUT: targets, replacements and the reply's order.
         # Draining nodes take no new copies (``Placement.write_order``).
         placement = node.placement()
         order = placement.write_order(chunk_id)
-        targets = order[: node.config.replication]
-        if len(targets) < node.config.replication:
+        if len(order) < node.config.replication:
             raise unavailable(
                 "insufficient_replicas",
-                f"{len(targets)} live node(s) that are not draining, replication needs "
+                f"{len(order)} live node(s) that are not draining, replication needs "
                 f"{node.config.replication}",
                 retry_after=node.config.down_after,
             )
-        if chunk_id in node.index:
-            held = await self.already_held(chunk_id, placement)
-            if held is not None:
-                return 200, held
-        self.inflight += 1
-        try:
-            return await self._put_new(chunk_id, size, body, order, started)
-        finally:
-            self.inflight -= 1
+        return placement, order
 
     async def already_held(self, chunk_id: str, placement: Placement) -> dict[str, Any] | None:
         """The 200 reply if the cluster holds ``chunk_id`` as an ack promises (``replication``
@@ -116,25 +150,43 @@ class WritePath:
         }
 
     async def _put_new(
-        self, chunk_id: str, size: int, body: BodyPieces, order: list[str], started: float
+        self,
+        chunk_id: str,
+        size: int,
+        body: BodyPieces | None,
+        order: list[str],
+        started: float,
+        sealed: memoryview | None = None,
+        crc32c: int | None = None,
     ) -> tuple[int, dict[str, Any]]:
+        """The PUT of a new chunk: ``body`` streamed into a fresh allocation, or ``sealed``
+        (an allocation already filled and checked, of CRC-32C ``crc32c`` when given) sent
+        on as it is."""
         node = self.node
         targets = order[: node.config.replication]
-        try:
-            buf = await node.memory.allocate(size, timeout=node.config.put_wait)
-        except TierFull as exc:
-            raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+        if sealed is not None:
+            buf = sealed
+        else:
+            try:
+                buf = await node.memory.allocate(size, timeout=node.config.put_wait)
+            except TierFull as exc:
+                raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
         streams: dict[str, PutStream] = {}
         try:
             remote = [t for t in targets if t != node.id]
-            streams = await self._open_streams(chunk_id, size, remote)
+            streams = await self._open_streams(chunk_id, size, remote, crc32c)
             refused: list[PeerError] = []
-            received = await self._receive(body, buf, streams, refused)
-            if received < size:
-                raise BadInput("truncated", f"body ended after {received} of {size} bytes")
-            if await chunk_id_of_async(buf) != chunk_id:
-                raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
-            holders, created = await self._finish_streams(chunk_id, buf, streams, order, refused)
+            if body is not None:
+                received = await self._receive(body, buf, streams, refused)
+                if received < size:
+                    raise BadInput("truncated", f"body ended after {received} of {size} bytes")
+                if await chunk_id_of_async(buf) != chunk_id:
+                    raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
+            else:
+                await self._send_all(buf, streams, refused)
+            holders, created = await self._finish_streams(
+                chunk_id, buf, streams, order, refused, crc32c
+            )
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
             for stream in streams.values():
@@ -158,7 +210,7 @@ class WritePath:
         return {"chunk": chunk_id, "size": size, "replicas": holders, "state": state}
 
     async def _open_streams(
-        self, chunk_id: str, size: int, remote: list[str]
+        self, chunk_id: str, size: int, remote: list[str], crc32c: int | None = None
     ) -> dict[str, PutStream]:
         node = self.node
         streams: dict[str, PutStream] = {}
@@ -166,7 +218,7 @@ class WritePath:
         async def open_one(node_id: str) -> None:
             try:
                 streams[node_id] = await node.peers.open_put(
-                    node.config.dial_addr(node.spec(node_id)), chunk_id, size
+                    node.config.dial_addr(node.spec(node_id)), chunk_id, size, crc32c
                 )
             except PeerUnavailable:
                 node.membership.report_failure(node_id)
@@ -211,6 +263,29 @@ class WritePath:
             pos += n
         return pos
 
+    async def _send_all(
+        self, buf: memoryview, streams: dict[str, PutStream], refused: list[PeerError]
+    ) -> None:
+        """Send the whole of ``buf`` to every open stream at once, in slices (the transport
+        keeps what the socket does not take); failures leave ``streams`` as in ``_receive``."""
+        node = self.node
+        dropped: list[str] = []
+
+        async def send(node_id: str, stream: PutStream) -> None:
+            try:
+                for pos in range(0, len(buf), _SEND_SLICE):
+                    await stream.write(buf[pos : pos + _SEND_SLICE])
+            except PeerUnavailable:
+                node.membership.report_failure(node_id)
+                dropped.append(node_id)
+            except PeerError as exc:
+                refused.append(exc)
+                dropped.append(node_id)
+
+        await asyncio.gather(*(send(n, s) for n, s in streams.items()))
+        for node_id in dropped:
+            streams.pop(node_id).abort()
+
     async def _finish_streams(
         self,
         chunk_id: str,
@@ -218,6 +293,7 @@ class WritePath:
         streams: dict[str, PutStream],
         order: list[str],
         refused: list[PeerError],
+        crc32c: int | None = None,
     ) -> tuple[list[str], list[str]]:
         """Collect the peers' verdicts; replace failed holders from our own (checked) copy,
         with the next nodes of ``order`` (the PUT's one view of the membership).
@@ -253,7 +329,7 @@ class WritePath:
         # way. Send it our copy again rather than failing the client's good upload.
         for node_id in damaged:
             log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
-            reply = await self._push_with_resends(node_id, chunk_id, buf, refused)
+            reply = await self._push_with_resends(node_id, chunk_id, buf, refused, crc32c)
             if reply is not None:
                 holders.append(node_id)
                 if reply.get("new"):
@@ -269,7 +345,7 @@ class WritePath:
             if candidate == node.id:
                 holders.append(node.id)
                 continue
-            reply = await self._push_with_resends(candidate, chunk_id, buf, refused)
+            reply = await self._push_with_resends(candidate, chunk_id, buf, refused, crc32c)
             if reply is None:
                 continue
             holders.append(candidate)
@@ -289,11 +365,16 @@ class WritePath:
         return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
 
     async def _push_with_resends(
-        self, node_id: str, chunk_id: str, data: memoryview, refused: list[PeerError]
+        self,
+        node_id: str,
+        chunk_id: str,
+        data: memoryview,
+        refused: list[PeerError],
+        crc32c: int | None = None,
     ) -> dict[str, Any] | None:
         for _ in range(_RESENDS):
             try:
-                return await self.push_copy(node_id, chunk_id, data)
+                return await self.push_copy(node_id, chunk_id, data, crc32c)
             except PeerUnavailable:
                 return None
             except PeerError as exc:
@@ -303,11 +384,14 @@ class WritePath:
                 log.warning("replica %s saw damaged bytes of %s again", node_id, chunk_id)
         return None
 
-    async def push_copy(self, node_id: str, chunk_id: str, data: memoryview) -> dict[str, Any]:
-        """Send a whole copy of a chunk to ``node_id``'s RAM."""
+    async def push_copy(
+        self, node_id: str, chunk_id: str, data: memoryview, crc32c: int | None = None
+    ) -> dict[str, Any]:
+        """Send a whole copy of a chunk to ``node_id``'s RAM (with its CRC-32C when known,
+        which the receiver then checks instead of BLAKE3)."""
         node = self.node
         stream = await node.peers.open_put(
-            node.config.dial_addr(node.spec(node_id)), chunk_id, len(data)
+            node.config.dial_addr(node.spec(node_id)), chunk_id, len(data), crc32c
         )
         try:
             await stream.write(data)
@@ -365,11 +449,20 @@ class WritePath:
         except TierFull as exc:
             raise PeerError("memory_full", str(exc)) from exc
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
-        """Peer side: verify a received copy against the id and keep it."""
-        if await chunk_id_of_async(buf) != chunk_id:
+    async def chunk_received(
+        self, chunk_id: str, buf: memoryview, crc32c: int | None = None
+    ) -> dict[str, Any]:
+        """Peer side: verify a received copy and keep it. Against the id, or, when the
+        sender (which checked the id on its own copy) sent ``crc32c``, against that: the
+        peer link is authenticated, and the CRC catches damage on the way for a fraction
+        of a BLAKE3 pass. Reads and the drain's file header check the bytes again."""
+        if crc32c is not None:
+            ok = await crc32c_of_async(buf) == crc32c
+        else:
+            ok = await chunk_id_of_async(buf) == chunk_id
+        if not ok:
             self.node.memory.release(buf)
-            raise PeerError("checksum_mismatch", "the body does not hash to the chunk id")
+            raise PeerError("checksum_mismatch", "the body does not match its check")
         try:
             # Again at the end: the node may have been marked draining while the body came.
             self._refuse_if_draining()

@@ -395,14 +395,16 @@ async def test_restore_spreads_reads_over_the_holders(
             plan = await writer.plan(name)
             assert plan and all(h.tier == "cold" for hs in plan.values() for h in hs), plan
     dst = np.zeros_like(g)
+    # shm=False: the HTTP spreading is the subject (a client on the same host as a holder
+    # would read that holder's RAM copies through shared memory instead).
     if direct:  # the client's own session: chunk GETs go the direct way, counted there
-        async with client_for(cluster, max_concurrency=4) as client:
+        async with client_for(cluster, max_concurrency=4, shm=False) as client:
             await restore_checkpoint(client, name, {"g": dst})
             assert client.direct is not None
             served.update(client.direct.stats.by_addr)
     else:  # a caller's traced session: every request goes through it
         async with aiohttp.ClientSession(trace_configs=[trace]) as session:
-            client = client_for(cluster, max_concurrency=4)
+            client = client_for(cluster, max_concurrency=4, shm=False)
             await client.open(session)
             try:
                 await restore_checkpoint(client, name, {"g": dst})

@@ -428,7 +428,9 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
     cluster = await cluster_factory.start(4)
     rng = np.random.default_rng(22)
     # Clients that learned the membership while every node was up.
-    async with client_for(cluster) as putter, client_for(cluster) as getter:
+    # shm=False: the HTTP fail-over is the subject (a co-located client hands chunks to
+    # its own node, which replaces a dead holder itself).
+    async with client_for(cluster, shm=False) as putter, client_for(cluster, shm=False) as getter:
         await all_alive(putter, cluster)
         await all_alive(getter, cluster)
         stored = rng.bytes(100_000)
@@ -477,7 +479,9 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
 
 async def test_client_errors_are_not_retried(cluster: LocalCluster) -> None:
     data = np.random.default_rng(23).bytes(5000)
-    async with client_for(cluster) as client:
+    # shm=False: HTTP requests are counted (through shared memory the range and the wrong
+    # id are refused the same way, with no HTTP request; test_shm.py covers that path).
+    async with client_for(cluster, shm=False) as client:
         await all_alive(client, cluster)
         cid = await client.put_chunk(data)
         await client.commit("once/1", one_chunk_manifest(cid, len(data)))

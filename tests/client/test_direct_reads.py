@@ -44,7 +44,7 @@ def pool(client: Client) -> DirectGets:
 
 async def test_round_trips_into_the_callers_buffers(cluster: LocalCluster) -> None:
     data = np.random.default_rng(40).bytes(3_000_000)
-    async with client_for(cluster) as client:
+    async with client_for(cluster, shm=False) as client:  # the HTTP path is the subject
         cid = await client.put_chunk(data)
         direct = pool(client)
         before = direct.stats.requests
@@ -71,7 +71,7 @@ async def test_round_trips_into_the_callers_buffers(cluster: LocalCluster) -> No
 
 async def test_keep_alive_connections_are_reused(cluster: LocalCluster) -> None:
     data = np.random.default_rng(41).bytes(200_000)
-    async with client_for(cluster) as client:
+    async with client_for(cluster, shm=False) as client:  # the HTTP path is the subject
         cid = await client.put_chunk(data)
         holder = client.placement(cid)[0]
         direct = pool(client)

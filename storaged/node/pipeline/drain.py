@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
-from tiers import ChunkNotFound
+from tiers import ChunkNotFound, CorruptChunk
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -98,10 +98,12 @@ class Drain:
         node = self.node
         if not node.nvme_has(chunk_id):
             try:
-                async with node.memory.lease(chunk_id) as view:
-                    await node.nvme.put(chunk_id, view, verified=True)
+                await self._write(chunk_id)
             except ChunkNotFound:
                 return  # collected meanwhile: nothing left to drain
+            except CorruptChunk:
+                self._quarantine(chunk_id)
+                return
         node.memory.mark_clean(chunk_id)
         node.metrics.drained.inc()
         owner = node.placement().owner(chunk_id)
@@ -112,6 +114,23 @@ class Drain:
         else:
             with contextlib.suppress(PeerError):
                 await node.call(owner, "drained", {"id": chunk_id})
+
+    async def _write(self, chunk_id: str) -> None:
+        """The RAM copy to a durable file. A copy handed over in shared memory is hashed
+        again on its way (I7): the kernel's seals keep its pages from changing, and this
+        check is what proves it before the bytes become the durable copy."""
+        node = self.node
+        async with node.memory.lease(chunk_id) as view:
+            shared = node.memory.is_shared(chunk_id)
+            await node.nvme.put(chunk_id, view, verified=not shared)
+
+    def _quarantine(self, chunk_id: str) -> None:
+        """A RAM copy that fails its id is dropped (never drained, never served again);
+        repair brings a good copy from another holder."""
+        node = self.node
+        node.metrics.corrupt.labels("memory").inc()
+        log.error("RAM copy of %s fails its id: dropped, repair will copy it anew", chunk_id)
+        node.spawn(node.memory.delete(chunk_id), f"quarantine-{chunk_id[:8]}")
 
     async def drain_all(self, deadline: float) -> list[str]:
         """Drain every dirty RAM chunk (for a graceful stop), retrying failures until
@@ -126,11 +145,13 @@ class Drain:
                     failed.append(cid)
                     continue
                 try:
-                    async with node.memory.lease(cid) as view:
-                        if not node.nvme_has(cid):
-                            await node.nvme.put(cid, view, verified=True)
+                    if not node.nvme_has(cid):
+                        await self._write(cid)
                     node.memory.mark_clean(cid)
                 except ChunkNotFound:
+                    continue
+                except CorruptChunk:
+                    self._quarantine(cid)
                     continue
                 except Exception as exc:
                     log.warning("stop: drain of %s failed: %s", cid, exc)

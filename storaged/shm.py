@@ -1,0 +1,375 @@
+"""The node's shared-memory listener: the co-located fast path of a client on this host.
+
+A Unix socket in the node's data directory (in a directory of mode 0700, the socket
+itself 0600) speaks framed msgpack (``storaged.shmwire``). The first frame authenticates
+with the client token, as the HTTP API does. Then, each request carrying an ``rid`` the
+reply repeats:
+
+- ``lease(size)``: a memfd of the memory tier (``MemoryTier.lease_shared``), passed with
+  ``SCM_RIGHTS``. The client maps it, writes the chunk, unmaps it.
+- ``seal(lease, length, id?)``: the node seals the memfd against every write (refused
+  while the client still maps it writable), hashes it here, and puts it as an HTTP PUT
+  would, keeping the sealed pages as its RAM copy when it is a holder: the reply is the
+  PUT's answer (status 201/200 and its document) or its error.
+- ``release(lease)``: give a lease back unsealed.
+- ``read(id)``: a sealed memfd holding exactly that chunk, when this node has it in RAM
+  (its own sealed segment, or a copy made into a new one), for the client to map
+  read-only and check; ``chunk_not_found`` otherwise (the client goes the HTTP way).
+
+A client sees only the descriptors it was sent: its own leases and the chunks it asked
+for by id. Leases not sealed when the connection ends are freed: a client that dies
+mid-lease leaks nothing. Errors are mapped to HTTP statuses by the same function as the
+HTTP API's middleware, so the client raises the same typed errors on both paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from storaged.errors import (
+    ApiError,
+    NotFound,
+    StoragedError,
+    TooLarge,
+    bad_request,
+    unavailable,
+)
+from storaged.ids import chunk_id_and_crc32c, is_chunk_id
+from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
+from tiers import ChunkNotFound, TierFull
+from tiers.memory import SHARED_POPULATED, SealRefused, SharedSegment
+
+if TYPE_CHECKING:
+    from storaged.node import Node
+
+log = logging.getLogger("storaged.shm")
+
+#: a connection must authenticate within this many seconds
+_HELLO_TIMEOUT = 10.0
+#: requests of one connection in flight at once (each may hold a lease or a PUT)
+_MAX_INFLIGHT = 64
+
+
+def socket_path(data_dir: Path) -> Path:
+    """Where the node listens: ``shm/node.sock`` in its data directory, or, when that path
+    is too long for a Unix socket (108 bytes), a private directory under the temp dir
+    named after the data directory."""
+    path = data_dir / "shm" / "node.sock"
+    if len(os.fsencode(path)) < 100:
+        return path
+    import hashlib
+    import tempfile
+
+    tag = hashlib.blake2b(os.fsencode(data_dir.resolve()), digest_size=8).hexdigest()
+    return Path(tempfile.gettempdir()) / f"storaged-{os.getuid()}" / tag / "node.sock"
+
+
+def _fill_segment(fd: int, nbytes: int, data: memoryview) -> None:
+    """Copy ``data`` into a fresh memfd (mapped writable only for the copy)."""
+    with mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+        m[: data.nbytes] = data
+
+
+class ShmListener:
+    """The Unix-socket listener of one node. ``to_error`` turns a domain error into the
+    ``ApiError`` the HTTP API would answer (the server's one mapping)."""
+
+    def __init__(
+        self, node: Node, path: Path, to_error: Callable[[StoragedError], ApiError]
+    ) -> None:
+        self.node = node
+        self.path = path
+        self._to_error = to_error
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._lease_ids = itertools.count(1)
+
+    def info(self) -> dict[str, Any]:
+        """What ``/v1/cluster`` tells clients about this listener."""
+        return {"host": host_identity(), "socket": str(self.path)}
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._bind)
+        self._accepting = asyncio.create_task(self._accept_loop(), name="shm-accept")
+        log.debug("node %s: shared-memory listener on %s", self.node.id, self.path)
+
+    def _bind(self) -> None:
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)  # nobody else may even reach the socket
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # left by a node that died
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    async def _accept_loop(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of descriptors, for one: clients use HTTP meanwhile
+                log.warning("shared-memory listener: accept failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            conn.setblocking(False)
+            task = asyncio.create_task(_Connection(self, conn).run(), name="shm-conn")
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+
+class _Connection:
+    """One client's socket, its leases and its requests in flight."""
+
+    def __init__(self, listener: ShmListener, sock: socket.socket) -> None:
+        self.listener = listener
+        self.node = listener.node
+        self.sock = sock
+        self.reader = FrameReader(sock, accept_fds=False)
+        self.leases: dict[int, SharedSegment] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.send_lock = asyncio.Lock()
+        self.slots = asyncio.Semaphore(_MAX_INFLIGHT)
+
+    async def run(self) -> None:
+        try:
+            if not await self._hello():
+                return
+            while True:
+                frame = await self.reader.read()
+                await self.slots.acquire()
+                task = asyncio.create_task(self._request(frame))
+                self.tasks.add(task)
+                task.add_done_callback(self._done)
+        except WireError:
+            pass  # the client went away: what it leased goes with it
+        finally:
+            for task in list(self.tasks):
+                task.cancel()
+            for task in list(self.tasks):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            for lease in list(self.leases):
+                seg = self._take_lease(lease)
+                if seg is not None:
+                    self.node.memory.release_shared(seg)
+            self.reader.close()
+            self.sock.close()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.slots.release()
+
+    def _add_lease(self, lease: int, seg: SharedSegment) -> None:
+        self.leases[lease] = seg
+        self.node.metrics.shm_leases.inc()
+
+    def _take_lease(self, lease: Any) -> SharedSegment | None:
+        seg = self.leases.pop(lease, None) if isinstance(lease, int) else None
+        if seg is not None:
+            self.node.metrics.shm_leases.dec()
+        return seg
+
+    async def _hello(self) -> bool:
+        try:
+            async with asyncio.timeout(_HELLO_TIMEOUT):
+                frame = await self.reader.read()
+        except TimeoutError:
+            return False
+        token = self.node.config.token
+        given = frame.get("token")
+        ok = frame.get("op") == "hello" and (
+            not token
+            or (isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode()))
+        )
+        if not ok:
+            self.node.metrics.shm_ops.labels("hello", "unauthorized").inc()
+            with contextlib.suppress(WireError):
+                await self._send(
+                    {"error": "unauthorized", "message": "missing or wrong token", "status": 401}
+                )
+            return False
+        await self._send(
+            {"ok": True, "node": self.node.id, "max_chunk_size": self.node.config.max_chunk_size}
+        )
+        return True
+
+    async def _send(self, doc: dict[str, Any], fd: int | None = None) -> None:
+        if fd is not None:
+            doc["fd"] = True  # the client pairs descriptors with the frames that announce one
+        async with self.send_lock:
+            await send_frame(self.sock, doc, fd)
+
+    async def _request(self, frame: dict[str, Any]) -> None:
+        rid = frame.get("rid")
+        op = str(frame.get("op"))
+        try:
+            handler = {
+                "lease": self._lease,
+                "seal": self._seal,
+                "release": self._release,
+                "read": self._read,
+            }.get(op)
+            if handler is None:
+                raise bad_request(f"unknown operation {op!r}")
+            await handler(rid, frame)
+            self.node.metrics.shm_ops.labels(op, "ok").inc()
+        except asyncio.CancelledError:
+            raise
+        except (StoragedError, ApiError) as caught:
+            exc = self.listener._to_error(caught) if isinstance(caught, StoragedError) else caught
+            self.node.metrics.shm_ops.labels(op, exc.code).inc()
+            self.node.metrics.errors.labels(exc.code).inc()
+            retry = exc.headers.get("Retry-After")
+            doc = {"rid": rid, "status": exc.status, **exc.body()}
+            if retry is not None:
+                doc["retry_after"] = retry
+            with contextlib.suppress(WireError):
+                await self._send(doc)
+        except WireError:
+            pass
+        except Exception as exc:
+            log.exception("shared-memory %s failed", op)
+            self.node.metrics.shm_ops.labels(op, "internal").inc()
+            with contextlib.suppress(WireError):
+                await self._send(
+                    {"rid": rid, "status": 500, "error": "internal", "message": type(exc).__name__}
+                )
+
+    async def _lease(self, rid: Any, frame: dict[str, Any]) -> None:
+        node = self.node
+        size = frame.get("size")
+        if not isinstance(size, int) or size <= 0:
+            raise bad_request("lease needs a positive integer size")
+        if size > node.config.max_chunk_size:
+            raise TooLarge("too_large", f"{size} bytes is over the max chunk size")
+        if node.stopping:
+            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+        if len(self.leases) >= node.config.max_client_puts:
+            # As PUTs in flight per client address: one client cannot pin all the RAM.
+            raise unavailable(
+                "too_many_leases",
+                f"{len(self.leases)} leases held on this connection (max_client_puts)",
+                retry_after=1.0,
+            )
+        try:
+            seg = await node.memory.lease_shared(size, timeout=node.config.put_wait)
+        except TierFull as exc:
+            raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+        lease = next(self.listener._lease_ids)
+        self._add_lease(lease, seg)
+        try:
+            await self._send({"rid": rid, "lease": lease, "size": size}, fd=seg.fd)
+        except BaseException:
+            if self._take_lease(lease) is seg:
+                node.memory.release_shared(seg)
+            raise
+
+    async def _release(self, rid: Any, frame: dict[str, Any]) -> None:
+        seg = self._take_lease(frame.get("lease"))
+        if seg is not None:
+            self.node.memory.release_shared(seg)
+        await self._send({"rid": rid, "ok": True})
+
+    async def _seal(self, rid: Any, frame: dict[str, Any]) -> None:
+        # A PUT in flight from the moment its lease is taken: a graceful stop waits for
+        # it, and background work gives way to it.
+        self.node.writes.inflight += 1
+        try:
+            await self._seal_lease(rid, frame)
+        finally:
+            self.node.writes.inflight -= 1
+
+    async def _seal_lease(self, rid: Any, frame: dict[str, Any]) -> None:
+        node = self.node
+        lease, length, claimed = frame.get("lease"), frame.get("length"), frame.get("id")
+        if claimed is not None and not is_chunk_id(claimed):
+            raise bad_request(f"{claimed!r} is not a chunk id", code="bad_chunk_id")
+        if not isinstance(length, int):
+            raise bad_request("seal needs an integer length")
+        seg = self._take_lease(lease)
+        if seg is None or not isinstance(lease, int):
+            raise bad_request(f"no lease {lease!r} on this connection")
+        try:
+            view = await node.memory.seal_shared(seg, length)
+        except SealRefused as exc:
+            self._add_lease(lease, seg)  # still the client's, to fix and seal or release
+            raise bad_request(str(exc), code="seal_refused") from exc
+        except BaseException:
+            node.memory.release_shared(seg)
+            raise
+        # From here the bytes cannot change: what is hashed is what is kept and sent. The
+        # CRC-32C goes with the copies so that the replicas need not hash them again.
+        try:
+            digest, crc = await asyncio.to_thread(chunk_id_and_crc32c, view)
+        except BaseException:
+            node.memory.release(view)
+            raise
+        if claimed is not None and digest != claimed:
+            node.memory.release(view)
+            raise bad_request("the chunk's BLAKE3-256 is not the id", code="checksum_mismatch")
+        status, doc = await node.writes.put_sealed(digest, view, crc)
+        await self._send({"rid": rid, "status": status, **doc})
+
+    async def _read(self, rid: Any, frame: dict[str, Any]) -> None:
+        node = self.node
+        cid = frame.get("id")
+        if not isinstance(cid, str) or not is_chunk_id(cid):
+            raise bad_request(f"{cid!r} is not a chunk id", code="bad_chunk_id")
+        memory = node.memory
+        try:
+            if memory.is_shared(cid):
+                async with memory.lease_fd(cid) as (fd, size):
+                    await self._send({"rid": rid, "size": size}, fd=fd)
+                node.metrics.restore_bytes.labels("memory").inc(size)
+                return
+            async with memory.lease(cid) as view:
+                if view.nbytes == 0:
+                    raise ChunkNotFound(cid)
+                seg = await memory.lease_shared(view.nbytes, timeout=0.0)
+                try:
+                    await asyncio.to_thread(_fill_segment, seg.fd, seg.nbytes, view)
+                    fd = seg.fd  # owned by the sealed buffer below until it is released
+                    sealed = await memory.seal_shared(seg, view.nbytes)
+                except BaseException:
+                    memory.release_shared(seg)
+                    raise
+        except (ChunkNotFound, TierFull):
+            raise NotFound("chunk_not_found", f"{cid} is not in this node's RAM") from None
+        try:
+            await self._send({"rid": rid, "size": sealed.nbytes}, fd=fd)
+            node.metrics.restore_bytes.labels("memory").inc(sealed.nbytes)
+        finally:
+            memory.release(sealed)

@@ -1,0 +1,108 @@
+"""Node side of the co-located path: the drain's re-check, replicas checking the CRC.
+
+The drain re-checks a chunk handed over in shared memory before it reaches disk.
+
+The kernel's seals keep a sealed segment's pages from changing (``tests/client/
+test_shm.py`` shows every write refused), so bytes that fail their id can only come
+from below the kernel's promise (a memory fault) or a bug here. Such bytes, stored as a
+node's RAM copy of a chunk, must never become its durable copy: the drain refuses them,
+drops the RAM copy and counts it; reads then find a good copy elsewhere.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+
+import aiohttp
+import numpy as np
+import pytest
+
+from storaged.ids import chunk_id_of, crc32c_of
+from storaged.node import Node
+from storaged.peer import PeerError
+from tests.conftest import TOKEN
+from tests.service.inproc import InprocFactory, wait_until
+from tiers.memory import size_class
+
+
+async def _stage_shared(node: Node, data: bytes) -> memoryview:
+    """``data`` in a sealed shared segment of ``node``'s RAM tier, as a client leaves it."""
+    seg = await node.memory.lease_shared(len(data))
+    with mmap.mmap(seg.fd, len(data), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:
+        m[:] = data
+    return await node.memory.seal_shared(seg, len(data))
+
+
+def _corrupt_count(node: Node) -> float:
+    text = node.metrics.render().decode()
+    match = re.search(r'^storaged_corrupt_total\{tier="memory"\} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def test_drain_refuses_shared_bytes_that_fail_their_id(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    cluster = await inproc.start(3, drain_defer=0.0)
+    good = np.random.default_rng(4).bytes(1 << 20)
+    cid = chunk_id_of(good)
+    url = cluster.url(0)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with http.put(f"{url}/v1/chunks/{cid}", data=good, headers=headers) as resp:
+        assert resp.status == 201
+    victim = cluster.node(cluster.order(cid)[0])
+    await wait_until("the victim drained its copy", lambda: victim.nvme_has(cid))
+    # The victim loses its copies and gets, as its RAM copy, a sealed segment whose bytes
+    # differ from the id by one bit.
+    await victim.memory.delete(cid)
+    await victim.nvme.delete(cid)
+    flipped = bytearray(good)
+    flipped[12345] ^= 0x10
+    view = await _stage_shared(victim, bytes(flipped))
+    assert await victim.writes.store_local(cid, view)
+    assert victim.memory.is_shared(cid)
+    before = _corrupt_count(victim)
+    await wait_until("the drain refused the copy", lambda: not victim.memory.has(cid))
+    assert not victim.nvme_has(cid), "bytes that fail their id reached the disk"
+    assert _corrupt_count(victim) == before + 1
+    # What the victim serves now comes from a good copy elsewhere (a holder or fragments).
+    data, _ = await victim.read_chunk(cid)
+    assert bytes(data) == good
+
+
+async def test_drain_writes_good_shared_bytes(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(3, drain_defer=0.0)
+    node = cluster.node(0)
+    data = np.random.default_rng(5).bytes(300_000)
+    cid = chunk_id_of(data)
+    view = await _stage_shared(node, data)
+    used = node.memory.usage().used
+    assert await node.writes.store_local(cid, view)
+    assert node.memory.usage().used == used  # adopted: no copy, no new room taken
+    await wait_until("drained", lambda: node.nvme_has(cid) and not node.memory.is_dirty(cid))
+    assert bytes(await node.nvme.get(cid)) == data
+    await node.memory.delete(cid)
+    assert node.memory.usage().used == used - size_class(len(data))  # the segment is freed
+
+
+async def test_replica_checks_the_crc_it_is_given(inproc: InprocFactory) -> None:
+    """A copy sent with its CRC-32C (the sealed path's replicas) is checked against it:
+    a damaged body is refused as it would be by BLAKE3, a good one is stored."""
+    cluster = await inproc.start(3)
+    entry, replica = cluster.node(0), cluster.node_id(1)
+    data = np.random.default_rng(6).bytes(700_000)
+    cid = chunk_id_of(data)
+    crc = crc32c_of(data)
+    damaged = bytearray(data)
+    damaged[99] ^= 1
+    with pytest.raises(PeerError) as refused:
+        await entry.writes.push_copy(replica, cid, memoryview(damaged), crc)
+    assert refused.value.code == "checksum_mismatch"
+    assert not cluster.node(1).holds_hot(cid)
+    with pytest.raises(PeerError) as wrong:
+        await entry.writes.push_copy(replica, cid, memoryview(data), crc ^ 1)
+    assert wrong.value.code == "checksum_mismatch"
+    reply = await entry.writes.push_copy(replica, cid, memoryview(data), crc)
+    assert reply == {"new": True}
+    got, _ = await cluster.node(1).read_chunk(cid)
+    assert bytes(got) == data
