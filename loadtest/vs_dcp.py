@@ -58,7 +58,6 @@ import asyncio
 import contextlib
 import ctypes
 import gc
-import inspect
 import json
 import math
 import multiprocessing
@@ -593,15 +592,9 @@ def summarize(paths: Mapping[str, Path]) -> dict[str, Any]:
 
 
 def shm_options(colocated: bool) -> dict[str, Any]:
-    """``Client`` options of a client on the nodes' host (``colocated``) or a remote one.
-
-    TEMPORARY: ``shm`` (the shared-memory hand-over, ``shm=False``: HTTP only) is being added
-    to ``Client`` beside this change. Until it is on main both variants run over HTTP; the
-    lead removes this check (and passes ``shm=colocated`` as such) after merging it.
-    """
-    if "shm" in inspect.signature(Client.__init__).parameters:
-        return {"shm": colocated}
-    return {}
+    """``Client`` options of a client on the nodes' host (``colocated``: the shared-memory
+    hand-over, ``storaged.client.shm``) or of a remote one (``shm=False``: HTTP only)."""
+    return {"shm": colocated}
 
 
 def memcpy_state(state: Mapping[str, Array], dst: Mapping[str, Array]) -> Window:
