@@ -98,11 +98,14 @@ class TracedClient(Client):
     Open it with ``open_traced`` (it makes the session with the trace hooks and the
     headers ``Client.open`` would use). Chunk GETs read directly, as with ``Client``'s
     own session (``direct_reads=False`` to measure aiohttp's), are traced by its
-    ``TracedGets``.
+    ``TracedGets``. It measures the network paths, so it takes no shared-memory path to a
+    node on this host (``shm=False`` unless asked: what goes through shared memory is not
+    an HTTP request and is not in ``log``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("direct_reads", True)
+        kwargs.setdefault("shm", False)
         super().__init__(*args, **kwargs)
         self.log = RequestLog()
         self._own_session: aiohttp.ClientSession | None = None
