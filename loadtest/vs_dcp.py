@@ -1223,7 +1223,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"not enough free RAM for the cluster: {need / GiB:.1f} GiB needed, "
                 f"{mem_available() / GiB:.1f} GiB available (--force to run anyway)"
             )
-        cluster = start_cluster(root / "cluster", args.nodes, memory)
+        # P4 kills a node and times the restore once its fragments are rebuilt elsewhere: a
+        # node down for less than gone_after (600 s by default) would be waited for instead.
+        # Started from the main thread: if this process is killed (a test's timeout), its
+        # nodes go with it.
+        cluster = start_cluster(
+            root / "cluster", args.nodes, memory, {"gone_after": 2.0}, die_with_parent=True
+        )
         yield_to_oom_killer(node_pids(cluster), 900)
         store = _run_async(run_storaged(cluster, torch_state, specs, args, memory))
         # Last: its degraded restore kills a node.

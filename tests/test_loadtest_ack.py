@@ -70,7 +70,12 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
         assert 0 < row["p50_ms"] <= row["p99_ms"]
         assert row["server_cpu_s_per_gb"] >= 0 and row["client_cpu_s_per_gb"] >= 0
     assert base["ratio"] is None
-    assert store["ratio"] == pytest.approx(store["gbps"] / base["gbps"], rel=0.01)
+    # "gbps" is rounded to 4 decimals: on a loaded machine the quick run's rate can be so
+    # small (0.0013 GB/s seen) that the rounding alone moves the quotient by a few %.
+    rounding = 0.00005 / store["gbps"] + 0.00005 / base["gbps"]
+    assert store["ratio"] == pytest.approx(
+        store["gbps"] / base["gbps"], rel=max(0.01, 1.5 * rounding)
+    )
     assert store["p50_ratio"] == pytest.approx(store["p50_ms"] / base["p50_ms"], rel=0.02)
     assert store["cpu_bound_ratio"] == pytest.approx(
         store["cpu_bound_gbps"] / base["cpu_bound_gbps"], rel=0.01

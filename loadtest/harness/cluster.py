@@ -47,9 +47,12 @@ def start_cluster(
     max_chunk: int = 16 * MiB,
     settings: Mapping[str, Any] | None = None,
     node_module: str = "storaged",
+    die_with_parent: bool = False,
 ) -> LocalCluster:
     """A ``LocalCluster`` with token ``TOKEN`` under ``root``, healthy; stopped if start fails.
-    ``node_module``: what the nodes run (``response_node.RESPONSE_NODE``: the old GET path)."""
+    ``node_module``: what the nodes run (``response_node.RESPONSE_NODE``: the old GET path).
+    ``die_with_parent``: the nodes get SIGTERM when the thread that started them ends (call
+    from the main thread only), so a benchmark killed mid-run takes its nodes along."""
     merged: dict[str, Any] = {
         "max_chunk_size": max_chunk,
         "tiers": {"memory_capacity": memory, "nvme_capacity": "256GiB",
@@ -71,6 +74,7 @@ def start_cluster(
         settings=merged,
         env={"PYTHONASYNCIODEBUG": ""},
         node_module=node_module,
+        die_with_parent=die_with_parent,
     )
     try:
         cluster.start()

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,11 +119,25 @@ def memory_per_node(total: int, nodes: int, chunk: int = DEFAULT_CHUNK_SIZE) -> 
     return max(MIN_MEMORY, math.ceil(share / MiB) * MiB)
 
 
-def start_sized_cluster(root: Path, nodes: int, memory: int) -> LocalCluster:
+def start_sized_cluster(
+    root: Path,
+    nodes: int,
+    memory: int,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    die_with_parent: bool = False,
+) -> LocalCluster:
     """The load tests' cluster with ``memory`` bytes of RAM tier per node and 64 MiB chunks
-    allowed."""
+    allowed (and any other ``settings``; ``die_with_parent`` as for ``start_cluster``)."""
 
-    return start_cluster(root, nodes, memory=f"{memory // MiB}MiB", max_chunk=64 * MiB)
+    return start_cluster(
+        root,
+        nodes,
+        memory=f"{memory // MiB}MiB",
+        max_chunk=64 * MiB,
+        settings=settings,
+        die_with_parent=die_with_parent,
+    )
 
 
 def node_pids(cluster: LocalCluster) -> list[int]:

@@ -272,6 +272,9 @@ def starved() -> Iterator[LocalCluster]:
             encode_workers=0,
             gc_grace=2.0,
             tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
+            # Its RAM can never drain to that nvme: a graceful stop would wait the default
+            # 120 s for it (and time the teardown out).
+            stop_timeout=5.0,
         )
     finally:
         factory.stop_all()
