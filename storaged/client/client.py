@@ -1151,21 +1151,7 @@ class Client:
         )
 
         async def direct_get(node: str) -> memoryview:
-            where = self._direct_target(node)
-            if where is None or direct is None:
-                raise NotHandled(f"{node}: not a plain-http node")
-            addr, prefix, head_lines = where
-            request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}{extra_lines}\r\n"
-            async with asyncio.timeout(self._request_timeout):
-                head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
-            if head.status >= 400:
-                raise error_from_response(
-                    head.status,
-                    bytes(body),
-                    head.headers.get("content-type"),
-                    head.headers.get("retry-after"),
-                )
-            return await checked(body)
+            return await checked(await self._direct_get(node, path, plan_body, extra_lines))
 
         degraded: NotEnoughFragments | None = None
         sources = self._fragment_sources(holders)
@@ -1349,21 +1335,7 @@ class Client:
         direct = self.direct
 
         async def direct_get(node: str) -> memoryview:
-            where = self._direct_target(node)
-            if where is None or direct is None:
-                raise NotHandled(f"{node}: not a plain-http node")
-            addr, prefix, head_lines = where
-            request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}\r\n"
-            async with asyncio.timeout(self._request_timeout):
-                head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
-            if head.status >= 400:
-                raise error_from_response(
-                    head.status,
-                    bytes(body),
-                    head.headers.get("content-type"),
-                    head.headers.get("retry-after"),
-                )
-            return body
+            return await self._direct_get(node, path, plan_body)
 
         return await self._call(
             "GET",
@@ -1424,6 +1396,32 @@ class Client:
         if expected is not None and pos != expected:
             raise ProtocolError(message=f"response of {pos} bytes, expected {expected}")
         return out[:pos]
+
+    async def _direct_get(
+        self,
+        node: str,
+        path: str,
+        plan_body: Callable[[ResponseHead], BodyPlan],
+        extra_lines: str = "",
+    ) -> memoryview:
+        """``GET path`` on ``node`` through the direct reader (``NotHandled`` when the node
+        is not plain HTTP); the body as ``plan_body`` placed it, or the error it answered."""
+        where = self._direct_target(node)
+        direct = self.direct
+        if where is None or direct is None:
+            raise NotHandled(f"{node}: not a plain-http node")
+        addr, prefix, head_lines = where
+        request = f"GET {prefix}{path} HTTP/1.1\r\n{head_lines}{extra_lines}\r\n"
+        async with asyncio.timeout(self._request_timeout):
+            head, body = await direct.get(addr, request.encode("latin-1"), plan_body)
+        if head.status >= 400:
+            raise error_from_response(
+                head.status,
+                bytes(body),
+                head.headers.get("content-type"),
+                head.headers.get("retry-after"),
+            )
+        return body
 
     def _direct_target(self, node: str) -> tuple[tuple[str, int], str, str] | None:
         """Where a direct GET to ``node`` goes: address, path prefix and the head lines
