@@ -17,7 +17,12 @@ import pytest
 
 from storaged.cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, ClusterFactory
-from tests.service.drain_workload import DrainWorkload, drain_until_it_can_leave, storaged_cli
+from tests.service.drain_workload import (
+    DrainWorkload,
+    assert_the_workload_came_through,
+    drain_under_the_workload,
+    storaged_cli,
+)
 from tests.service.http import Api
 from tests.service.inproc import wait_until
 
@@ -99,16 +104,11 @@ async def test_a_node_joins_another_drains_and_leaves_under_a_save_and_a_restore
         holders = await _hot_holders(api, after_join)
         assert any("n4" in h for h in holders.values()), "the joiner got no new placements"
         # then n3 drains while they still run
-        before = len(work.acked)
-        doc = await drain_until_it_can_leave(urls[4], "n3")
-        assert doc["node"] == "n3" and doc["chunks"] + doc["fragments"] > 0
-        await wait_until("saves went on during the drain", lambda: len(work.acked) > before, SLOW)
+        await drain_under_the_workload(work, urls[4], "n3", SLOW)
     finally:
         work.stop.set()
         await asyncio.gather(*tasks)
-    assert not work.bad_restores, work.bad_restores[:5]
-    assert work.restores > 0
-    assert not work.failed_saves, work.failed_saves[:5]
+    assert_the_workload_came_through(work)
 
     # n3 leaves the hard way: SIGKILL, its lease runs out
     await asyncio.to_thread(cluster.kill, 3, signal.SIGKILL)

@@ -15,6 +15,7 @@ from typing import Any
 from storaged.ids import chunk_id_of
 from tests.conftest import ADMIN_TOKEN, TOKEN
 from tests.service.http import Api, manifest_for
+from tests.service.inproc import wait_until
 
 #: chunks per checkpoint, and their size: small, many chunks, so placement spreads them
 CHUNKS = 4
@@ -135,3 +136,22 @@ async def drain_until_it_can_leave(url: str, node_id: str) -> dict[str, Any]:
     assert doc["can_leave"] is True and doc["state"] == "draining", doc
     assert doc["chunks_pending"] == 0 and doc["fragments_pending"] == 0, doc
     return doc
+
+
+async def drain_under_the_workload(
+    work: DrainWorkload, url: str, node_id: str, slow: float
+) -> dict[str, Any]:
+    """Drain ``node_id`` (through ``url``) while ``work``'s saver and restorer run, until it
+    can leave; saves must go on meanwhile. The drain's final document."""
+    before = len(work.acked)
+    doc = await drain_until_it_can_leave(url, node_id)
+    assert doc["node"] == node_id and doc["chunks"] + doc["fragments"] > 0
+    await wait_until("saves went on during the drain", lambda: len(work.acked) > before, slow)
+    return doc
+
+
+def assert_the_workload_came_through(work: DrainWorkload) -> None:
+    """Every restore the workload made was byte-exact, there were some, no save failed."""
+    assert not work.bad_restores, work.bad_restores[:5]
+    assert work.restores > 0
+    assert not work.failed_saves, work.failed_saves[:5]

@@ -13,7 +13,12 @@ from typing import Any
 import aiohttp
 
 from tests.conftest import TOKEN, ClusterFactory
-from tests.service.drain_workload import DrainWorkload, drain_until_it_can_leave, storaged_cli
+from tests.service.drain_workload import (
+    DrainWorkload,
+    assert_the_workload_came_through,
+    drain_under_the_workload,
+    storaged_cli,
+)
 from tests.service.http import Api
 from tests.service.inproc import wait_until
 
@@ -37,16 +42,11 @@ async def test_a_node_drained_under_a_save_and_a_restore_leaves_with_nothing_los
     tasks = [asyncio.create_task(work.saver()), asyncio.create_task(work.restorer())]
     try:
         await wait_until("saves go on", lambda: len(work.acked) >= 6, SLOW)
-        before = len(work.acked)
-        doc = await drain_until_it_can_leave(urls[1], "n4")
-        assert doc["node"] == "n4" and doc["chunks"] + doc["fragments"] > 0
-        await wait_until("saves went on during the drain", lambda: len(work.acked) > before, SLOW)
+        await drain_under_the_workload(work, urls[1], "n4", SLOW)
     finally:
         work.stop.set()
         await asyncio.gather(*tasks)
-    assert not work.bad_restores, work.bad_restores[:5]
-    assert work.restores > 0
-    assert not work.failed_saves, work.failed_saves[:5]
+    assert_the_workload_came_through(work)
 
     await asyncio.to_thread(cluster.kill, 4, signal.SIGKILL)
 
