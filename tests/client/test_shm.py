@@ -59,13 +59,16 @@ async def _node_doc(client: Client, node_id: str) -> dict[str, Any]:
     return next(n for n in doc["nodes"] if n["id"] == node_id)
 
 
-async def _metric(url: str, name: str) -> float:
+async def _metric(url: str, name: str, default: float | None = None) -> float:
+    """A sample of the node's /metrics; ``default`` when absent (else the test fails)."""
     async with (
         aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as session,
         session.get(f"{url}/metrics") as resp,
     ):
         text = await resp.text()
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    if match is None and default is not None:
+        return default
     assert match is not None, f"{name} not in /metrics"
     return float(match.group(1))
 
@@ -131,6 +134,43 @@ async def test_client_round_trip_uses_shared_memory(cluster: LocalCluster) -> No
         # A wrong id is refused as over HTTP, and nothing is stored.
         with pytest.raises(ChecksumMismatch):
             await client.put_chunk_result(b"not this" * 1000, chunk_id_of(b"other"))
+
+
+async def test_range_reads_of_a_chunk_share_one_checked_mapping(cluster: LocalCluster) -> None:
+    """A restore reads a chunk as many ranges (one per tensor): one node request, one
+    mapping and one hash serve them all, and the mapping goes once unused."""
+    from storaged.client import shm as shm_module
+    from tiers.base import ByteRange
+
+    rng = np.random.default_rng(11)
+    read_ok = 'storaged_shm_ops_total{op="read",outcome="ok"}'
+    async with client_for(cluster) as client:
+        await client_sees_all_alive(client)
+        assert client.shm is not None
+        local = client.shm.node_id
+        blob, chunk = b"", ""
+        for _ in range(40):  # a chunk whose copies include the node on this host
+            blob = rng.bytes(4 * MiB)
+            result = await client.put_chunk_result(blob)
+            if local in result.replicas:
+                chunk = result.chunk
+                break
+        assert chunk, "no chunk placed on the local node in 40 tries"
+        url = client.cluster.node(local).url
+        before = await _metric(url, read_ok, default=0.0)
+        pieces = [(i * 256 * 1024, (i + 1) * 256 * 1024) for i in range(16)]
+        parts = await asyncio.gather(
+            *(client.get_chunk(chunk, None, ByteRange(lo, hi)) for lo, hi in pieces)
+        )
+        for (lo, hi), part in zip(pieces, parts, strict=True):
+            assert bytes(part) == blob[lo:hi]
+        assert client.stats.shm_chunks_downloaded == len(pieces)
+        assert await _metric(url, read_ok) == before + 1
+        # Unused for longer than the idle time: unmapped; the next read asks the node again.
+        await asyncio.sleep(shm_module._MAPPED_IDLE * 2.5)
+        assert not client.shm._maps
+        assert bytes(await client.get_chunk(chunk, None, ByteRange(0, 10))) == blob[:10]
+        assert await _metric(url, read_ok) == before + 2
 
 
 async def test_shm_off_by_option_and_by_environment(
