@@ -105,6 +105,7 @@ from storaged.client.layout import (
     pack_stream,
     plan_restore,
 )
+from storaged.client.shm import usable
 from storaged.ids import is_checkpoint_name
 from tiers.base import ByteRange
 
@@ -541,7 +542,15 @@ class StoragedWriter(_ClusterCheckpoint, StorageWriter):
         ]
 
     async def _put_chunks(self, client: Client, staged: StagedShard) -> list[str]:
-        """Upload the rank's chunks; return their ids once all are acknowledged."""
+        """Upload the rank's chunks; return their ids once all are acknowledged.
+
+        Co-located (a shared-memory path to the node on this host), each chunk is handed
+        over unhashed, as ``AsyncSaver`` does: the node hashes it (and answers "already
+        stored" for a chunk the cluster holds), so a hash here would be a second pass over
+        every byte for nothing. Over HTTP the chunks are hashed here and only those the
+        cluster lacks are sent."""
+        if usable(client.shm) is not None:
+            return await run_all([client.put_chunk(chunk) for chunk in staged.chunks])
         return await client.put_chunks(staged.chunks)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
