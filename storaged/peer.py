@@ -188,6 +188,12 @@ class PeerHandler(ABC):
         authenticated; the CRC catches damage on the way). By default, the full check."""
         return await self.chunk_received(chunk_id, buf)
 
+    def ack_copy(self, chunk_id: str) -> None:
+        """A put that a client's PUT waits for (sent with ``ack``) began or finished
+        arriving: called at both. A handler may hold background work back meanwhile;
+        by default nothing."""
+        return None
+
     @abstractmethod
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
         """The body will never complete: take ``buf`` back; nothing is to be stored."""
@@ -619,6 +625,7 @@ class _ServerConn(_FramedProtocol):
         self._kind = ""
         self._put_id = ""
         self._put_crc: int | None = None
+        self._put_ack = False
         self._inflight: tuple[str, memoryview] | None = None  # buffer owed to the handler
         self._method = ""
         self._args: dict[str, Any] = {}
@@ -810,6 +817,9 @@ class _ServerConn(_FramedProtocol):
         self._kind = "put"
         self._put_id = chunk_id
         self._put_crc = crc if type(crc) is int and 0 <= crc < 2**32 else None
+        self._put_ack = header.get("ack") is True
+        if self._put_ack:
+            self._server.handler.ack_copy(chunk_id)
         self._mode = _BUSY
         self._pause_reading()
         self.task = self._loop.create_task(self._start_put(chunk_id, size))
@@ -892,6 +902,8 @@ class _ServerConn(_FramedProtocol):
 
     async def _finish_put(self, chunk_id: str, buf: memoryview, crc: int | None) -> None:
         handler = self._server.handler
+        if self._put_ack:
+            handler.ack_copy(chunk_id)
         try:
             if crc is None:
                 result = await handler.chunk_received(chunk_id, buf)
@@ -1275,10 +1287,17 @@ class PeerClient:
         self._closed = False
 
     async def open_put(
-        self, addr: Addr, chunk_id: str, size: int, crc32c: int | None = None
+        self,
+        addr: Addr,
+        chunk_id: str,
+        size: int,
+        crc32c: int | None = None,
+        *,
+        ack: bool = False,
     ) -> PutStream:
         """Start sending a chunk of ``size`` bytes to the peer at ``addr``; ``crc32c``,
-        when given, is the body's CRC-32C (see ``PeerHandler.chunk_received_crc``)."""
+        when given, is the body's CRC-32C (see ``PeerHandler.chunk_received_crc``);
+        ``ack``: the copy is one a client's PUT waits for (``PeerHandler.ack_copy``)."""
         if type(size) is not int or not 0 <= size <= MAX_BODY:
             raise ValueError(f"bad chunk size {size!r}")
         conn = await self._acquire(addr)
@@ -1286,6 +1305,8 @@ class PeerClient:
         header: Header = {"op": "put", "id": chunk_id, "size": size}
         if crc32c is not None:
             header["crc32c"] = crc32c
+        if ack:
+            header["ack"] = True
         try:
             conn.send(header)
         except BaseException:

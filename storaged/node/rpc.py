@@ -229,6 +229,9 @@ class _PeerHandler(PeerHandler):
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
         return await self.rpc.node.writes.chunk_received(chunk_id, self._original(buf))
 
+    def ack_copy(self, chunk_id: str) -> None:
+        self.rpc.node.writes.ack_copy_arriving()
+
     async def chunk_received_crc(
         self, chunk_id: str, buf: memoryview, crc32c: int
     ) -> dict[str, Any]:

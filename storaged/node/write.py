@@ -43,6 +43,9 @@ BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
 _RESENDS = 2
 #: a sealed chunk goes to each replica in slices this big
 _SEND_SLICE = 1 << 20
+#: background work counts a replica copy as an ack under way for this long after it
+#: began or ended arriving (a replica cannot tell when the entry node's PUT is done)
+_COPY_QUIET = 0.25
 
 
 class WritePath:
@@ -53,6 +56,19 @@ class WritePath:
         #: local stores under way (a PUT's, a peer's copy, a repair's): a drain's
         #: ``can_leave`` waits for them, since a copy may still land here
         self.storing = 0
+        #: when a replica copy of another node's PUT last began or ended arriving here
+        #: (monotonic): a node that takes other nodes' acks as a replica (every PUT
+        #: entering through one node, as co-located clients make them) gives way to them
+        #: as to its own PUTs
+        self.copy_seen = -1.0
+
+    def ack_copy_arriving(self) -> None:
+        self.copy_seen = time.monotonic()
+
+    def busy(self) -> bool:
+        """Whether acks are under way here: a PUT in flight, or a replica copy of one that
+        began or ended arriving within the last ``_COPY_QUIET`` seconds."""
+        return bool(self.inflight) or time.monotonic() - self.copy_seen < _COPY_QUIET
 
     # ---- entry node ----------------------------------------------------------------------
     async def put_chunk(
@@ -218,7 +234,7 @@ class WritePath:
         async def open_one(node_id: str) -> None:
             try:
                 streams[node_id] = await node.peers.open_put(
-                    node.config.dial_addr(node.spec(node_id)), chunk_id, size, crc32c
+                    node.config.dial_addr(node.spec(node_id)), chunk_id, size, crc32c, ack=True
                 )
             except PeerUnavailable:
                 node.membership.report_failure(node_id)

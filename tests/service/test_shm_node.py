@@ -106,3 +106,39 @@ async def test_replica_checks_the_crc_it_is_given(inproc: InprocFactory) -> None
     assert reply == {"new": True}
     got, _ = await cluster.node(1).read_chunk(cid)
     assert bytes(got) == data
+
+
+async def test_replicas_hold_background_work_back_for_ack_copies_only(
+    inproc: InprocFactory,
+) -> None:
+    """A replica counts a copy that a client's PUT waits for as an ack under way (its
+    drain and encode give way, as to its own PUTs: co-located clients make every PUT
+    enter through one node, so the replicas have none of their own); a repair's or a
+    rebalance's copy is background work and holds nothing back."""
+    cluster = await inproc.start(3, drain_defer=0.0)
+    entry = cluster.node(0)
+    replicas = [cluster.node(1), cluster.node(2)]
+    rng = np.random.default_rng(8)
+    for node in replicas:
+        node.writes.copy_seen = -1.0
+    data = rng.bytes(300_000)
+    status, doc = await entry.writes.put_sealed(
+        chunk_id_of(data), await _stage_shared(entry, data), crc32c_of(data)
+    )
+    assert status == 201 and len(doc["replicas"]) == 3
+    seen = [node.writes.copy_seen for node in replicas]
+    assert all(at > 0 for at in seen), seen
+    # A background copy (no ack waits for it) leaves the marker where it was.
+    other = rng.bytes(300_000)
+    await entry.writes.push_copy(cluster.node_id(1), chunk_id_of(other), memoryview(other))
+    assert cluster.node(1).holds_hot(chunk_id_of(other))
+    assert replicas[0].writes.copy_seen == seen[0]
+    # busy() is the marker's age against _COPY_QUIET, or a PUT in flight.
+    from storaged.node import write as write_module
+
+    replicas[0].writes.copy_seen = -1.0
+    assert not replicas[0].writes.busy()
+    replicas[0].writes.ack_copy_arriving()
+    assert replicas[0].writes.busy()
+    replicas[0].writes.copy_seen -= write_module._COPY_QUIET
+    assert not replicas[0].writes.busy()

@@ -58,10 +58,11 @@ class Drain:
         return u.used > u.capacity // 2
 
     async def quiet(self, longest: float, *, unless_ram_pressed: bool = False) -> None:
-        """Wait (at most ``longest`` s) until no PUT is in flight: acks come first."""
+        """Wait (at most ``longest`` s) until no ack is under way here (a PUT in flight, a
+        replica copy arriving): acks come first."""
         writes = self.node.writes
         deadline = time.monotonic() + longest
-        while writes.inflight and time.monotonic() < deadline and not self.node.stopping:
+        while writes.busy() and time.monotonic() < deadline and not self.node.stopping:
             if unless_ram_pressed and self._ram_pressed():
                 return
             await asyncio.sleep(0.02)
