@@ -202,14 +202,31 @@ class _Mapped:
     stays mapped is served from the one checked mapping: a restore that reads a chunk as
     many tensor ranges hashes it once, not once per range."""
 
-    __slots__ = ("last_used", "mm", "size", "users")
+    __slots__ = ("mm", "size")
 
     def __init__(self, mm: mmap.mmap, size: int) -> None:
         self.mm = mm
         self.size = size
-        #: copies out of it running now (it is unmapped only when there are none)
+
+
+class _Entry:
+    """A chunk's mapping (being made, or made) and who uses it. ``users`` counts every
+    read from the moment it asks until its copy is done, so that no mapping is unmapped
+    between being made and being read."""
+
+    __slots__ = ("last_used", "task", "users")
+
+    def __init__(self, task: asyncio.Task[_Mapped | None]) -> None:
+        self.task = task
         self.users = 0
         self.last_used = time.monotonic()
+
+    def mapped(self) -> _Mapped | None:
+        """The mapping once made (None while being made, or when it failed)."""
+        task = self.task
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            return None
+        return task.result()
 
 
 class ShmPath:
@@ -236,7 +253,7 @@ class ShmPath:
         self._slots = asyncio.Semaphore(limit)
         self.broken = False
         #: chunk id -> its checked mapping (being made, or made), least recently asked first
-        self._maps: OrderedDict[str, asyncio.Task[_Mapped | None]] = OrderedDict()
+        self._maps: OrderedDict[str, _Entry] = OrderedDict()
         self._trim_timer: asyncio.TimerHandle | None = None
         self._reading = asyncio.get_running_loop().create_task(self._read_replies())
 
@@ -362,43 +379,39 @@ class ShmPath:
     ) -> memoryview | None:
         """The chunk (or ``byte_range`` of it) from the node's RAM, checked, copied into
         ``out`` (or a new buffer); None when the node's RAM does not have it."""
+        entry = self._maps.get(chunk_id)
+        if entry is None:
+            entry = _Entry(asyncio.get_running_loop().create_task(self._map(chunk_id)))
+            self._maps[chunk_id] = entry
+            entry.task.add_done_callback(functools.partial(self._map_done, chunk_id, entry))
+        else:
+            self._maps.move_to_end(chunk_id)
+        entry.users += 1
         try:
-            mapped = await self._mapped(chunk_id)
-        except (WireError, OSError) as exc:
-            log.warning("shared-memory path to %s lost (%s): using HTTP", self.node_id, exc)
-            self.broken = True
-            return None
-        if mapped is None:
-            return None
-        try:
-            start, end = (byte_range or ByteRange()).resolve(mapped.size)
-        except InvalidRange as exc:
-            raise BadRange(message=str(exc), status=416) from None  # as HTTP says it
-        if out is not None and len(out) < end - start:
-            raise ValueError(f"output buffer of {len(out)} bytes < {end - start} to read")
-        mapped.users += 1
-        try:
+            try:
+                mapped = await asyncio.shield(entry.task)
+            except (WireError, OSError) as exc:
+                log.warning("shared-memory path to %s lost (%s): using HTTP", self.node_id, exc)
+                self.broken = True
+                return None
+            if mapped is None:
+                return None
+            try:
+                start, end = (byte_range or ByteRange()).resolve(mapped.size)
+            except InvalidRange as exc:
+                raise BadRange(message=str(exc), status=416) from None  # as HTTP says it
+            if out is not None and len(out) < end - start:
+                raise ValueError(f"output buffer of {len(out)} bytes < {end - start} to read")
             if end - start <= _INLINE_COPY_BYTES:
                 return _copy_out(mapped.mm, out, start, end)
             return await in_thread(_copy_out, mapped.mm, out, start, end)
         finally:
-            mapped.users -= 1
-            mapped.last_used = time.monotonic()
+            entry.users -= 1
+            entry.last_used = time.monotonic()
             self._trim()
 
-    async def _mapped(self, chunk_id: str) -> _Mapped | None:
-        """The checked mapping of ``chunk_id``, made once for all who ask at the same time
-        or soon after; None when the node's RAM does not have it."""
-        task = self._maps.get(chunk_id)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._map(chunk_id))
-            self._maps[chunk_id] = task
-            task.add_done_callback(functools.partial(self._map_done, chunk_id))
-        else:
-            self._maps.move_to_end(chunk_id)
-        return await asyncio.shield(task)
-
     async def _map(self, chunk_id: str) -> _Mapped | None:
+        """Ask the node for the chunk, map it and check it; None: not in the node's RAM."""
         async with self._slots:
             reply, fd = await self._ask({"op": "read", "id": chunk_id})
         if fd is None:
@@ -410,29 +423,26 @@ class ShmPath:
             raise
         return _Mapped(await in_thread(_map_checked, fd, size, chunk_id), size)
 
-    def _map_done(self, chunk_id: str, task: asyncio.Task[_Mapped | None]) -> None:
+    def _map_done(self, chunk_id: str, entry: _Entry, task: asyncio.Task[_Mapped | None]) -> None:
         """A mapping that failed (or that the node did not have) is not kept."""
-        failed = task.cancelled() or task.exception() is not None or task.result() is None
-        if failed and self._maps.get(chunk_id) is task:
+        if entry.mapped() is None and self._maps.get(chunk_id) is entry:
             del self._maps[chunk_id]
 
     def _trim(self) -> None:
-        """Unmap unused mappings idle for ``_MAPPED_IDLE`` s, and the least recently asked
-        beyond ``_MAPPED_BYTES``; look again later while some are left."""
+        """Unmap mappings nobody uses that have been idle for ``_MAPPED_IDLE`` s, and the
+        least recently asked beyond ``_MAPPED_BYTES``; look again later while some are
+        left."""
         now = time.monotonic()
-        kept = [
-            (cid, task.result())
-            for cid, task in self._maps.items()
-            if task.done() and not task.cancelled() and task.exception() is None
-        ]
-        mapped = [(cid, m) for cid, m in kept if m is not None]
-        total = sum(m.size for _, m in mapped)
-        for cid, m in mapped:
-            if m.users == 0 and (total > _MAPPED_BYTES or now - m.last_used >= _MAPPED_IDLE):
+        made = [(cid, e, e.mapped()) for cid, e in self._maps.items()]
+        total = sum(m.size for _, _, m in made if m is not None)
+        for cid, entry, mapped in made:
+            if mapped is None or entry.users:
+                continue
+            if total > _MAPPED_BYTES or now - entry.last_used >= _MAPPED_IDLE:
                 del self._maps[cid]
-                total -= m.size
+                total -= mapped.size
                 with contextlib.suppress(BufferError):
-                    m.mm.close()
+                    mapped.mm.close()
         if self._maps and self._trim_timer is None:
             self._trim_timer = asyncio.get_running_loop().call_later(_MAPPED_IDLE, self._trim_later)
 
@@ -444,14 +454,13 @@ class ShmPath:
         if self._trim_timer is not None:
             self._trim_timer.cancel()
             self._trim_timer = None
-        for task in self._maps.values():
-            if task.done() and not task.cancelled() and task.exception() is None:
-                mapped = task.result()
-                if mapped is not None:
-                    with contextlib.suppress(BufferError):
-                        mapped.mm.close()
-            else:
-                task.cancel()
+        for entry in self._maps.values():
+            mapped = entry.mapped()
+            if mapped is not None:
+                with contextlib.suppress(BufferError):
+                    mapped.mm.close()
+            elif not entry.task.done():
+                entry.task.cancel()
         self._maps.clear()
 
     @staticmethod

@@ -136,9 +136,12 @@ async def test_client_round_trip_uses_shared_memory(cluster: LocalCluster) -> No
             await client.put_chunk_result(b"not this" * 1000, chunk_id_of(b"other"))
 
 
-async def test_range_reads_of_a_chunk_share_one_checked_mapping(cluster: LocalCluster) -> None:
+async def test_range_reads_of_a_chunk_share_one_checked_mapping(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A restore reads a chunk as many ranges (one per tensor): one node request, one
-    mapping and one hash serve them all, and the mapping goes once unused."""
+    mapping and one hash serve them all, and the mapping goes once unused, never while a
+    read that asked for it has yet to copy from it."""
     from storaged.client import shm as shm_module
     from tiers.base import ByteRange
 
@@ -171,6 +174,18 @@ async def test_range_reads_of_a_chunk_share_one_checked_mapping(cluster: LocalCl
         assert not client.shm._maps
         assert bytes(await client.get_chunk(chunk, None, ByteRange(0, 10))) == blob[:10]
         assert await _metric(url, read_ok) == before + 2
+        # No room kept at all: every read that ends unmaps what nobody uses, yet the reads
+        # waiting on the same mapping still copy from it (they count as users from the
+        # moment they ask).
+        await asyncio.sleep(shm_module._MAPPED_IDLE * 2.5)
+        monkeypatch.setattr(shm_module, "_MAPPED_BYTES", 0)
+        parts = await asyncio.gather(
+            *(client.get_chunk(chunk, None, ByteRange(lo, hi)) for lo, hi in pieces)
+        )
+        assert [bytes(p) for p in parts] == [blob[lo:hi] for lo, hi in pieces]
+        assert client.stats.shm_chunks_downloaded == 2 * len(pieces) + 1
+        assert await _metric(url, read_ok) == before + 3
+        assert not client.shm._maps
 
 
 async def test_shm_off_by_option_and_by_environment(
