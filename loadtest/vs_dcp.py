@@ -770,11 +770,12 @@ def run_targets(
         print(f"# DCP async_save into storaged ({'first' if r == 0 else 'again'}): stall "
               f"{dcp_async[-1][0].seconds:.2f} s, acked after {dcp_async[-1][1].seconds:.2f} s",
               flush=True)  # fmt: skip
-    # P2, P2r: dcp.save until acked. The remote one saves last: its checkpoint is the one
-    # loaded below (both are fresh bytes; RAM holds the newest checkpoint).
+    # P2, P2r: dcp.save until acked. The co-located one saves last: its checkpoint is the
+    # one loaded below (both are fresh bytes; RAM holds the newest checkpoint), as a job
+    # restarted in place loads what it saved through its own host's node.
     dcp_save: dict[str, Window] = {}
     name = ""
-    for variant in ("co-located", "remote"):
+    for variant in ("remote", "co-located"):
         training_step(torch_state)
         name = f"{tag}/dcp-save-{variant}"
         options = shm_options(variant == "co-located")

@@ -12,9 +12,13 @@ reply repeats:
   would, keeping the sealed pages as its RAM copy when it is a holder: the reply is the
   PUT's answer (status 201/200 and its document) or its error.
 - ``release(lease)``: give a lease back unsealed.
-- ``read(id)``: a sealed memfd holding exactly that chunk, when this node has it in RAM
-  (its own sealed segment, or a copy made into a new one), for the client to map
-  read-only and check; ``chunk_not_found`` otherwise (the client goes the HTTP way).
+- ``read(id)``: the sealed memfd holding exactly that chunk, when this node has it in RAM
+  in a shared segment (it was handed over through this path), for the client to map
+  read-only and check; ``chunk_not_found`` otherwise (the client goes the HTTP way). A
+  chunk in the pooled RAM buffers (a replica's copy, an HTTP PUT's) is not copied into a
+  new segment for the asker: measured here, a fresh memfd, the copy into it and the
+  client's mapping of it cost about 1.8 CPU s/GB against 0.5 to 0.8 for an HTTP GET of
+  the same bytes over loopback (docs/BENCHMARKS.md).
 
 A client sees only the descriptors it was sent: its own leases and the chunks it asked
 for by id. Leases not sealed when the connection ends are freed: a client that dies
@@ -29,7 +33,6 @@ import contextlib
 import hmac
 import itertools
 import logging
-import mmap
 import os
 import socket
 from collections.abc import Callable
@@ -47,7 +50,7 @@ from storaged.errors import (
 from storaged.ids import chunk_id_and_crc32c, is_chunk_id
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
 from tiers import ChunkNotFound, TierFull
-from tiers.memory import SHARED_POPULATED, SealRefused, SharedSegment
+from tiers.memory import SealRefused, SharedSegment
 
 if TYPE_CHECKING:
     from storaged.node import Node
@@ -72,12 +75,6 @@ def socket_path(data_dir: Path) -> Path:
 
     tag = hashlib.blake2b(os.fsencode(data_dir.resolve()), digest_size=8).hexdigest()
     return Path(tempfile.gettempdir()) / f"storaged-{os.getuid()}" / tag / "node.sock"
-
-
-def _fill_segment(fd: int, nbytes: int, data: memoryview) -> None:
-    """Copy ``data`` into a fresh memfd (mapped writable only for the copy)."""
-    with mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
-        m[: data.nbytes] = data
 
 
 class ShmListener:
@@ -349,27 +346,11 @@ class _Connection:
         if not isinstance(cid, str) or not is_chunk_id(cid):
             raise bad_request(f"{cid!r} is not a chunk id", code="bad_chunk_id")
         memory = node.memory
+        if not memory.is_shared(cid):
+            raise NotFound("chunk_not_found", f"{cid} is not in a shared segment of this node")
         try:
-            if memory.is_shared(cid):
-                async with memory.lease_fd(cid) as (fd, size):
-                    await self._send({"rid": rid, "size": size}, fd=fd)
-                node.metrics.restore_bytes.labels("memory").inc(size)
-                return
-            async with memory.lease(cid) as view:
-                if view.nbytes == 0:
-                    raise ChunkNotFound(cid)
-                seg = await memory.lease_shared(view.nbytes, timeout=0.0)
-                try:
-                    await asyncio.to_thread(_fill_segment, seg.fd, seg.nbytes, view)
-                    fd = seg.fd  # owned by the sealed buffer below until it is released
-                    sealed = await memory.seal_shared(seg, view.nbytes)
-                except BaseException:
-                    memory.release_shared(seg)
-                    raise
-        except (ChunkNotFound, TierFull):
+            async with memory.lease_fd(cid) as (fd, size):
+                await self._send({"rid": rid, "size": size}, fd=fd)
+        except ChunkNotFound:
             raise NotFound("chunk_not_found", f"{cid} is not in this node's RAM") from None
-        try:
-            await self._send({"rid": rid, "size": sealed.nbytes}, fd=fd)
-            node.metrics.restore_bytes.labels("memory").inc(sealed.nbytes)
-        finally:
-            memory.release(sealed)
+        node.metrics.restore_bytes.labels("memory").inc(size)

@@ -188,6 +188,34 @@ async def test_range_reads_of_a_chunk_share_one_checked_mapping(
         assert not client.shm._maps
 
 
+async def test_chunk_in_pooled_ram_is_read_over_http(cluster: LocalCluster) -> None:
+    """A chunk the local node holds in its pooled buffers (it came over HTTP or as a
+    replica's copy) is not copied into a new segment for the asker: the node answers
+    chunk_not_found and the client reads it over HTTP."""
+    rng = np.random.default_rng(12)
+    not_found = 'storaged_shm_ops_total{op="read",outcome="chunk_not_found"}'
+    async with client_for(cluster, shm=False) as http_client:
+        await client_sees_all_alive(http_client)
+        local = http_client.cluster.nodes[0].id
+        blob, chunk = b"", ""
+        for _ in range(40):
+            blob = rng.bytes(2 * MiB)
+            result = await http_client.put_chunk_result(blob)
+            if local in result.replicas:
+                chunk = result.chunk
+                break
+        assert chunk, "no chunk placed on the local node in 40 tries"
+    async with client_for(cluster) as client:
+        await client_sees_all_alive(client)
+        assert client.shm is not None and client.shm.node_id == local
+        url = client.cluster.node(local).url
+        before = await _metric(url, not_found, default=0.0)
+        assert bytes(await client.get_chunk(chunk)) == blob
+        assert client.stats.shm_chunks_downloaded == 0
+        assert client.stats.chunks_downloaded == 1
+        assert await _metric(url, not_found) == before + 1
+
+
 async def test_shm_off_by_option_and_by_environment(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
