@@ -840,6 +840,11 @@ def build_targets(
     rows: list[Target] = []
     stalls = [
         ("AsyncSaver.save stall, first save", store.saves[0].stall),
+        *(
+            [("AsyncSaver.save stall, first after prepare()", store.prepared.stall)]
+            if store.prepared is not None
+            else []
+        ),
         ("AsyncSaver.save stall, steady", median_window([s.stall for s in steady])),
         ("DCP async_save into storaged stall, first", runs.dcp_async[0][0]),
         ("DCP async_save into storaged stall, again", runs.dcp_async[-1][0]),
@@ -882,6 +887,8 @@ class StoragedResult:
     restore_verified: bool
     multi: MultiRestore | None
     profile: dict[str, Any]
+    #: the first save of a new saver whose buffers ``AsyncSaver.prepare`` faulted in
+    prepared: SaveRound | None = None
 
 
 async def run_storaged(
@@ -908,7 +915,20 @@ async def run_storaged(
                   f"{_fmt(done.nvme)}, cold {_fmt(done.cold)}", flush=True)  # fmt: skip
         await saver.aclose()
         del saver  # its staging buffers: memory the restores below need
-        name = saves[-1].name
+        # A new saver prepared at "start-up" (untimed), then its first save.
+        fresh = AsyncSaver(client)
+        await fresh.prepare({0: state})
+        await asyncio.to_thread(training_step, torch_state)
+        prepared = await save_round(client, fresh, f"{tag}/prepared", state, pids, True,
+                                    args.settle_limit)  # fmt: skip
+        print(
+            f"# storaged save after prepare() (first of a new saver): stall "
+            f"{prepared.stall.seconds:.2f} s, ack {prepared.ack.seconds:.2f} s",
+            flush=True,
+        )
+        await fresh.aclose()
+        del fresh
+        name = prepared.name
         ram = await ram_tier_check(client, name)
         dst = prefaulted(specs)
         restores = await restore_rounds(client, name, dst, args.repeat, pids)
@@ -928,7 +948,7 @@ async def run_storaged(
         if args.profile and profile["available"]:
             profile.update(await profile_rounds(client, cluster, torch_state, state, specs,
                                                 tag, args))  # fmt: skip
-    return StoragedResult(memory, saves, ram, restores, verified, multi, profile)
+    return StoragedResult(memory, saves, ram, restores, verified, multi, profile, prepared)
 
 
 async def profile_rounds(
@@ -1286,6 +1306,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_warm": [w.to_json() for w in dcp.load],
                 "files_bytes": dcp.files_bytes},
         "storaged": {"saves": [s.to_json() for s in store.saves],
+                     "prepared": None if store.prepared is None else store.prepared.to_json(),
                      "ram_tier": store.ram_tier,
                      "restore": [w.to_json() for w in store.restores],
                      "restore_verified": store.restore_verified,

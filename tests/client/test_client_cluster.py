@@ -284,6 +284,39 @@ async def test_async_save_ignores_mutation_after_return(cluster: LocalCluster) -
         await restored_boxes(client, "async/10", "g", g, split(g.shape, 0, [0, 2048]))
 
 
+async def test_prepared_saver_stages_into_the_buffers_it_faulted_in(
+    cluster: LocalCluster,
+) -> None:
+    """``AsyncSaver.prepare`` lays out one staging buffer per rank (per buffer set) of the
+    size the save packs into, pages touched; the first save uses exactly those buffers,
+    and what it saved restores."""
+    from storaged.client.checkpoint import staged_size
+
+    g, states = big_state(31, rows=1024)
+    chunk = 512 << 10
+    async with (
+        client_for(cluster) as client,
+        AsyncSaver(client, chunk_size=chunk, buffers=2) as saver,
+    ):
+        prepared = await saver.prepare(states)
+        sizes = {rank: staged_size(state, chunk) for rank, state in states.items()}
+        assert prepared == 2 * sum(sizes.values()) > g.nbytes
+        sets = list(saver._free._queue)  # type: ignore[attr-defined]
+        assert len(sets) == 2
+        before = [{r: b._buffer for r, b in bufs.items()} for bufs in sets]
+        for buffers in sets:
+            assert {r: b.capacity for r, b in buffers.items()} == sizes
+        handle = await saver.save("prepared/1", states)
+        await handle.acked()
+        after = [{r: b._buffer for r, b in bufs.items()} for bufs in sets]
+        assert all(a[r] is b[r] for a, b in zip(after, before, strict=True) for r in sizes)
+        await restored_boxes(client, "prepared/1", "g", g, split(g.shape, 0, [0, 1024]))
+        # A second prepare of the same shapes faults nothing new: same buffers.
+        await saver.prepare(states)
+        again = [{r: b._buffer for r, b in bufs.items()} for bufs in sets]
+        assert all(a[r] is b[r] for a, b in zip(again, after, strict=True) for r in sizes)
+
+
 # --------------------------------------------------------------------------- failures
 
 
