@@ -1092,6 +1092,9 @@ class Client:
         ranged = "Range" in headers
         skip = byte_range.start if byte_range is not None else 0
         shm = usable(self.shm)
+        #: the local node whose RAM copy failed its id: not asked again over HTTP (a node
+        #: serves its RAM copy as it holds it), and the copy read instead is checked here
+        bad_copy: str | None = None
         if shm is not None:
             # From the local node's RAM when it has the chunk there; checked like any read.
             try:
@@ -1099,6 +1102,7 @@ class Client:
             except ChecksumMismatch as exc:
                 log.error("%s: taking the chunk from another copy", exc)
                 local = None
+                bad_copy = shm.node_id
             if local is not None:
                 self.stats.chunks_downloaded += 1
                 self.stats.bytes_downloaded += len(local)
@@ -1106,8 +1110,10 @@ class Client:
                 self.stats.shm_bytes_downloaded += len(local)
                 return local
 
+        verify = self._verify_reads or bad_copy is not None
+
         async def checked(view: memoryview) -> memoryview:
-            if self._verify_reads and not ranged and await chunk_id_of_async(view) != chunk_id:
+            if verify and not ranged and await chunk_id_of_async(view) != chunk_id:
                 raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
             return view
 
@@ -1168,6 +1174,10 @@ class Client:
                 self.stats.bytes_downloaded += len(view)
                 return view
         candidates, balance = self._read_candidates(chunk_id, holders)
+        if bad_copy in candidates:
+            if candidates.index(bad_copy) < balance:
+                balance -= 1
+            candidates.remove(bad_copy)
         try:
             view = await self._call(
                 "GET",

@@ -11,6 +11,7 @@ drops the RAM copy and counts it; reads then find a good copy elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 
@@ -142,3 +143,40 @@ async def test_replicas_hold_background_work_back_for_ack_copies_only(
     assert replicas[0].writes.busy()
     replicas[0].writes.copy_seen -= write_module._COPY_QUIET
     assert not replicas[0].writes.busy()
+
+
+async def test_shared_copy_that_fails_its_id_is_never_served(inproc: InprocFactory) -> None:
+    """A byte flipped in a node's sealed shared copy (below the seal's promise: a memory
+    fault) is never served to a co-located client: its shared-memory read fails the id,
+    and the client reads another holder's copy over HTTP, checked, never the same node's
+    RAM copy again (a node serves RAM as it holds it)."""
+    from storaged.client import Client
+    from storaged.server import http_error
+    from storaged.shm import ShmListener, socket_path
+    from tiers.base import ByteRange
+
+    cluster = await inproc.start(3, drain_workers=0, encode_workers=0)
+    good = np.random.default_rng(9).bytes(1 << 20)
+    cid = chunk_id_of(good)
+    victim = cluster.node(0)
+    # The in-process harness runs no shared-memory listener: node 0 gets one, as serve does.
+    listener = ShmListener(victim, socket_path(victim.config.data_dir), http_error)
+    await listener.start()
+    victim.shm_info = listener.info()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(listener.close)
+        client = await stack.enter_async_context(Client(cluster.urls, token=TOKEN))
+        result = await client.put_chunk_result(good)
+        assert set(result.replicas) == {cluster.node_id(i) for i in range(3)}
+        assert client.shm is not None and client.shm.node_id == victim.id
+        flipped = bytearray(good)
+        flipped[777] ^= 0x04
+        await victim.memory.delete(cid)
+        assert await victim.writes.store_local(cid, await _stage_shared(victim, bytes(flipped)))
+        assert victim.memory.is_shared(cid)
+        for _ in range(3):  # whichever holder the client would have asked first
+            assert bytes(await client.get_chunk(cid)) == good
+            part = await client.get_chunk(cid, None, ByteRange(700, 800))
+            assert bytes(part) == good[700:800]
+        assert client.stats.shm_chunks_downloaded == 0
+        assert client.stats.chunks_downloaded == 6
