@@ -9,8 +9,9 @@ reply repeats:
   ``SCM_RIGHTS``. The client maps it, writes the chunk, unmaps it.
 - ``seal(lease, length, id?)``: the node seals the memfd against every write (refused
   while the client still maps it writable), hashes it here, and puts it as an HTTP PUT
-  would, keeping the sealed pages as its RAM copy when it is a holder: the reply is the
-  PUT's answer (status 201/200 and its document) or its error.
+  would, keeping the sealed pages as its RAM copy when it is a holder, and as a local
+  copy (reads only, counted as no copy: ``MemoryTier.put_local_copy``) when it is not:
+  the reply is the PUT's answer (status 201/200 and its document) or its error.
 - ``release(lease)``: give a lease back unsealed.
 - ``read(id)``: the sealed memfd holding exactly that chunk, when this node has it in RAM
   in a shared segment (it was handed over through this path), for the client to map

@@ -237,6 +237,8 @@ class MemoryTier(Tier):
         self._leases = 0
         self._shared: dict[int, SharedSegment] = {}
         self._waiters: list[asyncio.Future[None]] = []
+        #: keys whose value is a local copy kept for reads only (``put_local_copy``)
+        self._local_copies: set[str] = set()
         self._closed = False
 
     # --- the buffer pool -------------------------------------------------------------
@@ -408,6 +410,8 @@ class MemoryTier(Tier):
                 raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
         if self._closed or key in self._entries:
             self._recycle(buf)
+            if key in self._local_copies:
+                self._held_from_now(key)
             return
         self._insert(key, buf, view.nbytes)
 
@@ -420,6 +424,8 @@ class MemoryTier(Tier):
                 digest = await _hash(src)
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
+            if key in self._local_copies:
+                self._held_from_now(key)
             return
         try:
             buf = await self._acquire(size_class(src.nbytes), self._put_timeout)
@@ -437,6 +443,8 @@ class MemoryTier(Tier):
             raise CorruptChunk(key, f"BLAKE3 of the data is {copied}")
         if self._closed or key in self._entries:
             self._recycle(buf)
+            if key in self._local_copies:
+                self._held_from_now(key)
             return
         self._insert(key, buf, src.nbytes)
 
@@ -490,8 +498,50 @@ class MemoryTier(Tier):
                         self._wake()
 
     def has(self, key: str) -> bool:
-        """Whether ``key`` is held now (a value may be evicted right after, once clean)."""
+        """Whether ``key`` has a value here now, a local copy included (a value may be
+        evicted right after, once clean)."""
         return key in self._entries
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is held as a copy of its own: ``has``, and not a local copy."""
+        return key in self._entries and key not in self._local_copies
+
+    def is_local_copy(self, key: str) -> bool:
+        return key in self._local_copies
+
+    async def put_local_copy(self, key: str, view: memoryview) -> bool:
+        """Keep ``view`` (an allocation of this tier, checked against ``key``: a sealed
+        shared segment) under ``key`` as a *local copy*: a clean value that serves reads
+        here and nothing else. It is never drained, ``holds`` is False for it, and it is
+        evicted like any clean value when room is needed. A ``put`` of the same key later
+        makes it a held, dirty value (its bytes are the key's). The view belongs to the
+        tier from this call on; False (and released) when ``key`` has a value already."""
+        rec = self._allocated.pop(id(view), None)
+        if rec is None or rec[0] is not view:
+            if rec is not None:
+                self._allocated[id(rec[0])] = rec
+            raise TierError("put_local_copy takes a buffer from this tier's allocate")
+        buf = rec[1]
+        if self._closed or key in self._entries:
+            self._recycle(buf)
+            return False
+        self._check_key(key)
+        self._insert(key, buf, view.nbytes)
+        self._local_copies.add(key)
+        self.mark_clean(key)
+        return True
+
+    def _held_from_now(self, key: str) -> None:
+        """A local copy becomes this tier's held value of ``key``: dirty (to be drained)."""
+        self._local_copies.discard(key)
+        entry = self._entries[key]
+        if not entry.dirty:
+            entry.dirty = True
+            del self._clean[key]
+            if entry.buf.leases == 0:
+                self._evictable -= entry.buf.nbytes
+            self._dirty[key] = None
+            self._dirty_bytes += entry.size
 
     async def stat(self, key: str) -> ChunkStat:
         self._check_open()
@@ -543,6 +593,7 @@ class MemoryTier(Tier):
                 os.close(buf.fd)
                 buf.fd = -1
         self._entries.clear()
+        self._local_copies.clear()
         self._clean.clear()
         self._dirty.clear()
         self._allocated.clear()
@@ -609,6 +660,7 @@ class MemoryTier(Tier):
 
     def _remove(self, key: str) -> _Entry:
         entry = self._entries.pop(key)
+        self._local_copies.discard(key)
         buf = entry.buf
         self._value_bytes -= entry.size
         if entry.dirty:

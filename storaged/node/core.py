@@ -387,7 +387,9 @@ class Node:
 
     # ---- local holdings ------------------------------------------------------------------
     def memory_has(self, chunk_id: str) -> bool:
-        return self.memory.has(chunk_id)
+        """A RAM copy of this node's own (a co-located client's local copy is not one: it
+        serves reads through shared memory and counts for nothing else)."""
+        return self.memory.holds(chunk_id)
 
     def nvme_has(self, chunk_id: str) -> bool:
         return self.nvme.has(chunk_id)

@@ -212,6 +212,12 @@ class WritePath:
         if node.id in holders:
             if await self.store_local(chunk_id, buf):
                 created.append(node.id)
+        elif sealed is not None:
+            # Handed over by a client on this host, which will read it back from here (a
+            # job restarted in place): the sealed pages stay as a local copy, evictable and
+            # counted as no copy of the chunk (the holders above are its copies).
+            async with node.locks.hold(chunk_id):
+                await node.memory.put_local_copy(chunk_id, buf)
         else:
             node.memory.release(buf)
         node.metrics.ack_latency.observe(time.perf_counter() - started)

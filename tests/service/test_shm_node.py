@@ -180,3 +180,59 @@ async def test_shared_copy_that_fails_its_id_is_never_served(inproc: InprocFacto
             assert bytes(part) == good[700:800]
         assert client.stats.shm_chunks_downloaded == 0
         assert client.stats.chunks_downloaded == 6
+
+
+async def test_entry_node_keeps_a_local_copy_that_counts_for_nothing(
+    inproc: InprocFactory,
+) -> None:
+    """A chunk sealed through a node that is not one of its holders stays there as a local
+    copy: the co-located client reads it back through shared memory (a job restarted in
+    place restores every chunk it saved from its own host), but no holding reports it, it
+    is never drained, and a copy of the chunk's own that later lands here makes it a held,
+    dirty copy (drained like any other)."""
+    from storaged.client import Client
+    from storaged.server import http_error
+    from storaged.shm import ShmListener, socket_path
+
+    cluster = await inproc.start(4, drain_defer=0.0)
+    entry = cluster.node(0)
+    listener = ShmListener(entry, socket_path(entry.config.data_dir), http_error)
+    await listener.start()
+    entry.shm_info = listener.info()
+    rng = np.random.default_rng(10)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(listener.close)
+        client = await stack.enter_async_context(Client(cluster.urls, token=TOKEN))
+        assert client.shm is not None and client.shm.node_id == entry.id
+        saved: dict[str, bytes] = {}
+        elsewhere: list[str] = []
+        for _ in range(40):
+            data = rng.bytes(256 * 1024)
+            result = await client.put_chunk_result(data)
+            assert len(result.replicas) == 3
+            saved[result.chunk] = data
+            if entry.id not in result.replicas:
+                elsewhere.append(result.chunk)
+            if len(elsewhere) >= 3:
+                break
+        assert elsewhere, "every chunk was placed on the entry node in 40 tries"
+        for cid in elsewhere:
+            assert entry.memory.has(cid) and entry.memory.is_local_copy(cid)
+            assert not entry.memory_has(cid) and not entry.holds_hot(cid)
+            answers = (await cluster.node(1).holdings(cluster.node(1).placement().alive, [cid]))[
+                cid
+            ]
+            assert entry.id not in {h.node for h in answers} and len(answers) == 3
+        client.stats.reset()
+        for cid, data in saved.items():
+            assert bytes(await client.get_chunk(cid)) == data
+        assert client.stats.shm_chunks_downloaded == len(saved)
+        # The holders drain their copies; the local copy never reaches the entry's disk.
+        cid = elsewhere[0]
+        holders = [cluster.node(i) for i in range(1, 4) if cluster.node(i).holds_hot(cid)]
+        await wait_until("the holders drained", lambda: all(n.nvme_has(cid) for n in holders))
+        assert not entry.nvme_has(cid) and not entry.memory.is_dirty(cid)
+        # A copy of its own lands here (as a repair or a rebalance puts one): held, drained.
+        await holders[0].writes.push_copy(entry.id, cid, memoryview(saved[cid]))
+        assert entry.memory_has(cid) and not entry.memory.is_local_copy(cid)
+        await wait_until("the entry drained its own copy", lambda: entry.nvme_has(cid))

@@ -91,3 +91,52 @@ async def test_release_and_full_tier() -> None:
     with pytest.raises(ChunkNotFound):
         async with MemoryTier(MiB).lease_fd("0" * 64):
             pass
+
+
+async def _sealed(tier: MemoryTier, data: bytes) -> memoryview:
+    seg = await tier.lease_shared(len(data))
+    _fill(seg.fd, data)
+    return await tier.seal_shared(seg, len(data))
+
+
+async def test_local_copy_serves_reads_and_is_no_held_copy_until_put() -> None:
+    """A local copy (``put_local_copy``): readable and shared, but not held, not dirty (never
+    drained), evicted first like any clean value; a later ``put`` of the key makes it a
+    held, dirty value without another buffer."""
+    tier = MemoryTier(16 * MiB)
+    data = os.urandom(3 * MiB)
+    key = chunk_id_of(data)
+    assert await tier.put_local_copy(key, await _sealed(tier, data))
+    assert tier.has(key) and not tier.holds(key) and tier.is_local_copy(key)
+    assert tier.is_shared(key) and not tier.is_dirty(key) and key not in tier.dirty_keys()
+    async with tier.lease(key) as got:
+        assert bytes(got) == data
+    assert tier.stats().evictable_bytes == size_class(len(data))
+    # A second local copy of the same key is refused and its buffer given back.
+    used = tier.usage().used
+    assert not await tier.put_local_copy(key, await _sealed(tier, data))
+    assert tier.usage().used == used
+    # The node comes to hold it (a replica's copy arrives): same pages, now dirty and held.
+    other = await tier.allocate(len(data))
+    other[:] = data
+    await tier.put(key, other, verified=True)
+    assert tier.holds(key) and not tier.is_local_copy(key) and tier.is_dirty(key)
+    assert tier.dirty_keys() == [key] and tier.usage().used == used
+    assert tier.stats().evictable_bytes == 0
+    await tier.close()
+
+
+async def test_local_copies_make_room_when_needed() -> None:
+    tier = MemoryTier(8 * MiB)
+    data = os.urandom(4 * MiB)
+    key = chunk_id_of(data)
+    assert await tier.put_local_copy(key, await _sealed(tier, data))
+    # Room for two more 4 MiB values only if the local copy goes.
+    for _ in range(2):
+        buf = await tier.allocate(4 * MiB, timeout=0)
+        buf[:] = os.urandom(4 * MiB)
+        await tier.put(chunk_id_of(buf), buf, verified=True)
+    assert not tier.has(key) and not tier.is_local_copy(key)
+    with pytest.raises(ChunkNotFound):
+        await tier.stat(key)
+    await tier.close()
