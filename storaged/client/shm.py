@@ -14,7 +14,8 @@ socket this process can reach (``storaged.shm`` is the node's side). Then:
   of that chunk asked for at the same time or soon after (a DCP restore reads a chunk as
   many tensor ranges): one node request, one mapping and one hash per chunk, not per
   range. The seal makes the mapped bytes unchangeable; mappings are few (``_MAPPED_BYTES``)
-  and brief (``_MAPPED_IDLE``), as they keep pages alive the node may have let go.
+  and brief (``_MAPPED_IDLE``, or none after a whole-chunk read), as they keep pages
+  alive the node may have let go and count in this process's memory.
 
 Anything the path cannot do (a chunk not in the node's RAM, a refusal worth retrying, a
 lost connection) returns ``None`` and the client takes the HTTP way, with its retries and
@@ -59,10 +60,11 @@ T = TypeVar("T")
 _CONNECT_TIMEOUT = 5.0
 #: below this a copy runs on the loop: a thread hop would cost more
 _INLINE_COPY_BYTES = 256 << 10
-#: checked chunk mappings kept for further range reads, at most this many bytes, each
-#: unmapped once unused for ``_MAPPED_IDLE`` seconds (a mapping keeps the node's pages
-#: alive after the node itself lets the chunk go: keep few, briefly)
-_MAPPED_BYTES = 128 << 20
+#: checked chunk mappings kept for further range reads, at most this many bytes unused,
+#: each unmapped once unused for ``_MAPPED_IDLE`` seconds, or at once after a read of the
+#: whole chunk (a mapping keeps the node's pages alive after the node itself lets the
+#: chunk go, and counts in this process's memory: keep few, briefly)
+_MAPPED_BYTES = 64 << 20
 _MAPPED_IDLE = 1.0
 
 
@@ -387,6 +389,7 @@ class ShmPath:
         else:
             self._maps.move_to_end(chunk_id)
         entry.users += 1
+        whole = False
         try:
             try:
                 mapped = await asyncio.shield(entry.task)
@@ -402,12 +405,18 @@ class ShmPath:
                 raise BadRange(message=str(exc), status=416) from None  # as HTTP says it
             if out is not None and len(out) < end - start:
                 raise ValueError(f"output buffer of {len(out)} bytes < {end - start} to read")
+            whole = start == 0 and end == mapped.size
             if end - start <= _INLINE_COPY_BYTES:
                 return _copy_out(mapped.mm, out, start, end)
             return await in_thread(_copy_out, mapped.mm, out, start, end)
         finally:
             entry.users -= 1
             entry.last_used = time.monotonic()
+            if whole and not entry.users:
+                # Read whole: nothing is likely to want more of it soon (a restore of
+                # large tensors reads each chunk once). Unmapped now, its pages do not
+                # stay in this process's memory.
+                self._drop(chunk_id, entry)
             self._trim()
 
     async def _map(self, chunk_id: str) -> _Mapped | None:
@@ -445,6 +454,14 @@ class ShmPath:
                     mapped.mm.close()
         if self._maps and self._trim_timer is None:
             self._trim_timer = asyncio.get_running_loop().call_later(_MAPPED_IDLE, self._trim_later)
+
+    def _drop(self, chunk_id: str, entry: _Entry) -> None:
+        mapped = entry.mapped()
+        if mapped is None or self._maps.get(chunk_id) is not entry:
+            return
+        del self._maps[chunk_id]
+        with contextlib.suppress(BufferError):
+            mapped.mm.close()
 
     def _trim_later(self) -> None:
         self._trim_timer = None
