@@ -73,6 +73,18 @@ async def _metric(url: str, name: str, default: float | None = None) -> float:
     return float(match.group(1))
 
 
+async def _chunk_placed_on(
+    client: Client, node_id: str, rng: np.random.Generator, size: int
+) -> tuple[bytes, str]:
+    """Put random chunks of ``size`` bytes until one has ``node_id`` among its replicas."""
+    for _ in range(40):
+        blob = rng.bytes(size)
+        result = await client.put_chunk_result(blob)
+        if node_id in result.replicas:
+            return blob, result.chunk
+    raise AssertionError(f"no chunk placed on {node_id} in 40 tries")
+
+
 class RawShm:
     """The wire protocol by hand, for what the client never does (keep a mapping)."""
 
@@ -151,14 +163,7 @@ async def test_range_reads_of_a_chunk_share_one_checked_mapping(
         await client_sees_all_alive(client)
         assert client.shm is not None
         local = client.shm.node_id
-        blob, chunk = b"", ""
-        for _ in range(40):  # a chunk whose copies include the node on this host
-            blob = rng.bytes(4 * MiB)
-            result = await client.put_chunk_result(blob)
-            if local in result.replicas:
-                chunk = result.chunk
-                break
-        assert chunk, "no chunk placed on the local node in 40 tries"
+        blob, chunk = await _chunk_placed_on(client, local, rng, 4 * MiB)
         url = client.cluster.node(local).url
         before = await _metric(url, read_ok, default=0.0)
         pieces = [(i * 256 * 1024, (i + 1) * 256 * 1024) for i in range(16)]
@@ -197,14 +202,7 @@ async def test_chunk_in_pooled_ram_is_read_over_http(cluster: LocalCluster) -> N
     async with client_for(cluster, shm=False) as http_client:
         await client_sees_all_alive(http_client)
         local = http_client.cluster.nodes[0].id
-        blob, chunk = b"", ""
-        for _ in range(40):
-            blob = rng.bytes(2 * MiB)
-            result = await http_client.put_chunk_result(blob)
-            if local in result.replicas:
-                chunk = result.chunk
-                break
-        assert chunk, "no chunk placed on the local node in 40 tries"
+        blob, chunk = await _chunk_placed_on(http_client, local, rng, 2 * MiB)
     async with client_for(cluster) as client:
         await client_sees_all_alive(client)
         assert client.shm is not None and client.shm.node_id == local
