@@ -74,11 +74,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         del state
         dst = await asyncio.to_thread(prefaulted_arrays, specs)
         clients = {
+            # HTTP both ways (the subject): co-located, every chunk would come from the
+            # local node's copy through shared memory.
             mode: Client(
                 cluster.urls,
                 token=TOKEN,
                 max_concurrency=args.concurrency,
                 direct_reads=mode == "direct",
+                shm=False,
             )
             for mode in MODES
         }

@@ -160,7 +160,9 @@ async def test_node_killed_mid_body_fails_over_to_another_holder(
 ) -> None:
     cluster = await cluster_factory.start(4)
     data = np.random.default_rng(42).bytes(8 << 20)
-    async with client_for(cluster) as client:
+    # The HTTP path is the subject: co-located, the chunk would come from the local node's
+    # copy through shared memory.
+    async with client_for(cluster, shm=False) as client:
         cid = await client.put_chunk(data)
         first = client.placement(cid)[0]
         index = int(first.removeprefix("n"))
