@@ -28,12 +28,10 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import contextvars
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -71,7 +69,7 @@ from storaged.client.layout import (
     pack_stream,
     plan_restore,
 )
-from storaged.client.shm import http_only, usable
+from storaged.client.shm import http_only, in_thread, usable
 from storaged.ids import chunk_id_of
 from tiers.base import ByteRange
 
@@ -88,30 +86,6 @@ _INLINE_HASH_BYTES = 64 << 10
 #: Chunks the saver hashes before it hands them to ``put_chunks``: the next group hashes
 #: while this one uploads (the client's own ``missing`` batch, so nothing is lost).
 _HASH_GROUP = 512
-
-
-async def _to_thread_to_the_end(func: Callable[..., T], /, *args: Any) -> T:
-    """``asyncio.to_thread``, except that a cancelled caller resumes only once the thread
-    has finished.
-
-    A thread cannot be stopped: cancelled, ``to_thread`` returns at once while its thread
-    goes on reading or writing the memory it was handed. After this one returns or raises,
-    nothing it started touches that memory any more, so the caller may hand it on.
-    """
-    loop = asyncio.get_running_loop()
-    call = functools.partial(contextvars.copy_context().run, func, *args)
-    thread = loop.run_in_executor(None, call)
-    try:
-        return await asyncio.shield(thread)
-    except asyncio.CancelledError:
-        while not thread.done():  # bounded by the thread's own work; cancels are deferred
-            try:
-                await asyncio.wait([thread])
-            except asyncio.CancelledError:
-                continue
-        if not thread.cancelled():
-            thread.exception()  # the caller was cancelled: its outcome is nobody's to see
-        raise
 
 
 class CheckpointStore(Protocol):
@@ -592,7 +566,7 @@ class AsyncSaver:
             taken.append(self._free.get_nowait())
         try:
             faults = [
-                _to_thread_to_the_end(buffers.setdefault(rank, StagingBuffer()).prefault, n)
+                in_thread(buffers.setdefault(rank, StagingBuffer()).prefault, n)
                 for buffers in taken
                 for rank, n in sizes.items()
             ]
@@ -623,9 +597,7 @@ class AsyncSaver:
         loop = asyncio.get_running_loop()
         copies = [
             loop.create_task(
-                _to_thread_to_the_end(
-                    stage_shard, rank, state, size, buffers.setdefault(rank, StagingBuffer())
-                )
+                in_thread(stage_shard, rank, state, size, buffers.setdefault(rank, StagingBuffer()))
             )
             for rank, state in states.items()
         ]
@@ -700,7 +672,7 @@ class AsyncSaver:
         if len(chunk) <= _INLINE_HASH_BYTES:
             return chunk_id_of(chunk)
         async with self._hash_slots:
-            return await _to_thread_to_the_end(chunk_id_of, chunk)
+            return await in_thread(chunk_id_of, chunk)
 
     def _give_back_after(
         self, buffers: dict[int, StagingBuffer], tasks: Sequence[asyncio.Task[Any]]

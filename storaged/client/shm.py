@@ -124,19 +124,24 @@ def pick_node(doc: Any, seeds: list[str]) -> tuple[str, str] | None:
 
 
 async def in_thread(func: Callable[..., T], *args: Any) -> T:
-    """``func(*args)`` in a thread; a cancelled caller resumes only once the thread is done
-    (it may be reading the caller's buffer, which the caller may reuse once we return)."""
+    """``asyncio.to_thread``, except that a cancelled caller resumes only once the thread
+    has finished.
+
+    A thread cannot be stopped: cancelled, ``to_thread`` returns at once while its thread
+    goes on reading or writing the memory it was handed (a staging buffer, a leased
+    segment). After this one returns or raises, nothing it started touches that memory any
+    more, so the caller may reuse it or hand it on."""
     loop = asyncio.get_running_loop()
     call = functools.partial(contextvars.copy_context().run, func, *args)
     thread = loop.run_in_executor(None, call)
     try:
         return await asyncio.shield(thread)
     except asyncio.CancelledError:
-        while not thread.done():
+        while not thread.done():  # bounded by the thread's own work; cancels are deferred
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([thread])
         if not thread.cancelled():
-            thread.exception()
+            thread.exception()  # the caller was cancelled: its outcome is nobody's to see
         raise
 
 
