@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from storaged.errors import BadInput, unavailable
@@ -260,7 +260,6 @@ class WritePath:
         A peer that fails or refuses (e.g. memory_full) mid-body leaves ``streams``; its
         refusal goes into ``refused``.
         """
-        node = self.node
         pos = 0
         size = len(buf)
         async for piece in body:
@@ -270,16 +269,11 @@ class WritePath:
             buf[pos : pos + n] = piece  # the one copy into this node's RAM copy
             if streams:
                 view = buf[pos : pos + n]
-                dropped = []
-                for node_id, stream in streams.items():
-                    try:
-                        await stream.write(view)
-                    except PeerUnavailable:
-                        node.membership.report_failure(node_id)
-                        dropped.append(node_id)
-                    except PeerError as exc:
-                        refused.append(exc)
-                        dropped.append(node_id)
+                dropped = [
+                    node_id
+                    for node_id, stream in streams.items()
+                    if not await self._forward(node_id, stream, (view,), refused)
+                ]
                 for node_id in dropped:
                     streams.pop(node_id).abort()
             pos += n
@@ -290,23 +284,34 @@ class WritePath:
     ) -> None:
         """Send the whole of ``buf`` to every open stream at once, in slices (the transport
         keeps what the socket does not take); failures leave ``streams`` as in ``_receive``."""
-        node = self.node
-        dropped: list[str] = []
+        slices = [buf[pos : pos + _SEND_SLICE] for pos in range(0, len(buf), _SEND_SLICE)]
+        sent = await asyncio.gather(
+            *(self._forward(n, s, slices, refused) for n, s in streams.items())
+        )
+        for node_id, ok in list(zip(streams, sent, strict=True)):
+            if not ok:
+                streams.pop(node_id).abort()
 
-        async def send(node_id: str, stream: PutStream) -> None:
-            try:
-                for pos in range(0, len(buf), _SEND_SLICE):
-                    await stream.write(buf[pos : pos + _SEND_SLICE])
-            except PeerUnavailable:
-                node.membership.report_failure(node_id)
-                dropped.append(node_id)
-            except PeerError as exc:
-                refused.append(exc)
-                dropped.append(node_id)
-
-        await asyncio.gather(*(send(n, s) for n, s in streams.items()))
-        for node_id in dropped:
-            streams.pop(node_id).abort()
+    async def _forward(
+        self,
+        node_id: str,
+        stream: PutStream,
+        views: Sequence[memoryview],
+        refused: list[PeerError],
+    ) -> bool:
+        """Write ``views`` to one replica's stream; False when it failed (an unreachable
+        peer is reported to the membership, a refusal goes into ``refused``): the caller
+        drops that stream."""
+        try:
+            for view in views:
+                await stream.write(view)
+        except PeerUnavailable:
+            self.node.membership.report_failure(node_id)
+            return False
+        except PeerError as exc:
+            refused.append(exc)
+            return False
+        return True
 
     async def _finish_streams(
         self,
