@@ -40,17 +40,25 @@ def _holders_of(cluster: InprocCluster, chunk_id: str, index: int) -> list[int]:
     return [i for i in cluster.running() if index in cluster.node(i).fragments.get(chunk_id, ())]
 
 
+async def _four_copies_on_nvme(
+    cluster: InprocCluster, http: aiohttp.ClientSession, size: int
+) -> tuple[bytes, str, list[int]]:
+    """A new chunk PUT to its placement's three nodes plus a fourth copy on the next one
+    (as a join or a node's return leaves behind), all four drained; (bytes, id, order)."""
+    data = os.urandom(size)
+    cid = chunk_id_of(data)
+    order = cluster.order(cid)
+    assert (await Api(http, cluster.url(order[0]), TOKEN).put_chunk(data)).status == 201
+    await cluster.node(order[3]).writes.keep_copy(cid, memoryview(data))
+    await wait_until("four copies on nvme", lambda: len(_drained(cluster, cid)) == 4)
+    return data, cid, order
+
+
 async def test_crossed_copy_drops_keep_replication_copies(
     inproc: InprocFactory, http: aiohttp.ClientSession
 ) -> None:
     cluster = await inproc.start(4, encode_workers=0, **QUIET)
-    data = os.urandom(300_000)
-    cid = chunk_id_of(data)
-    a, b, c, d = cluster.order(cid)
-    assert (await Api(http, cluster.url(a), TOKEN).put_chunk(data)).status == 201
-    # A fourth copy, as a join or a node's return leaves behind.
-    await cluster.node(d).writes.keep_copy(cid, memoryview(data))
-    await wait_until("four copies on nvme", lambda: len(_drained(cluster, cid)) == 4)
+    data, cid, (a, b, c, d) = await _four_copies_on_nvme(cluster, http, 300_000)
     ids = [cluster.node_id(i) for i in (a, b, c, d)]
     # a thinks d's copy is misplaced and d thinks a's is: each names the other a witness.
     dropped = await asyncio.gather(
@@ -66,12 +74,7 @@ async def test_crossed_copy_drops_keep_replication_copies(
         assert got.status == 200 and got.raw == data
 
     # Asked alone (another chunk: pins are per chunk), with three sound witnesses: it goes.
-    other = os.urandom(200_000)
-    oid = chunk_id_of(other)
-    p, q, r, s = cluster.order(oid)
-    assert (await Api(http, cluster.url(p), TOKEN).put_chunk(other)).status == 201
-    await cluster.node(s).writes.keep_copy(oid, memoryview(other))
-    await wait_until("four copies on nvme", lambda: len(_drained(cluster, oid)) == 4)
+    _, oid, (p, q, r, s) = await _four_copies_on_nvme(cluster, http, 200_000)
     witnesses = [cluster.node_id(i) for i in (p, q, r)]
     assert await cluster.node(s).rebalance.drop_misplaced(oid, HOT, witnesses)
     assert sorted(_nvme_holders(cluster, oid)) == sorted([p, q, r])
