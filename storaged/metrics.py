@@ -58,6 +58,21 @@ class NodeMetrics:
             registry=r,
         )
         self.gc_freed = Counter("storaged_gc_freed_total", "Chunks freed by GC", registry=r)
+        self.gc_failed_passes = Counter(
+            "storaged_gc_failed_passes_total",
+            "GC passes that could not take a complete catalogue snapshot",
+            registry=r,
+        )
+        self.gc_stalled = Gauge(
+            "storaged_gc_stalled_seconds",
+            "How long GC has been stalled (no complete pass for longer than the grace); 0: not",
+            registry=r,
+        )
+        self.gc_last_pass = Gauge(
+            "storaged_gc_last_pass_timestamp_seconds",
+            "When the last complete GC snapshot was taken (Unix time)",
+            registry=r,
+        )
         self.repair_backlog = Gauge(
             "storaged_repair_backlog",
             "Chunks this node leads the repair of that lacked copies or fragments at its last "

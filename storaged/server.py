@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -568,6 +569,8 @@ async def cluster(request: web.Request) -> web.Response:
         entry["encode_backlog"] = info.get("encode_backlog")
         entry["repair_backlog"] = info.get("repair_backlog")
         entry["misplaced_backlog"] = info.get("misplaced_backlog")
+        # GC's health (node/referenced.py): the last complete pass, and a stall with its cause.
+        entry["gc"] = info.get("gc")
         # The co-located fast path (storaged.shm): host identity and socket, if it listens.
         entry["shm"] = info.get("shm")
         nodes.append(entry)
@@ -599,6 +602,23 @@ async def evict(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_name", f"{name!r} is not a valid checkpoint name")
     totals = await node.evict(str(name), nvme=doc["tier"] == "nvme")
     return reply(request, {"evicted": totals})
+
+
+async def pause_gc(request: web.Request) -> web.Response:
+    """Admin: skip this node's GC passes for ``pause`` seconds (0 resumes). A pause counts
+    as a failed pass: past the grace it is reported as a stall, like any other."""
+    node = request.app[NODE]
+    doc = await read_document(request, 1 << 20)
+    pause = doc.get("pause") if isinstance(doc, dict) else None
+    if (
+        not isinstance(pause, int | float)
+        or isinstance(pause, bool)
+        or not math.isfinite(pause)
+        or not 0 <= pause <= 7 * 24 * 3600
+    ):
+        raise bad_request('body must be {"pause": seconds}, 0 to 604800 (0 resumes)')
+    until = node.collector.pause(float(pause))
+    return reply(request, {"node": node.id, "paused_until": until or None})
 
 
 def _node_id(request: web.Request) -> str:
@@ -657,6 +677,7 @@ def make_app(node: Node) -> web.Application:
     r.add_delete("/v1/checkpoints/{name:.+}", delete_checkpoint)
     r.add_get("/v1/cluster", cluster)
     r.add_post("/v1/admin/evict", evict)
+    r.add_post("/v1/admin/gc", pause_gc)
     r.add_post("/v1/nodes/{id}/drain", drain_node)
     r.add_get("/v1/nodes/{id}/drain", drain_progress)
     r.add_get("/healthz", healthz)

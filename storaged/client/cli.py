@@ -401,6 +401,8 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
         if value is None and metrics is not None:
             value = metrics.get(f"storaged_{backlog}")
         row[backlog] = None if value is None else int(value)
+    gc = raw.get("gc")
+    row["gc"] = dict(gc) if isinstance(gc, Mapping) else None
     return row
 
 
@@ -452,7 +454,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def _print_nodes(rows: list[dict[str, Any]]) -> None:
     now = time.time()
-    header = "NODE STATE MEMORY NVME COLD CHUNKS_m/n/c DRAIN ENCODE LACKING MISPLACED URL"
+    header = "NODE STATE MEMORY NVME COLD CHUNKS_m/n/c DRAIN ENCODE LACKING MISPLACED GC URL"
     table = [[name.replace("_", " ") for name in header.split()]]
     for row in rows:
         state = "alive" if row["alive"] else "DOWN"
@@ -476,12 +478,28 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
                         "misplaced_backlog",
                     )
                 ),
+                _gc_cell(row["gc"]),
                 str(row["url"]),
             ]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    for row in rows:
+        gc = row["gc"] or {}
+        since = gc.get("stalled_since")
+        if isinstance(since, int | float):
+            print(
+                f"{row['id']}: GC stalled since {_clock(since)[11:]} ({now - since:.0f} s), "
+                f"nothing is freed meanwhile: {gc.get('cause')}"
+            )
+
+
+def _gc_cell(gc: Mapping[str, Any] | None) -> str:
+    """``ok``, ``STALLED`` (no complete pass for longer than the grace), or ``-``."""
+    if not gc:
+        return "-"
+    return "STALLED" if gc.get("stalled_since") is not None else "ok"
 
 
 # --------------------------------------------------------------------------- drain

@@ -13,6 +13,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/rebalance.py``   copies and fragments to where placement says, paced
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
+``referenced.py``           which chunks are referenced, from a fresh snapshot only
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
 ``rpc.py``                  the peer calls other nodes make on this one
 ==========================  ==========================================================
@@ -59,6 +60,7 @@ from storaged.node.pipeline.rebalance import Rebalance
 from storaged.node.pipeline.repair import Repair
 from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
+from storaged.node.referenced import ReferencedSet
 from storaged.node.rpc import DOC_METHODS, PeerRpc
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
@@ -126,7 +128,9 @@ class Node:
         self.encoder = Encoder(self)
         self.repairer = Repair(self)
         self.rebalance = Rebalance(self)
-        self.collector = Collector(self)
+        #: "is this chunk unreferenced?", one answer for every stage (fresh snapshots only)
+        self.referenced = ReferencedSet(config.gc_grace / 2, config.gc_grace)
+        self.collector = Collector(self, self.referenced)
         self.scrubber = Scrubber(self)
         self.evacuation = Evacuation(self)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -420,6 +424,7 @@ class Node:
             "repair_backlog": self.repairer.backlog,
             "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
             "misplaced_backlog": self.repairer.misplaced,
+            "gc": self.referenced.status(),
             "shm": self.shm_info,
         }
 

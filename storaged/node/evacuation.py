@@ -99,6 +99,10 @@ class Evacuation:
             ) from exc
         return reply
 
+    def _garbage(self, chunk_id: str) -> bool:
+        info = self.node.index.get(chunk_id)
+        return info is not None and self.node.referenced.is_garbage(chunk_id, info.last_use)
+
     async def local_progress(self) -> dict[str, Any]:
         """This node's side of ``progress``: what it holds, and how much of that is not yet
         safely elsewhere, asked of the nodes that stay."""
@@ -110,8 +114,9 @@ class Evacuation:
         quiet = node.writes.inflight == 0 and node.writes.storing == 0
         hot = [c for c in node.index if node.holds_hot(c) and c not in node.collecting]
         fragments = {c: len(held) for c, held in node.fragments.items() if c not in node.collecting}
-        # Garbage awaiting GC is GC's to drop, not the evacuation's to keep.
-        ids = [c for c in dict.fromkeys([*hot, *fragments]) if not node.collector.is_garbage(c)]
+        # Garbage awaiting GC is GC's to drop, not the evacuation's to keep; only a fresh
+        # snapshot says what is garbage (node/referenced.py), else everything counts.
+        ids = [c for c in dict.fromkeys([*hot, *fragments]) if not self._garbage(c)]
         others = [n for n in placement.placeable if n != node.id]
         held = await node.holdings(others, ids) if ids else {}
         cfg = node.config

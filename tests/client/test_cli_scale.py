@@ -411,3 +411,45 @@ def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path
     proc = _child(cluster, "status", name, "--json", url=cluster.url(0))
     assert proc.returncode == 0, proc.stderr.decode()
     assert json.loads(proc.stdout)["now"]["unavailable"] == 0  # 3 copies, one node gone
+
+
+def test_nodes_marks_a_gc_stall_with_its_cause(cluster_factory: ClusterFactory) -> None:
+    """A node whose GC has not completed a pass for longer than the grace is STALLED in
+    ``storaged nodes``, with a line saying since when and why; the others say ok."""
+    cluster = cluster_factory(4, gc_grace=1.0, gc_interval=0.3)
+    stalled = cluster.node_id(2)
+
+    async def pause() -> None:
+        import aiohttp
+
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{cluster.url(2)}/v1/admin/gc",
+                json={"pause": 120},
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            ) as r,
+        ):
+            assert r.status == 200, await r.text()
+            assert (await r.json())["node"] == stalled
+
+    asyncio.run(pause())
+    deadline = time.monotonic() + 60
+    while True:  # until the stall is older than the grace and in a heartbeat
+        proc = _nodes(cluster, url=cluster.url(0))
+        if "GC stalled" in proc.stdout.decode() or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    out = proc.stdout.decode()
+    assert proc.returncode == 0, out + proc.stderr.decode()
+    table = out.splitlines()
+    assert "GC" in table[0].split()
+    ids = {cluster.node_id(i) for i in range(4)}
+    rows = {line.split()[0]: line for line in table[1:] if line.split()[0] in ids}
+    assert set(rows) == ids
+    assert "STALLED" in rows[stalled]
+    assert all(" ok " in row for node, row in rows.items() if node != stalled), out
+    assert f"{stalled}: GC stalled since" in out and "paused by an operator" in out
+    doc = json.loads(_nodes(cluster, "--json").stdout)
+    gc = next(n["gc"] for n in doc["nodes"] if n["id"] == stalled)
+    assert gc["stalled_since"] is not None and "paused" in gc["cause"]

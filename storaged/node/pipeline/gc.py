@@ -1,7 +1,9 @@
 """GC: unreferenced chunks go after the grace period; retention trims cold chunks' nvme copies.
 
 Relies on: the catalogue's ``references()`` naming every committed record's chunks at
-one point in time when it says ``complete``; every use of a copy touching it
+one point in time when it says ``complete``; the referenced set (``node/referenced.py``),
+which this module feeds and which answers every stage from a fresh snapshot only; every
+use of a copy touching it
 (``ChunkInfo.last_use``: acks, ``/missing`` answers, commits — the commit's touch reaches
 past its commit window); the per-chunk locks.
 
@@ -15,6 +17,11 @@ The check and the mark (``Node.collecting``) are one step under the chunk's lock
 touch or a store lands either before (and wins) or after (and sees the chunk gone).
 
 Retention: a cold chunk's nvme copy goes only while all ``n`` of its fragments are held.
+
+A pass that cannot take a complete snapshot (the catalogue out of reach, a damaged record,
+an incomplete embedded snapshot, a pause asked by an operator) frees nothing and is
+recorded as failed, with its cause, in the referenced set; past the grace that is a stall,
+reported in ``/v1/cluster``, ``storaged nodes`` and the metrics, and logged at WARN each pass.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from erasure import fragment_key
 from storaged.catalog import CatalogRecord
 from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD
+from storaged.node.referenced import ReferencedSet
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
@@ -49,42 +57,71 @@ def newest_per_prefix(records: list[CatalogRecord], keep: int) -> set[str]:
 
 
 class Collector:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, referenced: ReferencedSet) -> None:
         self.node = node
-        #: chunks named by a live checkpoint, as of the last complete catalogue snapshot
-        self.referenced: set[str] | None = None
-        #: chunks of the ``retain_newest`` newest checkpoints per prefix, as of that snapshot
-        #: (their owner keeps an nvme copy once cold; rebalance moves it to a new owner)
-        self.protected: set[str] = set()
+        #: what every stage asks "is this chunk unreferenced?" (fed by the passes here)
+        self.referenced = referenced
+        #: GC passes are skipped until then (``POST /v1/admin/gc``), counted as failed
+        self.paused_until = 0.0
 
     def is_garbage(self, chunk_id: str) -> bool:
-        """Unreferenced at the last snapshot and unused for the grace period (what GC takes:
-        repair leaves it alone rather than undo the collection)."""
+        """Unreferenced in a fresh complete snapshot and unused here for the grace period
+        (what GC takes: repair and evacuation leave it alone rather than undo the
+        collection). False whenever no snapshot is fresh: stale knowledge keeps data."""
         info = self.node.index.get(chunk_id)
-        return (
-            info is not None
-            and self.referenced is not None
-            and chunk_id not in self.referenced
-            and time.time() - info.last_use > self.node.config.gc_grace
-        )
+        return info is not None and self.referenced.is_garbage(chunk_id, info.last_use)
+
+    def pause(self, seconds: float) -> float:
+        """Skip GC passes for ``seconds`` from now (0: resume); returns the end."""
+        self.paused_until = time.time() + seconds if seconds > 0 else 0.0
+        if seconds > 0:
+            log.warning("GC paused for %.0f s by an operator", seconds)
+        else:
+            log.info("GC resumed by an operator")
+        return self.paused_until
+
+    def _failed(self, cause: str) -> None:
+        self.referenced.failed(cause)
+        node = self.node
+        node.metrics.gc_failed_passes.inc()
+        stalled = self.referenced.stalled_since()
+        node.metrics.gc_stalled.set(0 if stalled is None else time.time() - stalled)
+        if stalled is not None:
+            log.warning(
+                "GC stalled for %.0f s (no complete pass since then): %s",
+                time.time() - stalled,
+                cause,
+            )
+        else:
+            log.warning("GC pass skipped: %s", cause)
 
     async def gc_pass(self) -> None:
         node = self.node
         cfg = node.config
+        if time.time() < self.paused_until:
+            self._failed(f"paused by an operator until {_clock(self.paused_until)}")
+            return
         try:
             refs = await node.catalogue.references()
         except CatalogueUnavailable as exc:
-            log.warning("GC pass skipped: %s", exc)
+            self._failed(f"the catalogue is unavailable: {exc}")
+            return
+        except Exception as exc:  # any other failure is a failed pass too, and reported
+            self._failed(f"reading the catalogue failed: {type(exc).__name__}: {exc}")
             return
         if not refs.complete:
-            return  # a manifest could be out of reach: freeing now could lose data
-        referenced = set(refs.chunks)
-        snapshot_at = refs.taken_at
+            # A manifest could be out of reach: freeing now could lose data.
+            self._failed("the catalogue snapshot was incomplete (too few nodes answered)")
+            return
         live = list(refs.live)
-        self.referenced = referenced
-        protected = newest_per_prefix(live, cfg.retain_newest)
-        self.protected = protected
-        deadline = snapshot_at + cfg.gc_grace / 2
+        snapshot = self.referenced.update(
+            refs, frozenset(newest_per_prefix(live, cfg.retain_newest))
+        )
+        node.metrics.gc_stalled.set(0)
+        node.metrics.gc_last_pass.set(snapshot.taken_at)
+        referenced = snapshot.chunks
+        protected = snapshot.protected
+        deadline = snapshot.taken_at + self.referenced.fresh_for
         placement = node.placement()  # one view for the pass
         freed = 0
         trim: list[str] = []
@@ -107,7 +144,7 @@ class Collector:
         node.metrics.gc_freed.inc(freed)
         node.update_gauges()
 
-    async def collect(self, chunk_id: str, referenced: set[str], deadline: float) -> bool:
+    async def collect(self, chunk_id: str, referenced: frozenset[str], deadline: float) -> bool:
         """Remove every copy and fragment of ``chunk_id`` here if it is still garbage."""
         node = self.node
 
@@ -152,3 +189,7 @@ class Collector:
             frags = {i for h in held[cid] for i in h.fragments}
             if len(frags) >= node.config.n and node.is_cold(cid) and cid not in node.collecting:
                 await node.nvme.delete(cid)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))

@@ -262,7 +262,7 @@ class Rebalance:
                 return []  # no placeable node: nowhere to move to
             out = [(h.node, i) for h in staying for i in h.fragments if targets[i] != h.node]
             keepers = [h.node for h in staying if h.hot]
-            protected = chunk_id in node.collector.protected
+            protected = node.referenced.is_protected(chunk_id)
             if protected and keepers and owner is not None and owner not in keepers:
                 out += [(n, HOT) for n in keepers]  # the retained copy, away from its owner
             return out

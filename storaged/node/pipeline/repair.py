@@ -1,6 +1,7 @@
 """Repair: missing hot copies, missing fragments, and catalogue records short of holders.
 
-Relies on: GC's view of garbage (repair leaves it alone), the read path to find a whole
+Relies on: the referenced set's view of garbage (``node/referenced.py``: from a fresh
+snapshot only; repair leaves garbage alone), the read path to find a whole
 copy anywhere (a peer, or a decode from fragments).
 
 Upholds **I6 progress**: every pass looks at every chunk this node knows of; the node that
@@ -148,12 +149,12 @@ class Repair:
         says, and a draining holder may lead (it has the bytes)."""
         node = self.node
         cfg = node.config
-        if node.collector.is_garbage(chunk_id):
+        info = node.index.get(chunk_id)
+        if info is not None and node.referenced.is_garbage(chunk_id, info.last_use):
             return None  # garbage waiting for GC: copying it back would undo the collection
         staying = [h for h in held if not placement.is_draining(h.node)]
         state = max((h.state for h in held), default=0)
         frags = {i for h in held for i in h.fragments}
-        info = node.index.get(chunk_id)
         if state >= COLD and len(frags) >= cfg.n and info is not None and info.state < COLD:
             # A copy that arrived while the chunk was being encoded (a rebalance or repair
             # copy) missed the encoder's "cold": without it GC would keep it on nvme forever.
