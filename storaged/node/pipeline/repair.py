@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -161,8 +162,14 @@ class Repair:
             await node.record_state([chunk_id], COLD)
         if self.leader(chunk_id, held, placement) != node.id:
             return None
-        if state >= COLD or len(frags) >= cfg.n:
-            missing = set(range(cfg.n)) - {i for h in staying for i in h.fragments}
+        cold = state >= COLD or len(frags) >= cfg.n
+        missing = set(range(cfg.n)) - {i for h in staying for i in h.fragments} if cold else set()
+        if missing and not self._can_spread(placement):
+            # Too few placeable nodes to hold the missing fragments (a cluster of about
+            # ``n`` nodes with one draining or gone): keep the chunk as a hot one instead,
+            # at ``replication`` copies on the nodes that stay, until nodes are back.
+            cold = False
+        if cold:
             if missing and self.away and len(frags) >= cfg.k + 1:
                 # The away member likely holds them: wait (see the docstring), except for
                 # what a draining node holds: that must leave now, away member or not.
@@ -190,6 +197,8 @@ class Repair:
         kept = {h.node for h in staying if h.hot}
         targets = placement.hot_targets(chunk_id)
         lacking = [n for n in targets if n not in kept]
+        if missing and len(kept) >= cfg.replication:
+            return None  # cold, fragments unplaceable now, and safe as a hot chunk
         if len(kept) >= cfg.replication or not lacking:
             owner = placement.owner(chunk_id)
             if all(h.nvme for h in held if h.hot) and owner is not None:
@@ -216,6 +225,13 @@ class Repair:
                 except (PeerError, TierFull) as exc:
                     log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)
         return LACKING
+
+    def _can_spread(self, placement: Placement) -> bool:
+        """Whether the placeable nodes can hold ``n`` fragments with at most ``n - k`` on
+        any one (the encoder's own rule: ``pipeline/encode.py``)."""
+        cfg = self.node.config
+        nodes = len(placement.placeable)
+        return nodes > 0 and math.ceil(cfg.n / nodes) <= cfg.n - cfg.k
 
     async def _move_fragments(
         self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
