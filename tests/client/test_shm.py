@@ -11,6 +11,8 @@ HTTP and every acked chunk is still there).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -404,6 +406,110 @@ async def test_length_outside_the_lease_and_unknown_leases_are_refused(
             assert more["error"] == "too_many_leases" and more["status"] == 503 and fd is None
         finally:
             raw.close()
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
+    """``fallocate(FALLOC_FL_KEEP_SIZE)``: pages past the end without changing the size
+    (0, or the errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return 0 if libc.fallocate(fd, 1, offset, length) == 0 else ctypes.get_errno()
+
+
+def _held_against_counted(pid: int) -> tuple[int, dict[int, int]]:
+    """The bytes a node's memfds hold (the larger of size and pages, each), and each
+    memfd's by inode."""
+    held: dict[int, int] = {}
+    for entry in _memfds_of(pid):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(entry)
+            held[st.st_ino] = max(st.st_size, st.st_blocks * 512)
+    return sum(held.values()), held
+
+
+async def test_a_lease_grown_before_seal_holds_no_more_than_is_counted(
+    cluster: LocalCluster,
+) -> None:
+    """A lease's size is fixed when it is handed out: a client that tries to make its
+    memfd hold more than the node counts (grow it to 48 MiB by ftruncate, allocate past
+    its end, write past its end) is refused by the kernel, and what the node keeps of it
+    once sealed is exactly what its RAM tier counts. (Before, the grown memfd was kept
+    whole as the chunk's RAM copy and counted as 4,096 bytes: memory_full and eviction
+    never saw the rest.)"""
+    blob = os.urandom(4096)
+    async with client_for(cluster) as client:
+        node = client.cluster.nodes[0]
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+        try:
+            reply, fd = await raw.ask({"op": "lease", "size": len(blob)})
+            assert fd is not None, reply
+            inode = os.fstat(fd).st_ino
+            try:
+                try:
+                    os.ftruncate(fd, 48 * MiB)
+                    with mmap.mmap(fd, 48 * MiB, mmap.MAP_SHARED) as grown:
+                        grown[:] = b"\x01" * (48 * MiB)
+                    resized = ["ftruncate"]
+                except PermissionError:
+                    resized = []
+                with contextlib.suppress(PermissionError):
+                    os.posix_fallocate(fd, 0, 56 * MiB)
+                    resized.append("posix_fallocate")
+                if _fallocate_keep_size(fd, 56 * MiB, 8 * MiB) == 0:
+                    resized.append("fallocate(KEEP_SIZE)")
+                with contextlib.suppress(PermissionError):
+                    os.pwrite(fd, b"x", 64 * MiB)
+                    resized.append("pwrite")
+                with mmap.mmap(fd, len(blob), mmap.MAP_SHARED) as m:
+                    m[:] = blob
+            finally:
+                os.close(fd)
+            sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": 4096})
+            if sealed["status"] != 201:
+                assert (sealed["status"], sealed["error"]) == (400, "seal_refused"), sealed
+                await raw.ask({"op": "release", "lease": reply["lease"]})
+        finally:
+            raw.close()
+        total, held = _held_against_counted(cluster.procs[0].pid)
+        used = (await _node_doc(client, node.id))["memory"]["used"]
+        if sealed["status"] == 201:
+            assert held.get(inode) == 4096, (
+                f"the sealed chunk's memfd holds {held.get(inode)} bytes, 4096 are counted"
+            )
+        assert total <= used, f"the node's memfds hold {total} bytes, its RAM tier counts {used}"
+        assert resized == [], f"a leased memfd was resized by {resized}"
+        assert sealed["status"] == 201 and sealed["chunk"] == chunk_id_of(blob), sealed
+        assert bytes(await client.get_chunk(sealed["chunk"])) == blob
+
+
+async def test_a_lease_shrunk_before_seal_is_refused_not_an_internal_error(
+    cluster: LocalCluster,
+) -> None:
+    """A client cannot shrink its lease either; had it been able to, the seal was a 500
+    ``internal`` (the node's mapping of the leased size failed). A shrunk lease is never
+    stored: the seal is refused (400 ``seal_refused``) or the shrink is."""
+    async with client_for(cluster) as client:
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+        try:
+            reply, fd = await raw.ask({"op": "lease", "size": 64 << 10})
+            assert fd is not None, reply
+            try:
+                os.ftruncate(fd, 4096)
+                shrunk = True
+            except PermissionError:
+                shrunk = False
+            finally:
+                os.close(fd)
+            sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": 4096})
+            if shrunk:
+                assert (sealed["status"], sealed.get("error")) == (400, "seal_refused"), sealed
+                released, _ = await raw.ask({"op": "release", "lease": reply["lease"]})
+                assert released.get("ok") is True
+            else:
+                assert sealed["status"] == 201, sealed
+        finally:
+            raw.close()
+        assert not shrunk, "a leased memfd was shrunk"
 
 
 # ---------------------------------------------------------------------- failures
