@@ -38,6 +38,7 @@ from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, send_frame
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory
+from tiers.nvme import NvmeTier
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -565,6 +566,50 @@ async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFac
             await asyncio.sleep(0.1)
         assert (leases, used) == (0, used_before)
         assert not _memfds_of(cluster.procs[0].pid)
+
+
+async def test_sigterm_waits_for_a_lease_being_staged(cluster_factory: ClusterFactory) -> None:
+    """A lease is a PUT in flight from the moment it is taken: a node SIGTERMed while a
+    client stages into one refuses new leases, waits for that one, answers its seal (201)
+    and has the chunk on its disk when it has stopped. (Before, the stop did not wait:
+    the node exited under the client, whose seal was never answered.)"""
+    cluster = await cluster_factory.start(3)
+    blob = os.urandom(2 * MiB)
+    cid = chunk_id_of(blob)
+    async with client_for(cluster, shm=False) as client:
+        await client_sees_all_alive(client)
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+    try:
+        reply, fd = await raw.ask({"op": "lease", "size": len(blob)})
+        assert fd is not None, reply
+        proc = cluster.procs[0]
+        proc.send_signal(signal.SIGTERM)
+        for _ in range(200):  # until the node is stopping: new leases are refused
+            more, extra = await raw.ask({"op": "lease", "size": 4096})
+            if extra is None:
+                assert (more["status"], more["error"]) == (503, "shutting_down"), more
+                break
+            os.close(extra)
+            await raw.ask({"op": "release", "lease": more["lease"]})
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the node never began stopping")
+        await asyncio.sleep(0.3)  # the client still staging
+        assert proc.poll() is None, "the node stopped under a lease"
+        with mmap.mmap(fd, len(blob), mmap.MAP_SHARED) as m:
+            m[:] = blob
+        os.close(fd)
+        sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": len(blob)})
+        assert sealed["status"] == 201 and sealed["chunk"] == cid, sealed
+    finally:
+        raw.close()
+    assert await asyncio.to_thread(proc.wait, 60) == 0
+    disk = await NvmeTier.open(cluster.data / cluster.node_id(0) / "nvme", capacity=1 << 40)
+    try:
+        assert disk.has(cid), "the chunk acked during the stop is not on the node's disk"
+        assert bytes(await disk.get(cid)) == blob
+    finally:
+        await disk.close()
 
 
 async def test_node_killed_mid_seal_puts_complete_and_nothing_acked_is_lost(
