@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from storaged.client import AsyncSaver, Client, restore_checkpoint, save_checkpoint
-from storaged.client.errors import ChecksumMismatch, Unauthorized
+from storaged.client.errors import ChecksumMismatch, ChunkNotFound, Unauthorized
 from storaged.client.shm import ShmPath, pick_node
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
@@ -516,7 +516,8 @@ async def test_a_lease_shrunk_before_seal_is_refused_not_an_internal_error(
 # ---------------------------------------------------------------------- failures
 
 _LEASER = """
-import asyncio, socket, sys
+import asyncio, mmap, os, socket, sys
+from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, send_frame
 
 async def main() -> None:
@@ -529,7 +530,10 @@ async def main() -> None:
     for rid in range(1, 5):
         await send_frame(sock, {"op": "lease", "size": 4 << 20, "rid": rid})
         assert "lease" in await reader.read()
-    print("leased", flush=True)
+    # The last one staged whole and still mapped writable, never sealed.
+    staged = mmap.mmap(reader.fds[-1], 4 << 20, mmap.MAP_SHARED)
+    staged[:] = blob = os.urandom(4 << 20)
+    print("leased", chunk_id_of(blob), flush=True)
     await asyncio.sleep(600)
 
 asyncio.run(main())
@@ -537,7 +541,11 @@ asyncio.run(main())
 
 
 async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(3)
+    """A client SIGKILLed holding leases, one of them staged whole and still mapped: the
+    node frees their room and descriptors, nothing of the staged chunk is stored
+    anywhere, and the leases no longer count as PUTs in flight (a graceful stop after
+    it does not wait its ``stop_timeout`` out for them)."""
+    cluster = await cluster_factory.start(3, stop_timeout=600.0)
     async with client_for(cluster, shm=False) as client:
         await client_sees_all_alive(client)
         node = client.cluster.nodes[0]
@@ -551,7 +559,8 @@ async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFac
         try:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 60)
-            assert line.strip() == b"leased"
+            said, staged = line.decode().split()
+            assert said == "leased"
             assert await _metric(node.url, "storaged_shm_leases") == 4
             used = (await _node_doc(client, node.id))["memory"]["used"]
             assert used >= used_before + 4 * (4 << 20)
@@ -566,6 +575,14 @@ async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFac
             await asyncio.sleep(0.1)
         assert (leases, used) == (0, used_before)
         assert not _memfds_of(cluster.procs[0].pid)
+        for n in client.cluster.nodes:
+            assert (await _node_doc(client, n.id))["memory"]["count"] == 0
+        with pytest.raises(ChunkNotFound):
+            await client.get_chunk(staged)
+    # Nothing in flight is left: the stop does not wait (600 s) for the dead client.
+    stopping = cluster.procs[0]
+    stopping.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(stopping.wait, 60) == 0
 
 
 async def test_sigterm_waits_for_a_lease_being_staged(cluster_factory: ClusterFactory) -> None:
