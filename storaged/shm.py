@@ -190,13 +190,20 @@ class _Connection:
         self.tasks.discard(task)
         self.slots.release()
 
+    # A lease held is a PUT in flight (``writes.inflight``) from the moment it is taken
+    # until it is taken back: to be sealed (the seal counts itself until stored), released,
+    # or dropped with its connection. A graceful stop waits for it (I5) and background
+    # work gives way to it, as to an HTTP PUT whose body is still coming.
+
     def _add_lease(self, lease: int, seg: SharedSegment) -> None:
         self.leases[lease] = seg
+        self.node.writes.inflight += 1
         self.node.metrics.shm_leases.inc()
 
     def _take_lease(self, lease: Any) -> SharedSegment | None:
         seg = self.leases.pop(lease, None) if isinstance(lease, int) else None
         if seg is not None:
+            self.node.writes.inflight -= 1
             self.node.metrics.shm_leases.dec()
         return seg
 
@@ -282,12 +289,18 @@ class _Connection:
                 f"{len(self.leases)} leases held on this connection (max_client_puts)",
                 retry_after=1.0,
             )
+        # In flight from the check above: a stop that begins while this waits for room
+        # waits for the lease too.
+        node.writes.inflight += 1
         try:
-            seg = await node.memory.lease_shared(size, timeout=node.config.put_wait)
-        except TierFull as exc:
-            raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
-        lease = next(self.listener._lease_ids)
-        self._add_lease(lease, seg)
+            try:
+                seg = await node.memory.lease_shared(size, timeout=node.config.put_wait)
+            except TierFull as exc:
+                raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+            lease = next(self.listener._lease_ids)
+            self._add_lease(lease, seg)
+        finally:
+            node.writes.inflight -= 1
         try:
             await self._send({"rid": rid, "lease": lease, "size": size}, fd=seg.fd)
         except BaseException:
@@ -302,13 +315,20 @@ class _Connection:
         await self._send({"rid": rid, "ok": True})
 
     async def _seal(self, rid: Any, frame: dict[str, Any]) -> None:
-        # A PUT in flight from the moment its lease is taken: a graceful stop waits for
-        # it, and background work gives way to it.
-        self.node.writes.inflight += 1
+        node = self.node
+        if node.writes_closed:
+            # The stop waited for leases as long as it may: one sealed now could be acked
+            # after the last drain. Nothing is stored; the client puts it over HTTP.
+            seg = self._take_lease(frame.get("lease"))
+            if seg is not None:
+                node.memory.release_shared(seg)
+            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+        # Still a PUT in flight (the lease counted until now) until it is stored.
+        node.writes.inflight += 1
         try:
             await self._seal_lease(rid, frame)
         finally:
-            self.node.writes.inflight -= 1
+            node.writes.inflight -= 1
 
     async def _seal_lease(self, rid: Any, frame: dict[str, Any]) -> None:
         node = self.node
@@ -338,7 +358,9 @@ class _Connection:
         if claimed is not None and digest != claimed:
             node.memory.release(view)
             raise bad_request("the chunk's BLAKE3-256 is not the id", code="checksum_mismatch")
-        status, doc = await node.writes.put_sealed(digest, view, crc)
+        # Admitted when its lease was handed out (never to a stopping node): a graceful
+        # stop lets it finish, as an HTTP PUT already past its admission.
+        status, doc = await node.writes.put_sealed(digest, view, crc, admitted=True)
         await self._send({"rid": rid, "status": status, **doc})
 
     async def _read(self, rid: Any, frame: dict[str, Any]) -> None:

@@ -36,11 +36,14 @@ which lets the buffer go back to the pool as soon as the last lease ends.
 This tier checks BLAKE3 on ``put`` (unless told the caller did) and does not re-hash
 on reads: the bytes never leave this process' memory.
 
-Shared segments (the co-located fast path, ``storaged.node.shm``): ``lease_shared``
+Shared segments (the co-located fast path, ``storaged.shm``): ``lease_shared``
 reserves a buffer's worth of capacity and backs it with a fresh ``memfd`` whose pages
-are already allocated, for a client on the same host to map and fill. ``seal_shared``
-adds the write, grow and shrink seals (the kernel refuses while any writable mapping of
-it remains, so from then on nobody can change the bytes), maps it read-only here and
+are already allocated, for a client on the same host to map and fill. Its size is fixed
+from then on (grow and shrink seals, added before anyone else sees it): a client can
+neither make it hold more than is counted (by ``ftruncate``, ``fallocate`` or writes
+past its end) nor shrink it under the node's mapping. ``seal_shared`` adds the write
+seal (the kernel refuses while any writable mapping of it remains, so from then on
+nobody can change the bytes), checks its size once more, maps it read-only here and
 turns it into an ordinary allocation, which ``put`` adopts without a copy or
 ``release`` frees. A sealed segment is never reused: its buffer is dropped, not pooled,
 when the value goes. ``release_shared`` ends a lease that was never sealed.
@@ -109,21 +112,26 @@ def _map_buffer(nbytes: int) -> mmap.mmap | bytearray:
 #: mappings of a shared segment set up whole at once (the pages exist: fallocate made
 #: them), not one fault per 4 KiB page as it is first touched
 SHARED_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: a lease's size is fixed when it is handed out: what the client stages into is what is
+#: counted (no ``ftruncate``, no ``fallocate`` and no write past the end succeeds)
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS = fcntl.F_SEAL_WRITE | _SIZE_SEALS | fcntl.F_SEAL_SEAL
 
 
 class SealRefused(TierError):
-    """A shared segment could not be sealed: a writable mapping of it still exists, or the
-    length is outside it. Nothing was stored; the lease stays the caller's to release."""
+    """A shared segment could not be sealed: a writable mapping of it still exists, its
+    size is not the one leased, or the length is outside it. Nothing was stored; the lease
+    stays the caller's to release."""
 
 
 def _new_memfd(nbytes: int) -> int:
     """A memfd of ``nbytes`` whose pages are allocated now (so a mapping does not fault
-    them in one by one while a client stages into it)."""
+    them in one by one while a client stages into it), its size sealed."""
     fd = os.memfd_create("storaged-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
     except BaseException:
         os.close(fd)
         raise
@@ -137,6 +145,14 @@ def _seal_and_map(fd: int, nbytes: int) -> mmap.mmap:
         if exc.errno == errno.EBUSY:
             raise SealRefused("the segment is still mapped writable: unmap it first") from exc
         raise SealRefused(f"cannot seal the segment: {exc}") from exc
+    # Sealed, the size cannot change any more: checked now, it is what is kept. (The size
+    # seals of the lease make this hold already; a held memfd larger than counted would
+    # escape the capacity, a smaller one could not be mapped.)
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        raise SealRefused(
+            f"the segment is {size} bytes, not the {nbytes} leased: nothing stored, release it"
+        )
     return mmap.mmap(fd, nbytes, flags=SHARED_POPULATED, prot=mmap.PROT_READ)
 
 
@@ -305,7 +321,8 @@ class MemoryTier(Tier):
 
     async def lease_shared(self, size: int, timeout: float | None = None) -> SharedSegment:
         """A memfd for a value of ``size`` (> 0) bytes, its class size counted against
-        capacity as an allocation is (same waiting, same ``TierFull``)."""
+        capacity as an allocation is (same waiting, same ``TierFull``). The memfd's size
+        is sealed at that class size: whoever holds it can write its bytes, not resize it."""
         self._check_open()
         if size <= 0:
             raise ValueError("a shared segment holds at least one byte")
@@ -340,8 +357,8 @@ class MemoryTier(Tier):
         """Seal ``seg`` against every write, map it read-only here and return its first
         ``length`` bytes as an allocation (for ``put``, which adopts it, or ``release``).
 
-        Raises ``SealRefused`` (a writable mapping remains, or a bad length): the lease
-        is then still the caller's."""
+        Raises ``SealRefused`` (a writable mapping remains, the memfd is not the size
+        leased, or a bad length): the lease is then still the caller's."""
         self._check_open()
         if self._shared.get(id(seg)) is not seg:
             raise ValueError("not an outstanding shared segment of this tier")

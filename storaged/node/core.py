@@ -136,6 +136,9 @@ class Node:
         self._tasks: set[asyncio.Task[None]] = set()
         #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
         self.stopping = False
+        #: set by ``shutdown`` once it no longer waits for PUTs in flight: a co-located
+        #: client's lease taken before the stop is no longer sealed from then on
+        self.writes_closed = False
         self.started = time.time()
         #: the shared-memory listener's address for local clients (set by the front end)
         self.shm_info: dict[str, Any] | None = None
@@ -244,6 +247,7 @@ class Node:
         log.info("node %s stopping: refusing new PUTs, draining RAM-only chunks", self.id)
         while self.writes.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.writes_closed = True  # no lease is sealed after this (storaged.shm)
         left = await self.drainer.drain_all(deadline)
         if left:
             log.error(

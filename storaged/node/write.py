@@ -88,16 +88,18 @@ class WritePath:
             self.inflight -= 1
 
     async def put_sealed(
-        self, chunk_id: str, buf: memoryview, crc32c: int | None = None
+        self, chunk_id: str, buf: memoryview, crc32c: int | None = None, *, admitted: bool = False
     ) -> tuple[int, dict[str, Any]]:
         """A chunk handed over in a sealed shared segment (``storaged.shm``): ``buf`` is an
         allocation of the memory tier that already hashed to ``chunk_id``, and is taken over
         whatever happens (adopted as this node's RAM copy when this node is a holder,
         released otherwise). Replicates and answers as ``put_chunk`` does (I1, I2).
-        ``crc32c`` (of ``buf``) goes with the copies, so replicas need not hash them."""
+        ``crc32c`` (of ``buf``) goes with the copies, so replicas need not hash them.
+        ``admitted``: its lease was handed out before the node began stopping, so a stop
+        does not refuse it (it waits for it, I5)."""
         started = time.perf_counter()
         try:
-            placement, order = self._admit(chunk_id)
+            placement, order = self._admit(chunk_id, admitted=admitted)
             if chunk_id in self.node.index:
                 held = await self.already_held(chunk_id, placement)
                 if held is not None:
@@ -114,11 +116,12 @@ class WritePath:
         finally:
             self.inflight -= 1
 
-    def _admit(self, chunk_id: str) -> tuple[Placement, list[str]]:
-        """Refusals that come before any byte; the PUT's one view of the membership (its
-        targets, replacements and the reply's order)."""
+    def _admit(self, chunk_id: str, *, admitted: bool = False) -> tuple[Placement, list[str]]:
+        """Refusals that come before any byte (but the stop's, for a PUT ``admitted``
+        before it); the PUT's one view of the membership (its targets, replacements and
+        the reply's order)."""
         node = self.node
-        if node.stopping:
+        if node.stopping and not admitted:
             raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
         if not node.membership.coordinator_reachable():
             raise unavailable(

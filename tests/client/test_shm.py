@@ -11,6 +11,8 @@ HTTP and every acked chunk is still there).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -29,13 +31,14 @@ import numpy as np
 import pytest
 
 from storaged.client import AsyncSaver, Client, restore_checkpoint, save_checkpoint
-from storaged.client.errors import ChecksumMismatch, Unauthorized
+from storaged.client.errors import ChecksumMismatch, ChunkNotFound, Unauthorized
 from storaged.client.shm import ShmPath, pick_node
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, send_frame
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory
+from tiers.nvme import NvmeTier
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -406,10 +409,115 @@ async def test_length_outside_the_lease_and_unknown_leases_are_refused(
             raw.close()
 
 
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> int:
+    """``fallocate(FALLOC_FL_KEEP_SIZE)``: pages past the end without changing the size
+    (0, or the errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return 0 if libc.fallocate(fd, 1, offset, length) == 0 else ctypes.get_errno()
+
+
+def _held_against_counted(pid: int) -> tuple[int, dict[int, int]]:
+    """The bytes a node's memfds hold (the larger of size and pages, each), and each
+    memfd's by inode."""
+    held: dict[int, int] = {}
+    for entry in _memfds_of(pid):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(entry)
+            held[st.st_ino] = max(st.st_size, st.st_blocks * 512)
+    return sum(held.values()), held
+
+
+async def test_a_lease_grown_before_seal_holds_no_more_than_is_counted(
+    cluster: LocalCluster,
+) -> None:
+    """A lease's size is fixed when it is handed out: a client that tries to make its
+    memfd hold more than the node counts (grow it to 48 MiB by ftruncate, allocate past
+    its end, write past its end) is refused by the kernel, and what the node keeps of it
+    once sealed is exactly what its RAM tier counts. (Before, the grown memfd was kept
+    whole as the chunk's RAM copy and counted as 4,096 bytes: memory_full and eviction
+    never saw the rest.)"""
+    blob = os.urandom(4096)
+    async with client_for(cluster) as client:
+        node = client.cluster.nodes[0]
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+        try:
+            reply, fd = await raw.ask({"op": "lease", "size": len(blob)})
+            assert fd is not None, reply
+            inode = os.fstat(fd).st_ino
+            try:
+                try:
+                    os.ftruncate(fd, 48 * MiB)
+                    with mmap.mmap(fd, 48 * MiB, mmap.MAP_SHARED) as grown:
+                        grown[:] = b"\x01" * (48 * MiB)
+                    resized = ["ftruncate"]
+                except PermissionError:
+                    resized = []
+                with contextlib.suppress(PermissionError):
+                    os.posix_fallocate(fd, 0, 56 * MiB)
+                    resized.append("posix_fallocate")
+                if _fallocate_keep_size(fd, 56 * MiB, 8 * MiB) == 0:
+                    resized.append("fallocate(KEEP_SIZE)")
+                with contextlib.suppress(PermissionError):
+                    os.pwrite(fd, b"x", 64 * MiB)
+                    resized.append("pwrite")
+                with mmap.mmap(fd, len(blob), mmap.MAP_SHARED) as m:
+                    m[:] = blob
+            finally:
+                os.close(fd)
+            sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": 4096})
+            if sealed["status"] != 201:
+                assert (sealed["status"], sealed["error"]) == (400, "seal_refused"), sealed
+                await raw.ask({"op": "release", "lease": reply["lease"]})
+        finally:
+            raw.close()
+        total, held = _held_against_counted(cluster.procs[0].pid)
+        used = (await _node_doc(client, node.id))["memory"]["used"]
+        if sealed["status"] == 201:
+            assert held.get(inode) == 4096, (
+                f"the sealed chunk's memfd holds {held.get(inode)} bytes, 4096 are counted"
+            )
+        assert total <= used, f"the node's memfds hold {total} bytes, its RAM tier counts {used}"
+        assert resized == [], f"a leased memfd was resized by {resized}"
+        assert sealed["status"] == 201 and sealed["chunk"] == chunk_id_of(blob), sealed
+        assert bytes(await client.get_chunk(sealed["chunk"])) == blob
+
+
+async def test_a_lease_shrunk_before_seal_is_refused_not_an_internal_error(
+    cluster: LocalCluster,
+) -> None:
+    """A client cannot shrink its lease either; had it been able to, the seal was a 500
+    ``internal`` (the node's mapping of the leased size failed). A shrunk lease is never
+    stored: the seal is refused (400 ``seal_refused``) or the shrink is."""
+    async with client_for(cluster) as client:
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+        try:
+            reply, fd = await raw.ask({"op": "lease", "size": 64 << 10})
+            assert fd is not None, reply
+            try:
+                os.ftruncate(fd, 4096)
+                shrunk = True
+            except PermissionError:
+                shrunk = False
+            finally:
+                os.close(fd)
+            sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": 4096})
+            if shrunk:
+                assert (sealed["status"], sealed.get("error")) == (400, "seal_refused"), sealed
+                released, _ = await raw.ask({"op": "release", "lease": reply["lease"]})
+                assert released.get("ok") is True
+            else:
+                assert sealed["status"] == 201, sealed
+        finally:
+            raw.close()
+        assert not shrunk, "a leased memfd was shrunk"
+
+
 # ---------------------------------------------------------------------- failures
 
 _LEASER = """
-import asyncio, socket, sys
+import asyncio, mmap, os, socket, sys
+from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, send_frame
 
 async def main() -> None:
@@ -422,7 +530,10 @@ async def main() -> None:
     for rid in range(1, 5):
         await send_frame(sock, {"op": "lease", "size": 4 << 20, "rid": rid})
         assert "lease" in await reader.read()
-    print("leased", flush=True)
+    # The last one staged whole and still mapped writable, never sealed.
+    staged = mmap.mmap(reader.fds[-1], 4 << 20, mmap.MAP_SHARED)
+    staged[:] = blob = os.urandom(4 << 20)
+    print("leased", chunk_id_of(blob), flush=True)
     await asyncio.sleep(600)
 
 asyncio.run(main())
@@ -430,7 +541,11 @@ asyncio.run(main())
 
 
 async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(3)
+    """A client SIGKILLed holding leases, one of them staged whole and still mapped: the
+    node frees their room and descriptors, nothing of the staged chunk is stored
+    anywhere, and the leases no longer count as PUTs in flight (a graceful stop after
+    it does not wait its ``stop_timeout`` out for them)."""
+    cluster = await cluster_factory.start(3, stop_timeout=600.0)
     async with client_for(cluster, shm=False) as client:
         await client_sees_all_alive(client)
         node = client.cluster.nodes[0]
@@ -444,7 +559,8 @@ async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFac
         try:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 60)
-            assert line.strip() == b"leased"
+            said, staged = line.decode().split()
+            assert said == "leased"
             assert await _metric(node.url, "storaged_shm_leases") == 4
             used = (await _node_doc(client, node.id))["memory"]["used"]
             assert used >= used_before + 4 * (4 << 20)
@@ -459,6 +575,58 @@ async def test_client_killed_mid_lease_leaks_nothing(cluster_factory: ClusterFac
             await asyncio.sleep(0.1)
         assert (leases, used) == (0, used_before)
         assert not _memfds_of(cluster.procs[0].pid)
+        for n in client.cluster.nodes:
+            assert (await _node_doc(client, n.id))["memory"]["count"] == 0
+        with pytest.raises(ChunkNotFound):
+            await client.get_chunk(staged)
+    # Nothing in flight is left: the stop does not wait (600 s) for the dead client.
+    stopping = cluster.procs[0]
+    stopping.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(stopping.wait, 60) == 0
+
+
+async def test_sigterm_waits_for_a_lease_being_staged(cluster_factory: ClusterFactory) -> None:
+    """A lease is a PUT in flight from the moment it is taken: a node SIGTERMed while a
+    client stages into one refuses new leases, waits for that one, answers its seal (201)
+    and has the chunk on its disk when it has stopped. (Before, the stop did not wait:
+    the node exited under the client, whose seal was never answered.)"""
+    cluster = await cluster_factory.start(3)
+    blob = os.urandom(2 * MiB)
+    cid = chunk_id_of(blob)
+    async with client_for(cluster, shm=False) as client:
+        await client_sees_all_alive(client)
+        raw, _ = await RawShm.connect(await _shm_socket(client), TOKEN)
+    try:
+        reply, fd = await raw.ask({"op": "lease", "size": len(blob)})
+        assert fd is not None, reply
+        proc = cluster.procs[0]
+        proc.send_signal(signal.SIGTERM)
+        for _ in range(200):  # until the node is stopping: new leases are refused
+            more, extra = await raw.ask({"op": "lease", "size": 4096})
+            if extra is None:
+                assert (more["status"], more["error"]) == (503, "shutting_down"), more
+                break
+            os.close(extra)
+            await raw.ask({"op": "release", "lease": more["lease"]})
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the node never began stopping")
+        await asyncio.sleep(0.3)  # the client still staging
+        assert proc.poll() is None, "the node stopped under a lease"
+        with mmap.mmap(fd, len(blob), mmap.MAP_SHARED) as m:
+            m[:] = blob
+        os.close(fd)
+        sealed, _ = await raw.ask({"op": "seal", "lease": reply["lease"], "length": len(blob)})
+        assert sealed["status"] == 201 and sealed["chunk"] == cid, sealed
+    finally:
+        raw.close()
+    assert await asyncio.to_thread(proc.wait, 60) == 0
+    disk = await NvmeTier.open(cluster.data / cluster.node_id(0) / "nvme", capacity=1 << 40)
+    try:
+        assert disk.has(cid), "the chunk acked during the stop is not on the node's disk"
+        assert bytes(await disk.get(cid)) == blob
+    finally:
+        await disk.close()
 
 
 async def test_node_killed_mid_seal_puts_complete_and_nothing_acked_is_lost(
