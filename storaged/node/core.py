@@ -65,7 +65,7 @@ from storaged.node.rpc import DOC_METHODS, PeerRpc
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
 from storaged.placement import Placement
-from tiers import ByteRange
+from tiers import ByteRange, ChunkNotFound, CorruptChunk
 from tiers.cold import ColdTier
 from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
@@ -178,6 +178,10 @@ class Node:
         on_nvme: dict[str, int] = {}
         async for key in self.nvme.keys():
             on_nvme[key] = (await self.nvme.stat(key)).size
+        stored: list[str] = []
+        async for key in self.cold.keys():
+            stored.append(key)
+        bad = await self._check_fragments(stored)
         async for key in self.cold.keys():
             cid, index = parse_fragment_key(key)
             self.fragments.setdefault(cid, set()).add(index)
@@ -200,12 +204,37 @@ class Node:
         for info in self.index.values():
             info.last_use = now
         log.info(
-            "node %s: index rebuilt: %d chunks on nvme, %d with fragments, %d forgotten",
+            "node %s: index rebuilt: %d chunks on nvme, %d with fragments (%d fragment(s) "
+            "failed their check and were quarantined), %d forgotten",
             self.id,
             len(on_nvme),
             len(self.fragments),
+            bad,
             len(gone),
         )
+
+    async def _check_fragments(self, keys: list[str]) -> int:
+        """Read and check every fragment on disk before any is advertised (a crash or a
+        flip while the node was down must not count as a held fragment until the first
+        scrub); what fails is quarantined by the tier. Returns how many failed.
+
+        Costs one read of the cold tier per start, at disk speed, four at a time."""
+        slots = asyncio.Semaphore(4)
+        failed = 0
+
+        async def check(key: str) -> None:
+            nonlocal failed
+            async with slots:
+                try:
+                    await self.cold.get(key)
+                except CorruptChunk:
+                    failed += 1
+                    self.metrics.corrupt.labels("cold").inc()
+                except ChunkNotFound:
+                    pass
+
+        await asyncio.gather(*(check(k) for k in keys))
+        return failed
 
     async def start(self) -> None:
         host, port = self.config.node.peer_addr
@@ -428,6 +457,7 @@ class Node:
             "repair_backlog": self.repairer.backlog,
             "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
             "misplaced_backlog": self.repairer.misplaced,
+            "repair_pass_at": self.repairer.last_pass_started,
             "gc": self.referenced.status(),
             "shm": self.shm_info,
         }
