@@ -569,6 +569,8 @@ async def cluster(request: web.Request) -> web.Response:
         entry["encode_backlog"] = info.get("encode_backlog")
         entry["repair_backlog"] = info.get("repair_backlog")
         entry["misplaced_backlog"] = info.get("misplaced_backlog")
+        # When the pass those backlogs come from started: a change after it is not in them.
+        entry["repair_pass_at"] = info.get("repair_pass_at")
         # GC's health (node/referenced.py): the last complete pass, and a stall with its cause.
         entry["gc"] = info.get("gc")
         # The co-located fast path (storaged.shm): host identity and socket, if it listens.

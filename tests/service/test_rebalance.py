@@ -93,12 +93,18 @@ async def _wait_for(
     raise AssertionError(f"not within {timeout:.0f} s: {what}")
 
 
-async def _settled(api: Api, urls: list[str]) -> bool:
-    """Every given node's last repair pass found nothing lacking and nothing misplaced."""
+async def _settled(api: Api, urls: list[str], since: float = 0.0) -> bool:
+    """Every given node's last repair pass found nothing lacking and nothing misplaced,
+    and (with ``since``, wall clock) started after it: a pass from before a join says
+    nothing about what the join made misplaced."""
     for url in urls:
         doc = await _cluster_doc(api, url)
         for entry in doc["nodes"]:
-            if entry["alive"] and (entry["repair_backlog"] or entry["misplaced_backlog"]):
+            if not entry["alive"]:
+                continue
+            if entry["repair_backlog"] or entry["misplaced_backlog"]:
+                return False
+            if (entry.get("repair_pass_at") or 0.0) <= since:
                 return False
     return True
 
@@ -283,7 +289,12 @@ async def etcd_cluster() -> AsyncIterator[Callable[..., Awaitable[LocalCluster]]
 
 
 async def _paced_until_settled(
-    api: Api, session: aiohttp.ClientSession, cluster: LocalCluster, since: float, chunk: int
+    api: Api,
+    session: aiohttp.ClientSession,
+    cluster: LocalCluster,
+    since: float,
+    chunk: int,
+    joined_at: float = 0.0,
 ) -> list[float]:
     """Wait until the cluster settles, checking on every look that no node has moved more
     than ``RATE`` bytes per second since ``since``, plus one transfer (the throttle paces
@@ -296,7 +307,7 @@ async def _paced_until_settled(
         looked = time.monotonic()
         for url, sent in zip(urls, moved, strict=True):
             assert sent <= RATE * (looked - since) + 1.2 * chunk, (url, sent, looked - since)
-        if sum(moved) > 0 and await _settled(api, urls):
+        if sum(moved) > 0 and await _settled(api, urls, joined_at):
             print(
                 f"rebalance: {[int(b) for b in moved]} bytes moved per node in "
                 f"{looked - since:.1f} s since the join (limit {RATE} B/s per node)"
@@ -342,7 +353,8 @@ async def test_join_moves_misplaced_data_at_the_configured_rate(
     cluster.start_node(4)
     await asyncio.to_thread(cluster.wait_healthy, [4])
     await asyncio.to_thread(cluster.wait_converged)
-    moved = await _paced_until_settled(api, session, cluster, joined, size)
+    # Settled means: passes that started once every node saw the joiner found nothing.
+    moved = await _paced_until_settled(api, session, cluster, joined, size, time.time())
     assert sum(moved) > 0, moved
     if tier == "cold":
         fragments = {f for f in _fragment_files(cluster, list(range(5))) if f[1] in ids}

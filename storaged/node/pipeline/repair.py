@@ -60,12 +60,16 @@ class Repair:
         self.backlog = 0
         #: chunks it leads that lacked nothing but sat (partly) outside their placement
         self.misplaced = 0
+        #: when the last complete pass started (wall clock; None before the first): its
+        #: backlogs describe the cluster as of then, not before
+        self.last_pass_started: float | None = None
         #: members down for less than ``gone_after``, and live ones that did not answer the
         #: current batch's question: what they hold is expected back (rebalance waits too)
         self.away: frozenset[str] = frozenset()
 
     async def repair_pass(self) -> None:
         node = self.node
+        started = time.time()
         try:
             await node.catalogue.repair()
         except asyncio.CancelledError:
@@ -103,6 +107,7 @@ class Repair:
             await asyncio.gather(*(one(cid, held[cid], placement) for cid in batch))
         self.backlog = lacking
         self.misplaced = misplaced
+        self.last_pass_started = started
         node.metrics.repair_backlog.set(lacking)
         node.metrics.misplaced_backlog.set(misplaced)
 
