@@ -180,9 +180,9 @@ async def test_a_misplaced_copy_on_nvme_only_is_dropped_without_a_traceback(
     """A misplaced copy evicted from RAM (on nvme only, as most old copies are) is dropped
     when its leader asks, as one still in RAM is; a node asked about a copy it does not
     hold at all says no. Background stages meet every tier state: a traceback in a node's
-    log is a defect, and so is one for a witness whose disk fails. The code before raised ``ChunkNotFound`` from ``memory.is_dirty``
-    for the nvme-only copy (the leader's ``drop_misplaced`` call failed, logged with a
-    traceback, and the copy stayed)."""
+    log is a defect, and so is one for a witness whose disk fails. The code before raised
+    ``ChunkNotFound`` from ``memory.is_dirty`` for the nvme-only copy (the leader's
+    ``drop_misplaced`` call failed, logged with a traceback, and the copy stayed)."""
     caplog.set_level(logging.INFO)
     cluster = await inproc.start(4, encode_workers=0, **QUIET)
     _, cid, (p, q, r, s) = await _four_copies_on_nvme(cluster, http, 200_000)
