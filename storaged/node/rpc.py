@@ -96,6 +96,9 @@ class PeerRpc:
         except ChunkNotFound as exc:
             node.forget_fragment(key)
             raise PeerError("chunk_not_found", str(exc)) from exc
+        except OSError as exc:
+            # An unreadable disk (not proof the file is gone: kept): the reader goes on.
+            raise PeerError("io_error", f"{key} cannot be read here: {exc}") from exc
         return {}, data
 
     async def rpc_set_state(self, args: dict[str, Any], body: memoryview | None) -> Reply:
