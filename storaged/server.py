@@ -187,9 +187,35 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except asyncio.CancelledError:
         raise
     except Exception as exc:
+        if node.stopping:
+            # A graceful stop closes the tiers and peer links while the HTTP site still
+            # answers (serve() stops it last): what fails then is the stop, not a defect.
+            log.warning(
+                "%s %s failed while stopping: %s: %s", request.method, request.path,
+                type(exc).__name__, exc,
+            )  # fmt: skip
+            return _stopping_reply(request, node)
         log.exception("internal error on %s %s", request.method, request.path)
         node.metrics.errors.labels("internal").inc()
         return reply(request, {"error": "internal", "message": f"{type(exc).__name__}"}, 500)
+
+
+def _stopping_reply(request: web.Request, node: Node) -> web.Response:
+    """503 ``shutting_down`` with ``Retry-After`` (docs/API.md E9)."""
+    exc = http_error(
+        unavailable("shutting_down", f"node {node.id} is stopping: ask another node", 1.0)
+    )
+    node.metrics.errors.labels(exc.code).inc()
+    return reply(request, exc.body(), exc.status, exc.headers)
+
+
+def _not_held(node: Node, chunk_id: str) -> Exception:
+    """What a read that found no source answers: 404 ``chunk_not_found``, or, on a node
+    that is stopping (its peer links close under it, so "no one has it" is no proof),
+    503 ``shutting_down``."""
+    if node.stopping:
+        return unavailable("shutting_down", f"node {node.id} is stopping: ask another node", 1.0)
+    return ApiError(404, "chunk_not_found", f"chunk {chunk_id} is not held by the cluster")
 
 
 def _bearer_is(given: str, token: str) -> bool:
@@ -392,7 +418,7 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     try:
         data, tier = await node.read_chunk(cid)
     except ChunkNotFound as exc:
-        raise ApiError(404, "chunk_not_found", f"chunk {cid} is not held by the cluster") from exc
+        raise _not_held(node, cid) from exc
     size = len(data)
     headers = {"X-Storaged-Tier": tier, "Accept-Ranges": "bytes"}
     range_header = request.headers.get("Range")
@@ -438,7 +464,7 @@ async def head_chunk(request: web.Request) -> web.StreamResponse:
     cid = _chunk_id(request)
     states = await node.chunk_states([cid])
     if cid not in states:
-        raise ApiError(404, "chunk_not_found", f"chunk {cid} is not held by the cluster")
+        raise _not_held(node, cid)
     state, size = states[cid]
     if node.memory_has(cid):
         tier = "memory"
@@ -452,7 +478,11 @@ async def head_chunk(request: web.Request) -> web.StreamResponse:
         elif any(h.nvme for h in held):
             tier = "nvme"
     if size < 0:
-        data, _ = await node.read_chunk(cid)
+        try:
+            data, _ = await node.read_chunk(cid)
+        except ChunkNotFound as exc:
+            # Held when asked, gone when read (collected, dropped, a wiped disk).
+            raise _not_held(node, cid) from exc
         size = len(data)
     return web.Response(
         status=200,

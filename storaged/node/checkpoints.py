@@ -45,12 +45,26 @@ class Checkpoints:
 
     # ---- commit ----------------------------------------------------------------------------
     async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
+        """201 (created), 200 (the identical manifest is committed under ``name``; any
+        partial write of it completed), or raises: 409 ``exists`` (other contents), 409
+        ``missing_chunks`` (nothing is or was committed under ``name`` by this manifest),
+        503 (catalogue or coordinator out of reach: nothing decided).
+
+        Identity comes before availability: a retry of a commit that succeeded answers
+        200 even while some of its chunks have no live holder (repair's work, not the
+        retry's), and ``missing_chunks`` is only said once a lookup that met the quorum
+        found no identical live record."""
         node = self.node
         existing = await self._find(name)
-        if existing is not None and existing.deleted is None and existing.digest != checked.digest:
+        live = existing is not None and existing.deleted is None
+        if existing is not None and live and existing.digest != checked.digest:
             raise Conflict("exists", f"checkpoint {name!r} exists with other contents")
         checked_at = time.monotonic()
-        await self._check_chunks(checked)
+        try:
+            await self._check_chunks(checked)
+        except Conflict as exc:
+            if exc.code != "missing_chunks" or not (live or await self._committed(name, checked)):
+                raise
         record = CatalogRecord(
             name=name,
             digest=checked.digest,
@@ -76,6 +90,17 @@ class Checkpoints:
             ) from None
         reply = {"name": name, "chunks": list(checked.chunks), "bytes": checked.total_bytes}
         return (201 if created else 200), reply
+
+    async def _committed(self, name: str, checked: CheckedManifest) -> bool:
+        """Whether ``checked`` is committed under ``name`` now (a commit of it may have
+        landed since the first lookup); 409 ``exists`` for other contents, 503 when the
+        lookup cannot say (never a false "not committed")."""
+        record = await self._find(name)
+        if record is None or record.deleted is not None:
+            return False
+        if record.digest != checked.digest:
+            raise Conflict("exists", f"checkpoint {name!r} exists with other contents")
+        return True
 
     async def _check_chunks(self, checked: CheckedManifest) -> None:
         """Every chunk held, with the declared size; the holders' copies touched until past

@@ -42,14 +42,16 @@ class ReadPath:
     async def read_hot(
         self, chunk_id: str, rng: ByteRange | None = None
     ) -> tuple[bytes | memoryview | None, str]:
-        """The bytes from this node's RAM or nvme, verified; (None, "") when not held hot."""
+        """The bytes from this node's RAM or nvme, verified; (None, "") when not held hot,
+        or when the disk cannot be read now (an I/O error, a data dir replaced behind the
+        node's back): readers then go to the next source."""
         node = self.node
         if node.memory_has(chunk_id):
             try:
                 data = await node.memory.get(chunk_id, rng)
                 return data, "memory"
             except ChunkNotFound:
-                pass
+                pass  # evicted or collected since the check
         if node.nvme_has(chunk_id):
             try:
                 data = await node.nvme.get(chunk_id, rng)
@@ -58,7 +60,10 @@ class ReadPath:
                 node.metrics.corrupt.labels("nvme").inc()
                 log.error("corrupt nvme copy of %s quarantined", chunk_id)
             except ChunkNotFound:
-                pass
+                pass  # collected, dropped, or its file removed behind the tier's back
+            except OSError as exc:
+                # Not proof the copy is gone (the disk may come back): kept, not served.
+                log.error("nvme copy of %s cannot be read: %s", chunk_id, exc)
         return None, ""
 
     @contextlib.asynccontextmanager
@@ -122,6 +127,10 @@ class ReadPath:
         except ChunkNotFound:
             node.forget_fragment(key)
             raise
+        except OSError as exc:
+            # Unreadable now (not proof it is gone: kept); this node cannot serve it.
+            log.error("fragment %s cannot be read: %s", key, exc)
+            raise ChunkNotFound(key) from exc
 
     async def whole_copy(
         self, chunk_id: str, placement: Placement | None = None

@@ -9,18 +9,16 @@ enough others hold it (``pipeline/rebalance.py``).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from erasure import parse_fragment_key
 from storaged.catalog import CatalogRecord
-from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo
+from storaged.node.index import COLD, MEMORY
 from storaged.node.pipeline.rebalance import HOT
 from storaged.peer import PeerError, PeerHandler
-from tiers import ByteRange, ChunkNotFound, CorruptChunk, TierFull
+from tiers import ByteRange, ChunkNotFound, CorruptChunk
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -81,25 +79,9 @@ class PeerRpc:
         return {"tier": tier}, data
 
     async def rpc_put_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        node = self.node
         if body is None:
             raise PeerError("bad_request", "put_fragment needs a body")
-        key = args["key"]
-        cid, index = parse_fragment_key(key)
-        async with node.locks.hold(cid):
-            try:
-                await node.cold.put(key, body)
-            except CorruptChunk as exc:
-                raise PeerError("checksum_mismatch", str(exc)) from exc
-            except TierFull as exc:
-                raise PeerError("cold_full", str(exc)) from exc
-            node.fragments.setdefault(cid, set()).add(index)
-            now = time.time()
-            info = node.index.get(cid)
-            if info is None:
-                node.index[cid] = ChunkInfo(int(args.get("size", -1)), NVME, now, now)
-            else:
-                info.touch(now)
+        await self.node.writes.store_fragment(args["key"], body, int(args.get("size", -1)))
         return {}, None
 
     async def rpc_get_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
@@ -114,6 +96,9 @@ class PeerRpc:
         except ChunkNotFound as exc:
             node.forget_fragment(key)
             raise PeerError("chunk_not_found", str(exc)) from exc
+        except OSError as exc:
+            # An unreadable disk (not proof the file is gone: kept): the reader goes on.
+            raise PeerError("io_error", f"{key} cannot be read here: {exc}") from exc
         return {}, data
 
     async def rpc_set_state(self, args: dict[str, Any], body: memoryview | None) -> Reply:

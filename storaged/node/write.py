@@ -25,12 +25,13 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from erasure import parse_fragment_key
 from storaged.errors import BadInput, unavailable
 from storaged.ids import chunk_id_of_async, crc32c_of_async
-from storaged.node.index import state_name
+from storaged.node.index import NVME, ChunkInfo, state_name
 from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
-from tiers import TierFull
+from tiers import CorruptChunk, TierFull
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -53,8 +54,9 @@ class WritePath:
         self.node = node
         #: PUTs in flight on this node (drain and encode give way to them)
         self.inflight = 0
-        #: local stores under way (a PUT's, a peer's copy, a repair's): a drain's
-        #: ``can_leave`` waits for them, since a copy may still land here
+        #: local stores of data under way (a PUT's copy, a peer's copy or fragment, a
+        #: repair's or rebalance's copy): a drain's ``can_leave`` waits for them, since
+        #: data may still land here
         self.storing = 0
         #: when a replica copy of another node's PUT last began or ended arriving here
         #: (monotonic): a node that takes other nodes' acks as a replica (every PUT
@@ -77,12 +79,15 @@ class WritePath:
         """Stream a chunk into RAM here and on the other replica holders; (status, reply)."""
         started = time.perf_counter()
         placement, order = self._admit(chunk_id)
-        if chunk_id in self.node.index:
-            held = await self.already_held(chunk_id, placement)
-            if held is not None:
-                return 200, held
+        # In flight from the admission on (no await in between): the view it was admitted
+        # with may have this node as a holder, so a drain's ``can_leave`` sampled while it
+        # asks who holds the chunk must not miss the copy it may still store here.
         self.inflight += 1
         try:
+            if chunk_id in self.node.index:
+                held = await self.already_held(chunk_id, placement)
+                if held is not None:
+                    return 200, held
             return await self._put_new(chunk_id, size, body, order, started)
         finally:
             self.inflight -= 1
@@ -100,16 +105,20 @@ class WritePath:
         started = time.perf_counter()
         try:
             placement, order = self._admit(chunk_id, admitted=admitted)
-            if chunk_id in self.node.index:
-                held = await self.already_held(chunk_id, placement)
-                if held is not None:
-                    self.node.memory.release(buf)
-                    return 200, held
         except BaseException:
             self.node.memory.release(buf)
             raise
-        self.inflight += 1
+        self.inflight += 1  # from the admission on, as in ``put_chunk``
         try:
+            if chunk_id in self.node.index:
+                try:
+                    held = await self.already_held(chunk_id, placement)
+                except BaseException:
+                    self.node.memory.release(buf)
+                    raise
+                if held is not None:
+                    self.node.memory.release(buf)
+                    return 200, held
             return await self._put_new(
                 chunk_id, len(buf), None, order, started, sealed=buf, crc32c=crc32c
             )
@@ -456,15 +465,55 @@ class WritePath:
         return True
 
     async def keep_copy(self, chunk_id: str, data: memoryview) -> bool:
-        """Store a copy of checked bytes read from elsewhere (repair) as this node's own."""
+        """Store a copy of checked bytes read from elsewhere (repair, rebalance) as this
+        node's own. Refused (``PeerError`` ``draining``) on a draining node, as a peer's
+        copy is: the caller places it on the next node."""
         node = self.node
-        buf = await node.memory.allocate(len(data), timeout=node.config.put_wait)
+        self._refuse_if_draining()
+        self.storing += 1  # with the check, one step: ``can_leave`` sees it from here on
         try:
-            buf[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
-        except BaseException:
-            node.memory.release(buf)
-            raise
-        return await self.store_local(chunk_id, buf)
+            buf = await node.memory.allocate(len(data), timeout=node.config.put_wait)
+            try:
+                buf[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
+                self._refuse_if_draining()  # again: marked while RAM was found
+            except BaseException:
+                node.memory.release(buf)
+                raise
+            return await self.store_local(chunk_id, buf)
+        finally:
+            self.storing -= 1
+
+    async def store_fragment(self, key: str, body: memoryview, size: int) -> None:
+        """Peer side: keep fragment ``key`` (checked against its header's checksum by the
+        cold tier, durable when this returns) and index it. ``size`` is the chunk's length
+        when the sender knows it (-1 else).
+
+        Refused with ``PeerError``: ``draining`` on a draining node (checked when the call
+        arrives, its body with it, and again under the chunk's lock, right before the
+        store), ``checksum_mismatch``, ``cold_full``. A sender treats ``draining`` like a
+        dead target: its next view places the fragment elsewhere."""
+        node = self.node
+        cid, index = parse_fragment_key(key)
+        self._refuse_if_draining()
+        self.storing += 1  # with the check, one step: ``can_leave`` sees it from here on
+        try:
+            async with node.locks.hold(cid):
+                self._refuse_if_draining()
+                try:
+                    await node.cold.put(key, body)
+                except CorruptChunk as exc:
+                    raise PeerError("checksum_mismatch", str(exc)) from exc
+                except TierFull as exc:
+                    raise PeerError("cold_full", str(exc)) from exc
+                node.fragments.setdefault(cid, set()).add(index)
+                now = time.time()
+                info = node.index.get(cid)
+                if info is None:
+                    node.index[cid] = ChunkInfo(size, NVME, now, now)
+                else:
+                    info.touch(now)
+        finally:
+            self.storing -= 1
 
     async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
         """Peer side: a buffer for a copy another node sends."""
@@ -502,12 +551,16 @@ class WritePath:
         return {"new": await self.store_local(chunk_id, buf)}
 
     def _refuse_if_draining(self) -> None:
-        """A draining node takes no new copies from peers: a sender whose view predates the
-        mark then places the copy on the next node of its order (and the drain's
-        ``can_leave`` cannot be outrun by a copy arriving after it was computed)."""
+        """A draining node takes no new data of any kind (copies, fragments, repair and
+        rebalance moves): a sender whose view predates the mark then places it on the next
+        node of its order. Every store checks this when it begins and again once its bytes
+        are here, right before the store, and counts in ``storing`` (or ``inflight``) from
+        the first check on, with no await in between; so the drain's ``can_leave`` (which
+        needs the node to know it drains, and nothing counted) cannot be outrun by data
+        landing after it was computed."""
         node = self.node
         if node.membership.is_draining(node.id):
-            raise PeerError("draining", f"node {node.id} is draining: it takes no new copies")
+            raise PeerError("draining", f"node {node.id} is draining: it takes no new data")
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
         self.node.memory.release(buf)

@@ -8,6 +8,7 @@ The same with real processes, a save and a restore running, and a kill -9 at the
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import random
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from erasure import fragment_key
 from storaged.client import Client
 from storaged.config import NodeSpec
 from storaged.errors import NotFound
@@ -294,3 +296,49 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
     await cluster.kill(2)
     r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin)
     assert (r.status, r.error) == (503, "node_unavailable")
+
+
+async def test_a_draining_node_takes_no_fragment_and_waits_for_one_in_flight(
+    inproc: InprocFactory,
+) -> None:
+    """Draining means no new data of any kind. A fragment sent by a peer whose view predates
+    the mark is refused and nothing of it is stored; one that arrived before the mark keeps
+    ``can_leave`` false for as long as it is under way (and is refused at its store); a
+    repair's local copy is refused too. The code before stored both fragments, and answered
+    ``can_leave: true`` while the first was still on its way to the disk."""
+    cluster = await inproc.start(4, repair_interval=3600.0, gc_interval=3600.0)
+    sender, victim = cluster.node(0), cluster.node(3)
+    data = random.Random(11).randbytes(100_000)
+    cid = chunk_id_of(data)
+    fragments = await sender.codec.encode_async(cid, data)
+
+    async def send(index: int) -> None:
+        key = fragment_key(cid, index)
+        await sender.call(
+            "n3", "put_fragment", {"key": key, "size": len(data)}, fragments[index].to_bytes()
+        )
+
+    def stored() -> bool:
+        return bool(victim.fragments.get(cid)) or any(victim.config.data_dir.rglob(f"{cid}.*"))
+
+    async with victim.locks.hold(cid):
+        in_flight = asyncio.create_task(send(0))
+        # the call arrived (its body with it) and waits for the chunk's lock held here
+        await wait_until("the fragment is under way", lambda: victim.locks._locks[cid][1] == 2)
+        await sender.drain("n3")
+        await _seen(cluster, "n3")
+        progress = await victim.evacuation.local_progress()
+        assert progress["state"] == "draining" and progress["chunks"] == 0
+        assert progress["can_leave"] is False, "can_leave while a fragment is on its way here"
+    with pytest.raises(PeerError) as refused:
+        await in_flight
+    assert refused.value.code == "draining"
+    assert (await victim.evacuation.local_progress())["can_leave"] is True
+    # a sender whose view predates the mark
+    with pytest.raises(PeerError) as refused:
+        await send(1)
+    assert refused.value.code == "draining"
+    with pytest.raises(PeerError, match="draining"):
+        await victim.writes.keep_copy(cid, memoryview(data))
+    assert not stored() and not victim.holds_hot(cid)
+    assert (await victim.evacuation.local_progress())["can_leave"] is True

@@ -627,3 +627,56 @@ async def test_a_lookup_nobody_answered_is_503_not_404(
     await cluster.wait_converged()
     assert (await survivor.request("GET", f"/v1/checkpoints/{name}")).status == 200
     assert (await survivor.request("GET", "/v1/checkpoints/cut/never")).status == 404
+
+
+# ---- a retry of a commit that succeeded, while a chunk has no live holder --------------------
+async def test_retry_of_a_committed_manifest_is_200_while_a_chunk_is_unavailable(
+    inproc: InprocFactory, http: aiohttp.ClientSession
+) -> None:
+    """Identity before availability (docs/API.md): re-committing the identical manifest
+    answers 200 even while one of its chunks has no live holder, a different manifest 409
+    ``exists``; ``missing_chunks`` stays for manifests nothing was committed of. The
+    catalogue still answers (2 of 5 nodes down: the embedded lookup quorum is 3). The
+    code before checked the chunks first and answered 409 ``missing_chunks`` to the retry
+    of a commit that had succeeded."""
+    cluster = await inproc.start(
+        5, drain_defer=0.0, repair_interval=3600.0, gc_interval=3600.0, encode_workers=0
+    )
+    chunks = [new_chunk()[0] for _ in range(3)]
+    gone = chunk_id_of(chunks[0])
+    h1, h2, h3 = cluster.order(gone)[:3]
+    # a name whose (embedded) catalogue primary stays up, committed through a node that does
+    name = next(
+        f"retry/{k}"
+        for k in range(100)
+        if cluster.index_of(cluster.node(0).placement().name_targets(f"retry/{k}")[0])
+        not in (h1, h2)
+    )
+    entry = next(i for i in range(5) if i not in (h1, h2, h3))
+    api = api_of(http, cluster, entry)
+    for data in chunks:
+        assert (await api.put_chunk(data)).status == 201
+    manifest = manifest_for(chunks)
+    assert (await api.commit(name, manifest)).status == 201
+    await wait_until(
+        "the copies are on nvme",
+        lambda: all(cluster.node(i).nvme_has(gone) for i in (h1, h2, h3)),
+    )
+    # h3 loses its copy (a replaced disk), h1 and h2 go down: no live node holds it
+    third = cluster.node(h3)
+    await third.memory.delete(gone)
+    await third.nvme.delete(gone)
+    await cluster.kill(h1)
+    await cluster.kill(h2)
+    await cluster.wait_converged()
+    assert not cluster.hot_holders(gone) and not cluster.fragments(gone)
+    r = await api.commit(name, manifest)
+    assert r.status == 200, r.raw
+    assert r.doc["name"] == name
+    r = await api.commit(name, manifest_for(chunks, created=1764403201.0))
+    assert (r.status, r.error) == (409, "exists"), r.raw
+    r = await api.commit(f"{name}-new", manifest)
+    assert (r.status, r.error) == (409, "missing_chunks"), r.raw
+    assert r.doc["missing"] == [gone]
+    got = await api.request("GET", f"/v1/checkpoints/{name}")
+    assert got.status == 200 and got.doc["created"] == manifest["created"]

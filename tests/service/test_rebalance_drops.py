@@ -10,10 +10,12 @@ only ones.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
 import aiohttp
+import pytest
 
 from erasure import fragment_key
 from storaged.ids import chunk_id_of
@@ -21,6 +23,7 @@ from storaged.node.pipeline.rebalance import HOT
 from tests.conftest import TOKEN
 from tests.service.http import Api, manifest_for
 from tests.service.inproc import InprocCluster, InprocFactory, wait_until
+from tests.service.test_durability import broken_dir
 
 QUIET: dict[str, Any] = {"repair_interval": 3600.0, "gc_interval": 3600.0, "drain_defer": 0.0}
 
@@ -169,3 +172,37 @@ async def test_a_copy_that_missed_the_encode_is_trimmed_once_the_chunk_is_cold(
     assert not node.nvme_has(cid)  # not the owner: retention keeps no copy here
     got = await api.get_chunk(cid)
     assert got.status == 200 and got.raw == data
+
+
+async def test_a_misplaced_copy_on_nvme_only_is_dropped_without_a_traceback(
+    inproc: InprocFactory, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misplaced copy evicted from RAM (on nvme only, as most old copies are) is dropped
+    when its leader asks, as one still in RAM is; a node asked about a copy it does not
+    hold at all says no. Background stages meet every tier state: a traceback in a node's
+    log is a defect, and so is one for a witness whose disk fails. The code before raised
+    ``ChunkNotFound`` from ``memory.is_dirty`` for the nvme-only copy (the leader's
+    ``drop_misplaced`` call failed, logged with a traceback, and the copy stayed)."""
+    caplog.set_level(logging.INFO)
+    cluster = await inproc.start(4, encode_workers=0, **QUIET)
+    _, cid, (p, q, r, s) = await _four_copies_on_nvme(cluster, http, 200_000)
+    misplaced = cluster.node(s)
+    await misplaced.memory.delete(cid)  # evicted: the copy is on nvme only
+    assert misplaced.nvme_has(cid) and not misplaced.memory.has(cid)
+    leader, witnesses = cluster.node(p), [cluster.node_id(i) for i in (p, q, r)]
+    args = {"id": cid, "slot": HOT, "witnesses": witnesses}
+    reply, _ = await leader.call(misplaced.id, "drop_misplaced", args)
+    assert reply == {"dropped": True}
+    assert sorted(_nvme_holders(cluster, cid)) == sorted([p, q, r])
+    assert cid not in misplaced.index
+    # asked again, now that it holds nothing of the chunk: no
+    reply, _ = await leader.call(misplaced.id, "drop_misplaced", args)
+    assert reply == {"dropped": False}
+    # a witness whose disk cannot be read (here ENOTDIR) is no witness, and says so
+    with broken_dir(cluster.node(q).nvme.root):
+        reply, _ = await leader.call(
+            cluster.node_id(q), "witness", {"id": cid, "slot": HOT, "pin": 1.0}
+        )
+    assert reply == {"held": False}
+    tracebacks = [rec for rec in caplog.records if rec.exc_info]
+    assert not tracebacks, [rec.getMessage() for rec in tracebacks]

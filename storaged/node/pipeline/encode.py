@@ -124,7 +124,9 @@ class Encoder:
         only: Iterable[int] | None = None,
     ) -> bool:
         """Encode and store fragments (all, or the indexes in ``only``) durably on their
-        nodes in ``placement`` (the caller's view: draining nodes get none)."""
+        nodes in ``placement`` (the caller's view: draining nodes get none). False if any
+        target did not take its fragment (down, full, or draining after all): the caller
+        tries again with a later view."""
         node = self.node
         targets = placement.fragment_targets(chunk_id)
         if not targets:
@@ -146,7 +148,10 @@ class Encoder:
                     targets[index], "put_fragment", {"key": key, "size": len(data)}, blob
                 )
             except PeerError as exc:
-                log.warning("fragment %s to %s failed: %s", key, targets[index], exc)
+                # A target that drains (our view predates its mark) refuses like a dead one:
+                # the encode is offered again by repair, and that view places it elsewhere.
+                level = logging.INFO if exc.code == "draining" else logging.WARNING
+                log.log(level, "fragment %s to %s failed: %s", key, targets[index], exc)
                 return False
             return True
 

@@ -179,6 +179,10 @@ class Rebalance:
             return False
         except ChunkNotFound:
             return False
+        except OSError as exc:
+            # An unreadable disk (EIO, a data dir gone): no sound copy to witness.
+            log.warning("witness of %s slot %d: cannot read it: %s", chunk_id, slot, exc)
+            return False
         # From here to the answer, one step: the pin is in force before anyone hears "held".
         held = node.nvme_has(chunk_id) if slot == HOT else slot in node.fragments.get(chunk_id, ())
         if not held or chunk_id in node.collecting or (chunk_id, slot) in self.dropping:
@@ -200,7 +204,9 @@ class Rebalance:
             if chunk_id in node.collecting or self.pinned(chunk_id):
                 return False
             if slot == HOT:
-                if not node.nvme_has(chunk_id) or node.memory.is_dirty(chunk_id):
+                # Any tier state: on nvme only (evicted from RAM), or with a clean RAM copy
+                # too; a RAM copy not yet on disk refuses.
+                if not node.nvme_has(chunk_id) or self._dirty_in_ram(chunk_id):
                     return False
             elif slot not in node.fragments.get(chunk_id, ()):
                 return False
@@ -233,6 +239,12 @@ class Rebalance:
             "dropped misplaced %s of %s", "copy" if slot == HOT else f"fragment {slot}", chunk_id
         )
         return True
+
+    def _dirty_in_ram(self, chunk_id: str) -> bool:
+        """Whether this node's RAM holds a copy of ``chunk_id`` not yet on disk (False when
+        RAM holds none: ``is_dirty`` raises for a key it does not have)."""
+        memory = self.node.memory
+        return memory.has(chunk_id) and memory.is_dirty(chunk_id)
 
     async def _delete(self, chunk_id: str, slot: int) -> None:
         node = self.node
