@@ -344,7 +344,13 @@ class Node:
         if node_id == self.id:
             reply, out = await self.rpc.call_local(method, args, memoryview(body) if body else None)
             return reply, (bytes(out) if isinstance(out, bytearray) else out)
-        addr = self.config.dial_addr(self.spec(node_id))
+        try:
+            spec = self.spec(node_id)
+        except KeyError:
+            # Removed from the membership (a gone member, on etcd) between the caller's
+            # view and this call: as unreachable as a dead one.
+            raise PeerUnavailable("unreachable", f"{node_id} is no longer a member") from None
+        addr = self.config.dial_addr(spec)
         try:
             if method in DOC_METHODS:
                 # Arguments and reply travel as msgpack bodies: a manifest or a batch of

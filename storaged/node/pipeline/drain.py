@@ -97,6 +97,10 @@ class Drain:
     async def drain(self, chunk_id: str) -> None:
         """RAM copy -> nvme file (durable), then the RAM copy is clean (evictable)."""
         node = self.node
+        if not node.nvme_has(chunk_id) and not node.memory.holds(chunk_id):
+            # Collected meanwhile, or all that is left here is a co-located client's local
+            # copy (never drained: it is no copy of the chunk's, ``tiers/memory.py``).
+            return
         if not node.nvme_has(chunk_id):
             try:
                 await self._write(chunk_id)
@@ -133,6 +137,13 @@ class Drain:
         log.error("RAM copy of %s fails its id: dropped, repair will copy it anew", chunk_id)
         node.spawn(node.memory.delete(chunk_id), f"quarantine-{chunk_id[:8]}")
 
+    def _dirty(self, chunk_id: str) -> bool:
+        """Still RAM-only here (False once collected: gone is not dirty)."""
+        try:
+            return self.node.memory.is_dirty(chunk_id)
+        except ChunkNotFound:
+            return False
+
     async def drain_all(self, deadline: float) -> list[str]:
         """Drain every dirty RAM chunk (for a graceful stop), retrying failures until
         ``deadline`` (monotonic). Returns the chunks still RAM-only."""
@@ -157,7 +168,7 @@ class Drain:
                 except Exception as exc:
                     log.warning("stop: drain of %s failed: %s", cid, exc)
                     failed.append(cid)
-            left = [c for c in failed if node.memory.is_dirty(c)]
+            left = [c for c in failed if self._dirty(c)]
             attempt += 1
             if left:
                 await asyncio.sleep(min(0.2 * attempt, 2.0))

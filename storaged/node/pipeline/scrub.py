@@ -6,6 +6,7 @@ a quarantined copy or fragment is no longer reported held, so repair replaces it
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from tiers import ChunkNotFound, CorruptChunk
@@ -14,11 +15,18 @@ if TYPE_CHECKING:
     from storaged.node.core import Node
 
 
+log = logging.getLogger("storaged.node.scrub")
+
+
 class Scrubber:
     def __init__(self, node: Node) -> None:
         self.node = node
 
     async def scrub_pass(self) -> None:
+        """One read of everything stored. A file that fails its check is quarantined (by
+        the tier) and forgotten; one gone behind the node's back is forgotten; one that
+        cannot be read now (an I/O error) is logged and left for the next pass, and the
+        pass goes on with the others."""
         node = self.node
         async for key in node.nvme.keys():
             try:
@@ -27,6 +35,8 @@ class Scrubber:
                 node.metrics.corrupt.labels("nvme").inc()
             except ChunkNotFound:
                 pass
+            except OSError as exc:
+                log.warning("scrub: nvme copy %s cannot be read now: %s", key, exc)
         async for key in node.cold.keys():
             try:
                 await node.cold.get(key)
@@ -34,4 +44,6 @@ class Scrubber:
                 node.metrics.corrupt.labels("cold").inc()
                 node.forget_fragment(key)
             except ChunkNotFound:
-                pass
+                node.forget_fragment(key)  # gone behind the node's back: not held
+            except OSError as exc:
+                log.warning("scrub: fragment %s cannot be read now: %s", key, exc)
