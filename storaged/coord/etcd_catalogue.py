@@ -17,6 +17,26 @@ stored as content-addressed chunks of at most ``max_chunk_size`` on the data pla
 etcd keeps their ids and sizes, and ``references()`` names them so GC keeps them. Chunk
 ids over ``inline_refs`` bytes are written in parts before the transaction, which then
 checks that each part still exists (a delete in between removes them).
+
+**No live record ever lacks a chunk-id part**, under any interleaving of commits (parts,
+transaction, retries), deletes, ``compact_tombstones`` and ``compact_orphans``. Parts of
+``<name>#<tag>`` are written by a commit of that digest and removed by a delete or an
+orphan compaction only:
+
+- A commit's transaction succeeds only if each of its parts exists at that revision, so
+  the record and all its parts exist together from then on. A retry writes the same
+  bytes under the same keys again (after a lost reply, a part may be older than any scan).
+- A delete tombstones the record and removes every part of the name in one transaction
+  that checks the record unchanged: a tombstone names no part.
+- ``compact_tombstones`` removes a tombstone only if unchanged: never a record or a part.
+- ``compact_orphans`` reads every record at one revision R and removes a part that no
+  record of R owns in a transaction that also checks ``ckpt/<name>`` is still what it was
+  at R (absent at R: still absent). If that transaction succeeds, the record of the name
+  is one that does not own the part (or there is none): nothing names the part. A commit
+  of it whose transaction lands before the removal changed ``ckpt/<name>``, so the
+  removal fails; one that lands after finds the part gone, fails, and writes it again.
+  The horizon (parts older than the previous scan) only spares commits in flight that
+  retry; safety rests on the compares.
 """
 
 from __future__ import annotations
@@ -348,29 +368,43 @@ class EtcdCatalogue(Catalogue):
         """Remove chunk-id parts no live record owns (a commit that lost its race or died
         between its parts and its transaction) that already existed at the previous call.
 
-        Safe against a commit in flight: its transaction checks that its parts exist, so
-        one whose parts went here retries and writes them again."""
+        A part goes only in a transaction that also checks its name's record unchanged
+        since the scan (absent then: still absent), so a commit that lands between the
+        scan and the delete keeps every part it names (see the module docstring)."""
         kv = await self.s.kv()
         owned: set[tuple[str, str]] = set()
-        revision = 0
-        async for item, at in self._pages(self._ckpt()):
-            revision = at
+        #: each name's record (live or tombstone) at the scan's revision: its mod_revision
+        versions: dict[str, int] = {}
+        ckpts = self._ckpt()
+        # The revision first: with no record at all, the pages would not tell it.
+        counted = await self.s.call(
+            "record count", kv.get(ckpts, self.s.range_end(ckpts), count_only=True)
+        )
+        revision = int(counted.header.revision)
+        async for item, _ in self._pages(ckpts, revision):
             record = _record(_unpack(item.value))
+            versions[_key(item).removeprefix(ckpts)] = int(item.mod_revision)
             if record.deleted is None:
                 owned.add((record.name, _tag(record.digest)))
         horizon, self._orphan_horizon = self._orphan_horizon, revision
         removed = 0
-        if not revision or not horizon:
+        if not horizon:
             return 0
         refs = self.s.key("refs", "")
         async for item, _ in self._pages(refs, revision, keys_only=True):
             name, tag, _part = _key(item).removeprefix(refs).rsplit("#", 2)
             if (name, tag) in owned or item.create_revision > horizon:
                 continue
+            seen = versions.get(name)
+            unchanged = (
+                KVService.txn_compare_create_revision(self._ckpt(name), 0)
+                if seen is None
+                else compare_mod_revision(self._ckpt(name), seen)
+            )
             reply = await self.s.call(
                 "orphan compaction",
                 kv.txn(
-                    [compare_mod_revision(item.key, item.mod_revision)],
+                    [compare_mod_revision(item.key, item.mod_revision), unchanged],
                     [KVService.txn_op_delete(item.key)],
                 ),
             )

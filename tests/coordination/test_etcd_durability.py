@@ -1,0 +1,186 @@
+"""The etcd catalogue's durability through races with its own upkeep (issue 16), on the
+session's real 3-member etcd: interleavings driven step by step, not left to timing.
+
+``StagedSession`` is orchestration, not a mock: every request it lets through reaches etcd
+as it would; it can hold a call (until the test lets it go) or lose a call's reply (the
+request applied, or never sent, and the caller told it timed out), which is what a
+timed-out etcd request is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+
+from storaged.catalogue import CoordinatorUnavailable
+from storaged.coord.etcd import EtcdSession
+from storaged.coord.etcd_catalogue import EtcdCatalogue
+from tests.conftest import healthy_rig
+from tests.coordination.catalogue_conformance import cid, fresh, record
+from tests.etcd import etcd_binary
+
+pytestmark = pytest.mark.skipif(
+    etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
+    reason="needs etcd (apt-get install etcd-server) and the etcd extra (pip install -e .[etcd])",
+)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Gate:
+    """Holds the ``skip + 1``-th call whose label starts with ``what``: ``reached`` is set
+    when it arrives, and it goes on to etcd once ``go`` is set."""
+
+    what: str
+    skip: int = 0
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    seen: int = 0
+
+
+@dataclass
+class Loss:
+    """The next call whose label starts with ``what`` answers ``CoordinatorUnavailable``:
+    after etcd applied it (``applied``: its reply was lost) or without sending it."""
+
+    what: str
+    applied: bool
+    done: bool = False
+
+
+class StagedSession(EtcdSession):
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gates: list[Gate] = []
+        self.losses: list[Loss] = []
+
+    def hold(self, what: str, *, skip: int = 0) -> Gate:
+        gate = Gate(what, skip)
+        self.gates.append(gate)
+        return gate
+
+    def lose(self, what: str, *, applied: bool) -> Loss:
+        loss = Loss(what, applied)
+        self.losses.append(loss)
+        return loss
+
+    async def call(self, what: str, op: Awaitable[T]) -> T:
+        for gate in self.gates:
+            if what.startswith(gate.what):
+                gate.seen += 1
+                if gate.seen == gate.skip + 1:
+                    gate.reached.set()
+                    await gate.go.wait()
+        for loss in self.losses:
+            if what.startswith(loss.what) and not loss.done:
+                loss.done = True
+                if loss.applied:
+                    await super().call(what, op)
+                elif inspect.iscoroutine(op):
+                    op.close()
+                raise CoordinatorUnavailable(f"etcd did not answer {what} (its reply was lost)")
+        return await super().call(what, op)
+
+
+class Catalogues:
+    """Catalogues on one fresh key prefix, each with a session of its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.sessions: list[EtcdSession] = []
+
+    def open(self, **options: Any) -> tuple[EtcdCatalogue, StagedSession]:
+        session = StagedSession(self.url)
+        self.sessions.append(session)
+        return EtcdCatalogue(None, session, **options), session
+
+    async def close(self) -> None:
+        for session in self.sessions:
+            await session.close()
+
+
+@pytest.fixture
+def etcd_url(request: pytest.FixtureRequest) -> Callable[[], str]:
+    """Fresh coordinator URLs on the session's etcd (sync: the rig starts outside a loop)."""
+    return healthy_rig(request).fresh_prefix
+
+
+@pytest.fixture
+async def catalogues(etcd_url: Callable[[], str]) -> AsyncIterator[Catalogues]:
+    opened = Catalogues(etcd_url())
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+# ---- orphan compaction against a commit (issue 16, 1) ---------------------------------------
+@pytest.mark.parametrize("before", ["absent", "tombstone"])
+async def test_orphan_compaction_spares_a_retried_commit_landing_after_its_scan(
+    catalogues: Catalogues, before: str
+) -> None:
+    """A commit over ``inline_refs`` whose first attempt timed out (its parts are then older
+    than the compactor's previous scan), retried so that its transaction lands between the
+    compactor's read of the records and its deletes, keeps every part: the checkpoint
+    stays readable and ``references()`` works. The old compaction compared only each
+    part's own revision and deleted the part under the committed record."""
+    committer, committing = catalogues.open(inline_refs=16)
+    compactor, compacting = catalogues.open(inline_refs=16)
+    reader, _ = catalogues.open(inline_refs=16)
+    name = fresh("late")
+    ids = [cid(1), cid(2), cid(3)]  # 97 bytes of ids: over inline_refs, so in parts
+    assert await committer.commit(record(fresh("other"), [cid(8)])) is True  # not alone
+    held_txn = 0
+    if before == "tombstone":
+        assert await committer.commit(record(name, [cid(9)], salt="old")) is True
+        await committer.delete(name)
+        held_txn = 1  # the retry's first transaction expects a free name and fails
+    rec = record(name, ids)
+
+    committing.lose("commit of", applied=False)  # the first attempt: parts, then a timeout
+    with pytest.raises(CoordinatorUnavailable):
+        await committer.commit(rec)
+    assert await compactor.compact_orphans() == 0  # its scan sets the horizon past the parts
+
+    # The retry writes its parts again and stops before the transaction that succeeds.
+    committed = committing.hold("commit of", skip=held_txn)
+    commit = asyncio.create_task(committer.commit(rec))
+    await asyncio.wait_for(committed.reached.wait(), 30)
+    # The compactor reads: no record owns those parts yet, and they are old enough.
+    scanned = compacting.hold("orphan compaction")
+    compaction = asyncio.create_task(compactor.compact_orphans())
+    await asyncio.wait_for(scanned.reached.wait(), 30)
+    committed.go.set()
+    assert await asyncio.wait_for(commit, 30) is True  # answered 201
+    scanned.go.set()
+    await asyncio.wait_for(compaction, 30)
+
+    assert (await reader.get(name)).chunks == ids
+    refs = await reader.references()
+    assert set(ids) <= refs.chunks
+    assert [r.chunks for r in refs.live if r.name == name] == [ids]
+    assert await compactor.compact_orphans() == 0  # owned: later passes leave them too
+    assert (await reader.get(name)).chunks == ids
+
+
+async def test_orphan_parts_go_also_where_no_record_was_ever_committed(
+    catalogues: Catalogues,
+) -> None:
+    """The horizon is set by a scan that finds no record at all (it used to take its
+    revision from the records it read, so a catalogue without one kept its orphans)."""
+    committer, committing = catalogues.open(inline_refs=16)
+    compactor, _ = catalogues.open(inline_refs=16)
+    name = fresh("alone")
+    committing.lose("commit of", applied=False)  # parts written, the transaction never sent
+    with pytest.raises(CoordinatorUnavailable):
+        await committer.commit(record(name, [cid(1), cid(2)]))
+    assert await compactor.compact_orphans() == 0  # sets the horizon
+    assert await compactor.compact_orphans() == 1
+    assert await compactor.find(name) is None
