@@ -37,6 +37,11 @@ orphan compaction only:
   removal fails; one that lands after finds the part gone, fails, and writes it again.
   The horizon (parts older than the previous scan) only spares commits in flight that
   retry; safety rests on the compares.
+
+A record found short of a part all the same (damage from outside: an operator, an older
+version) is refused by reads and ``references()`` (GC frees nothing) until ``repair()``
+rewrites the part from its manifest, in a transaction that checks the record unchanged:
+a delete or a new commit of the name in between wins, and a tombstone gets no part.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -60,6 +66,9 @@ from storaged.coord.etcd import (
     compare_mod_revision,
     kv_response,
 )
+from storaged.errors import BadInput
+from storaged.ids import chunk_id_of
+from storaged.manifest import MAX_INT, check_manifest
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -119,6 +128,8 @@ class EtcdCatalogue(Catalogue):
         self._last_compaction = 0.0
         #: the etcd revision of the last orphan scan: parts created after it are too young
         self._orphan_horizon = 0
+        #: names whose live record a read found without all its chunk-id parts
+        self._damaged: set[str] = set()
 
     # ---- keys --------------------------------------------------------------------------
     def _ckpt(self, name: str = "") -> str:
@@ -153,10 +164,7 @@ class EtcdCatalogue(Catalogue):
             ops.append(
                 KVService.txn_op_put(self._manifest(record.name, record.digest), record.manifest)
             )
-        parts = [
-            pack_ids(record.chunks[i : i + _IDS_PER_PART])
-            for i in range(0, len(record.chunks), _IDS_PER_PART)
-        ]
+        parts = _parts(record.chunks)
         summary["parts"] = len(parts)
         part_keys = [self._refs(record.name, record.digest, i) for i in range(len(parts))]
         inline = sum(len(p) for p in parts) <= self.inline_refs
@@ -243,6 +251,7 @@ class EtcdCatalogue(Catalogue):
         mine = self._refs(name, record.digest).encode() + b"#"
         parts = sorted((p for p in kv_response(reply, 1) if p.key.startswith(mine)), key=_key)
         if len(parts) != summary["parts"]:
+            self._damaged.add(name)
             raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
         record.chunks = [c for p in parts for c in unpack_ids(p.value)]
         chunks = summary.get("manifest_chunks")
@@ -348,21 +357,125 @@ class EtcdCatalogue(Catalogue):
                     continue  # a losing commit's parts, or a tombstone's leftovers
                 entry[0].chunks.extend(unpack_ids(item.value))
                 seen[(entry[0].name, tag)] = seen.get((entry[0].name, tag), 0) + 1
+        damaged = sorted(
+            name for (name, tag), (_, parts) in live.items() if seen.get((name, tag), 0) != parts
+        )
+        if damaged:
+            # Fail safe: GC frees nothing until repair() has rewritten their parts.
+            self._damaged.update(damaged)
+            raise CoordinatorUnavailable(
+                f"checkpoint {damaged[0]!r}: its chunk ids are incomplete"
+                + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else "")
+            )
         chunks = set(extra)
-        for (name, tag), (record, parts) in live.items():
-            if seen.get((name, tag), 0) != parts:
-                raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
+        for record, _ in live.values():
             chunks.update(record.chunks)
         records = tuple(sorted((r for r, _ in live.values()), key=lambda r: r.name))
         return References(frozenset(chunks), records, taken_at, complete=True)
 
     async def repair(self) -> int:
-        """Compacts tombstones older than ``tombstone_ttl`` and orphan chunk-id parts (at
-        most every ``compact_interval`` s); returns how many keys went."""
+        """Rewrites the missing chunk-id parts of the records a read of this catalogue found
+        incomplete (``repair_record``), then compacts tombstones older than
+        ``tombstone_ttl`` and orphan chunk-id parts (at most every ``compact_interval`` s);
+        returns how many keys were written or went."""
+        damaged, self._damaged = self._damaged, set()
+        done = 0
+        for name in sorted(damaged):
+            try:
+                done += await self.repair_record(name)
+            except CoordinatorUnavailable as exc:
+                log.warning("checkpoint %r: its chunk ids not repaired yet: %s", name, exc)
+                self._damaged.add(name)
         if time.monotonic() - self._last_compaction < self.compact_interval:
-            return 0
+            return done
         self._last_compaction = time.monotonic()
-        return await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
+        return (
+            done + await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
+        )
+
+    async def repair_record(self, name: str) -> int:
+        """Rewrite the chunk-id parts that ``name``'s live record lacks (or holds other
+        bytes in) from its manifest, as the commit derived them; returns parts written.
+
+        Each part goes in a transaction that checks the record unchanged, so a delete or a
+        new commit of the name in between wins and nothing is written for a record that is
+        gone. A manifest that does not give the record's chunk list (it is not a manifest
+        of that digest, or of that many chunks) is left as it is, with an ERROR: reads and
+        ``references()`` go on refusing the record (fail safe). Raises
+        ``CoordinatorUnavailable`` when etcd, or a manifest on the data plane, is out of
+        reach (a later pass tries again)."""
+        kv = await self.s.kv()
+        key = self._ckpt(name)
+        refs, manifests = self._refs(name), self._manifest(name)
+        reply = await self.s.call(
+            f"read of {name!r}",
+            kv.txn(
+                [],
+                [
+                    KVService.txn_op_get(key),
+                    KVService.txn_op_get(refs, range_end=self.s.range_end(refs)),
+                    KVService.txn_op_get(manifests, range_end=self.s.range_end(manifests)),
+                ],
+            ),
+        )
+        kvs = kv_response(reply, 0)
+        if not kvs:
+            return 0
+        summary = _unpack(kvs[0].value)
+        if summary.get("deleted") is not None:
+            return 0
+        digest, revision = str(summary["digest"]), int(kvs[0].mod_revision)
+        stored = {bytes(p.key).decode(): bytes(p.value) for p in kv_response(reply, 1)}
+        mine = [self._refs(name, digest, i) for i in range(int(summary["parts"]))]
+        if all(k in stored for k in mine):
+            return 0  # complete (a repair of another node's, or the damage was seen stale)
+        chunks = summary.get("manifest_chunks")
+        if chunks is not None:
+            manifest = await self._read_manifest_chunks([str(c[0]) for c in chunks])
+        else:
+            want = self._manifest(name, digest).encode()
+            found = [bytes(m.value) for m in kv_response(reply, 2) if m.key == want]
+            if not found:
+                log.error("checkpoint %r: chunk ids incomplete and its manifest missing", name)
+                return 0
+            manifest = found[0]
+        try:
+            ids = await asyncio.to_thread(_chunk_ids_of, manifest, digest)
+        except ValueError as exc:
+            log.error("checkpoint %r: chunk ids incomplete, not rebuilt: %s", name, exc)
+            return 0
+        parts = _parts(ids)
+        if len(ids) != summary["count"] or len(parts) != len(mine):
+            log.error(
+                "checkpoint %r: chunk ids incomplete, not rebuilt: its manifest names %d "
+                "chunk(s), the record %d",
+                name,
+                len(ids),
+                summary["count"],
+            )
+            return 0
+        written = 0
+        for part_key, part in zip(mine, parts, strict=True):
+            if stored.get(part_key) == part:
+                continue
+            put = await self.s.call(
+                f"repair of {name!r}",
+                kv.txn(
+                    [compare_mod_revision(key, revision)], [KVService.txn_op_put(part_key, part)]
+                ),
+            )
+            if not put.succeeded:
+                log.info("checkpoint %r changed during its repair: left to what changed it", name)
+                return written
+            written += 1
+        log.warning(
+            "checkpoint %r: %d of its %d chunk-id part(s) were missing or damaged in etcd; "
+            "rewritten from its manifest",
+            name,
+            written,
+            len(parts),
+        )
+        return written
 
     async def compact_orphans(self) -> int:
         """Remove chunk-id parts no live record owns (a commit that lost its race or died
@@ -451,6 +564,29 @@ def _unpack(blob: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise CoordinatorUnavailable("a catalogue record in etcd has an unknown format")
     return doc
+
+
+def _parts(chunks: list[str]) -> list[bytes]:
+    """A record's chunk list as its refs parts (what commit writes and repair rewrites)."""
+    return [pack_ids(chunks[i : i + _IDS_PER_PART]) for i in range(0, len(chunks), _IDS_PER_PART)]
+
+
+def _chunk_ids_of(manifest: bytes, digest: str) -> list[str]:
+    """The chunk list a commit of ``manifest`` gave its record (``CheckedManifest.chunks``:
+    distinct ids in first-seen order); ValueError unless ``manifest`` is the checked
+    manifest of ``digest``. Blocking: run it in a thread."""
+    if chunk_id_of(manifest) != digest:
+        raise ValueError("its manifest does not hash to the record's digest")
+    try:
+        # The limits were checked at the commit: a later, stricter setting must not refuse it.
+        checked = check_manifest(
+            msgpack.unpackb(manifest, raw=False), MAX_INT, max_items_per_key=sys.maxsize
+        )
+    except (BadInput, ValueError, TypeError) as exc:
+        raise ValueError(f"its manifest does not check: {exc}") from exc
+    if checked.digest != digest:
+        raise ValueError("its manifest does not encode back to the record's digest")
+    return list(checked.chunks)
 
 
 def _chunk_id(data: memoryview) -> str:

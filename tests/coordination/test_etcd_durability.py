@@ -12,18 +12,27 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 
+from storaged.catalog import CatalogRecord
 from storaged.catalogue import CoordinatorUnavailable
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
-from tests.conftest import healthy_rig
+from storaged.ids import chunk_id_of
+from storaged.manifest import check_manifest
+from tests.conftest import TOKEN, healthy_rig
 from tests.coordination.catalogue_conformance import cid, fresh, record
 from tests.etcd import etcd_binary
+from tests.service.http import Api, random_chunk
+from tests.service.inproc import EtcdInprocCluster
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
@@ -184,3 +193,137 @@ async def test_orphan_parts_go_also_where_no_record_was_ever_committed(
     assert await compactor.compact_orphans() == 0  # sets the horizon
     assert await compactor.compact_orphans() == 1
     assert await compactor.find(name) is None
+
+
+# ---- a record short of a part is repaired (issue 16, 2) -----------------------------------
+def two_rank_manifest(chunks: list[bytes]) -> dict[str, Any]:
+    """Rank 0 streams every chunk but the last, rank 1 the last two: the chunk list of the
+    record is the distinct ids in first-seen order (the second-to-last is named twice)."""
+
+    def shard(rank: int, stream: list[bytes]) -> dict[str, Any]:
+        total = sum(len(c) for c in stream)
+        item = {"key": f"r{rank}", "dtype": "uint8", "global_shape": [total], "offsets": [0],
+                "shape": [total], "start": 0, "length": total}  # fmt: skip
+        chunks = [[chunk_id_of(c), len(c)] for c in stream]
+        return {"rank": rank, "chunks": chunks, "items": [item]}
+
+    return {"format": 1, "created": 1764403200.0, "meta": {},
+            "shards": [shard(0, chunks[:-1]), shard(1, chunks[-2:])]}  # fmt: skip
+
+
+def checked_record(name: str, chunks: list[bytes]) -> CatalogRecord:
+    """The record ``Checkpoints.commit`` makes of ``two_rank_manifest(chunks)``."""
+    checked = check_manifest(two_rank_manifest(chunks), 2**20)
+    return CatalogRecord(
+        name=name,
+        digest=checked.digest,
+        created=float(checked.manifest["created"]),
+        committed=time.time(),
+        total_bytes=checked.total_bytes,
+        chunks=list(checked.chunks),
+        manifest=checked.encoded,
+    )
+
+
+async def drop_parts(session: EtcdSession, name: str) -> int:
+    """Delete every chunk-id part of ``name`` in etcd behind the catalogue's back."""
+    kv = await session.kv()
+    prefix = session.key("refs", f"{name}#")
+    return int((await kv.delete(prefix, session.range_end(prefix))).deleted)
+
+
+@pytest.mark.parametrize("manifest_in", ["etcd", "data plane"])
+async def test_a_record_short_of_its_chunk_id_parts_is_repaired_from_its_manifest(
+    tmp_path: Path,
+    etcd_url: Callable[[], str],
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+    manifest_in: str,
+) -> None:
+    """A committed checkpoint whose chunk-id part is gone from etcd answers 503 and stops
+    ``references()`` (fail safe) until a node's repair pass rewrites the part from the
+    manifest (inline in etcd, or in chunks on the data plane): then it reads back with the
+    same chunk list, in order, and GC's snapshot works again."""
+    options: dict[str, Any] = {"inline_refs": 16}
+    if manifest_in == "data plane":
+        options["inline_manifest"] = 64
+    url = etcd_url()
+    cluster = EtcdInprocCluster(tmp_path / "nodes", 3, {"coordinator": url},
+                                catalogue_options=options)  # fmt: skip
+    session = EtcdSession(url)
+    try:
+        await cluster.start()
+        api = Api(http, cluster.url(0), TOKEN)
+        chunks = [random_chunk(1000 + i) for i in range(4)]
+        for c in chunks:
+            assert (await api.put_chunk(c)).status == 201
+        name = fresh("damaged")
+        assert (await api.commit(name, two_rank_manifest(chunks))).status == 201
+        expected = [chunk_id_of(c) for c in chunks]
+        catalogue = cluster.node(1).catalogue
+        assert (await catalogue.get(name)).chunks == expected
+
+        assert await drop_parts(session, name) == 1
+        reply = await api.request("GET", f"/v1/checkpoints/{name}")
+        assert reply.status == 503, reply.raw
+        with pytest.raises(CoordinatorUnavailable, match="incomplete"):
+            await catalogue.references()  # GC frees nothing meanwhile
+
+        with caplog.at_level(logging.WARNING, logger="storaged.coord.catalogue"):
+            await cluster.node(1).repair_pass()
+        assert (await catalogue.get(name)).chunks == expected
+        assert any(
+            r.levelno == logging.WARNING and name in r.getMessage() for r in caplog.records
+        ), caplog.text
+        refs = await catalogue.references()
+        assert set(expected) <= refs.chunks
+        assert [r.chunks for r in refs.live if r.name == name] == [expected]
+        reply = await api.request("GET", f"/v1/checkpoints/{name}")
+        assert reply.status == 200, reply.raw
+        await cluster.node(1).repair_pass()  # nothing left to do: the record is whole
+        assert (await cluster.node(2).catalogue.get(name)).chunks == expected
+    finally:
+        await cluster.close()
+        await session.close()
+
+
+async def test_a_damaged_record_whose_manifest_does_not_give_its_chunks_stays_refused(
+    catalogues: Catalogues, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Repair writes only what the manifest proves: a record whose manifest is not the
+    checked manifest of its digest keeps refusing reads, with an ERROR naming it."""
+    cat, session = catalogues.open(inline_refs=16)
+    name = fresh("unprovable")
+    assert await cat.commit(record(name, [cid(1), cid(2)])) is True  # not a real manifest
+    assert await drop_parts(session, name) == 1
+    with pytest.raises(CoordinatorUnavailable, match="incomplete"):
+        await cat.find(name)
+    with caplog.at_level(logging.ERROR, logger="storaged.coord.catalogue"):
+        assert await cat.repair() == 0
+    assert any(r.levelno == logging.ERROR and name in r.getMessage() for r in caplog.records)
+    with pytest.raises(CoordinatorUnavailable, match="incomplete"):
+        await cat.references()
+
+
+async def test_a_repair_racing_a_delete_writes_nothing_for_the_tombstone(
+    catalogues: Catalogues,
+) -> None:
+    """Each part a repair writes checks the record unchanged: a delete landing between the
+    repair's read and its write wins, and no part is left under the tombstone."""
+    repairer, repairing = catalogues.open(inline_refs=16)
+    other, session = catalogues.open(inline_refs=16)
+    name = fresh("gone")
+    rec = checked_record(name, [random_chunk(100 + i) for i in range(3)])
+    assert await repairer.commit(rec) is True
+    assert await drop_parts(session, name) == 1
+    with pytest.raises(CoordinatorUnavailable, match="incomplete"):
+        await repairer.find(name)
+    writing = repairing.hold("repair of")
+    repair = asyncio.create_task(repairer.repair())
+    await asyncio.wait_for(writing.reached.wait(), 30)
+    await other.delete(name)
+    writing.go.set()
+    assert await asyncio.wait_for(repair, 30) == 0
+    assert await drop_parts(session, name) == 0  # none written under the tombstone
+    found = await other.find(name)
+    assert found is not None and found.deleted is not None
