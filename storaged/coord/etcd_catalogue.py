@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -85,6 +86,9 @@ _PAGE = 200
 _TRIES = 8
 #: reads of references() started again after their revision was compacted
 _SNAPSHOT_TRIES = 3
+#: a delete whose transaction's answer was lost: reads of its outcome, this far apart (s)
+_LOST_READS = 3
+_LOST_PAUSE = 0.5
 
 
 def pack_ids(ids: list[str]) -> bytes:
@@ -300,32 +304,73 @@ class EtcdCatalogue(Catalogue):
         return out
 
     async def delete(self, name: str) -> None:
+        """Tombstone ``name``'s live record (``Catalogue.delete``). A transaction whose
+        answer is lost (etcd applied it, or not, and the call timed out) is not an error:
+        the tombstone carries a token of this call, and reading it back says the delete is
+        done. Only the record first read is deleted: one a new commit put under the name
+        meanwhile is never touched. ``CoordinatorUnavailable`` when etcd does not answer
+        (also after ``_LOST_READS`` reads following a lost answer)."""
         kv = await self.s.kv()
         key = self._ckpt(name)
+        token = secrets.token_hex(16)
+        #: the mod_revision of the live record this call deletes (the first one read)
+        target: int | None = None
+        lost: CoordinatorUnavailable | None = None
         for _ in range(_TRIES):
-            got = await self.s.call(f"read of {name!r}", kv.get(key))
-            if not got.kvs:
+            got = await self._read_record(name, key, retries=_LOST_READS if lost else 1)
+            item = got.kvs[0] if got.kvs else None
+            summary = _unpack(item.value) if item is not None else {}
+            if summary.get("deleted") is not None and summary.get("deleted_by") == token:
+                return  # ours: applied, though its answer was lost
+            if (
+                item is None
+                or summary.get("deleted") is not None
+                or (target is not None and item.mod_revision != target)
+            ):
+                if lost is not None:
+                    # The record this call meant went while its answer was lost (a commit may
+                    # have taken the name since): it is deleted, by this call or another.
+                    return
                 raise CheckpointNotFound(name)
-            summary = _unpack(got.kvs[0].value)
-            if summary.get("deleted") is not None:
-                raise CheckpointNotFound(name)
+            target = int(item.mod_revision)
             summary["deleted"] = time.time()
+            summary["deleted_by"] = token
             summary.pop("manifest_chunks", None)
             refs, manifests = self._refs(name), self._manifest(name)
-            reply = await self.s.call(
-                f"delete of {name!r}",
-                kv.txn(
-                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
-                    [
-                        KVService.txn_op_put(key, _pack(summary)),
-                        KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
-                        KVService.txn_op_delete(manifests, range_end=self.s.range_end(manifests)),
-                    ],
-                ),
-            )
+            try:
+                reply = await self.s.call(
+                    f"delete of {name!r}",
+                    kv.txn(
+                        [compare_mod_revision(key, target)],
+                        [
+                            KVService.txn_op_put(key, _pack(summary)),
+                            KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
+                            KVService.txn_op_delete(
+                                manifests, range_end=self.s.range_end(manifests)
+                            ),
+                        ],
+                    ),
+                )
+            except CoordinatorUnavailable as exc:
+                lost = exc  # applied or not: the next read tells
+                continue
             if reply.succeeded:
                 return
+        if lost is not None:
+            raise lost
         raise CoordinatorUnavailable(f"checkpoint {name!r} keeps changing: delete not done")
+
+    async def _read_record(self, name: str, key: str, *, retries: int) -> Any:
+        """``key``'s range answer, read up to ``retries`` times while etcd does not answer."""
+        kv = await self.s.kv()
+        for attempt in range(retries):
+            try:
+                return await self.s.call(f"read of {name!r}", kv.get(key))
+            except CoordinatorUnavailable:
+                if attempt == retries - 1:
+                    raise
+                await asyncio.sleep(_LOST_PAUSE)
+        raise AssertionError("unreachable")
 
     # ---- GC ------------------------------------------------------------------------------
     async def references(self) -> References:

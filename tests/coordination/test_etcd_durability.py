@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from storaged.catalog import CatalogRecord
+from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.catalogue import CoordinatorUnavailable
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
@@ -62,6 +62,20 @@ class Loss:
     what: str
     applied: bool
     done: bool = False
+
+
+async def reached(gate: Gate, task: asyncio.Task[Any]) -> None:
+    """Until ``gate`` holds a call of ``task`` (30 s at most); if ``task`` ends first, its
+    outcome (an error, or an AssertionError) instead."""
+    waiter = asyncio.ensure_future(gate.reached.wait())
+    done, _ = await asyncio.wait({waiter, task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    if waiter in done:
+        return
+    waiter.cancel()
+    if task.done():
+        task.result()
+        raise AssertionError(f"ended before its call {gate.what!r} was held")
+    raise AssertionError(f"no call {gate.what!r} within 30 s")
 
 
 class StagedSession(EtcdSession):
@@ -161,11 +175,11 @@ async def test_orphan_compaction_spares_a_retried_commit_landing_after_its_scan(
     # The retry writes its parts again and stops before the transaction that succeeds.
     committed = committing.hold("commit of", skip=held_txn)
     commit = asyncio.create_task(committer.commit(rec))
-    await asyncio.wait_for(committed.reached.wait(), 30)
+    await reached(committed, commit)
     # The compactor reads: no record owns those parts yet, and they are old enough.
     scanned = compacting.hold("orphan compaction")
     compaction = asyncio.create_task(compactor.compact_orphans())
-    await asyncio.wait_for(scanned.reached.wait(), 30)
+    await reached(scanned, compaction)
     committed.go.set()
     assert await asyncio.wait_for(commit, 30) is True  # answered 201
     scanned.go.set()
@@ -320,10 +334,69 @@ async def test_a_repair_racing_a_delete_writes_nothing_for_the_tombstone(
         await repairer.find(name)
     writing = repairing.hold("repair of")
     repair = asyncio.create_task(repairer.repair())
-    await asyncio.wait_for(writing.reached.wait(), 30)
+    await reached(writing, repair)
     await other.delete(name)
     writing.go.set()
     assert await asyncio.wait_for(repair, 30) == 0
     assert await drop_parts(session, name) == 0  # none written under the tombstone
     found = await other.find(name)
     assert found is not None and found.deleted is not None
+
+
+# ---- a lost answer from etcd (issue 16, 3) ------------------------------------------------
+@pytest.mark.parametrize("applied", [True, False], ids=["applied", "not applied"])
+async def test_a_delete_whose_answer_is_lost_succeeds(
+    catalogues: Catalogues, applied: bool
+) -> None:
+    """A delete's transaction that etcd applied (or never got) but whose answer timed out:
+    the call reads its own tombstone back (or deletes again) and succeeds. It used to
+    answer 503, and the client's retry then 404, for a delete that had gone in."""
+    cat, session = catalogues.open()
+    reader, _ = catalogues.open()
+    name = fresh("lost")
+    assert await cat.commit(record(name, [cid(1)])) is True
+    loss = session.lose("delete of", applied=applied)
+    await cat.delete(name)
+    assert loss.done
+    found = await reader.find(name)
+    assert found is not None and found.deleted is not None
+    with pytest.raises(CheckpointNotFound):
+        await reader.delete(name)  # another delete of it finds it gone, as before
+
+
+async def test_a_delete_whose_answer_is_lost_never_deletes_a_newer_commit(
+    catalogues: Catalogues,
+) -> None:
+    """Between the lost answer and the read that follows it, a new commit takes the name:
+    the delete is done (the record it meant is gone) and the new checkpoint stays."""
+    cat, session = catalogues.open()
+    other, _ = catalogues.open()
+    name = fresh("lost")
+    assert await cat.commit(record(name, [cid(1)])) is True
+    session.lose("delete of", applied=True)
+    reading = session.hold("read of", skip=1)  # the read after the lost answer
+    delete = asyncio.create_task(cat.delete(name))
+    await reached(reading, delete)
+    newer = record(name, [cid(2)], salt="newer")
+    assert await other.commit(newer) is True
+    reading.go.set()
+    await asyncio.wait_for(delete, 30)
+    assert (await other.get(name)).digest == newer.digest
+
+
+@pytest.mark.parametrize("inline_refs", [512 * 2**10, 16], ids=["inline", "in parts"])
+async def test_a_commit_whose_answer_is_lost_is_completed_by_its_retry(
+    catalogues: Catalogues, inline_refs: int
+) -> None:
+    """A commit's transaction applied but answered with a timeout (503 to the client): the
+    retry of the same record finds it there, answers False (200), and the record is whole."""
+    cat, session = catalogues.open(inline_refs=inline_refs)
+    reader, _ = catalogues.open(inline_refs=inline_refs)
+    name = fresh("lost")
+    rec = record(name, [cid(1), cid(2), cid(3)])
+    session.lose("commit of", applied=True)
+    with pytest.raises(CoordinatorUnavailable):
+        await cat.commit(rec)
+    assert await cat.commit(rec) is False
+    assert (await reader.get(name)).chunks == rec.chunks
+    assert [r.chunks for r in (await reader.references()).live if r.name == name] == [rec.chunks]
