@@ -32,7 +32,7 @@ from tests.conftest import TOKEN, healthy_rig
 from tests.coordination.catalogue_conformance import cid, fresh, record
 from tests.etcd import etcd_binary
 from tests.service.http import Api, random_chunk
-from tests.service.inproc import EtcdInprocCluster
+from tests.service.inproc import EtcdInprocCluster, wait_until
 
 pytestmark = pytest.mark.skipif(
     etcd_binary() is None or importlib.util.find_spec("etcd3aio") is None,
@@ -400,3 +400,47 @@ async def test_a_commit_whose_answer_is_lost_is_completed_by_its_retry(
     assert await cat.commit(rec) is False
     assert (await reader.get(name)).chunks == rec.chunks
     assert [r.chunks for r in (await reader.references()).live if r.name == name] == [rec.chunks]
+
+
+# ---- a graceful stop leaves placement (issue 16, 4) ----------------------------------------
+async def test_a_node_stopping_gracefully_on_etcd_leaves_placement_while_it_drains(
+    tmp_path: Path, etcd_url: Callable[[], str], http: aiohttp.ClientSession
+) -> None:
+    """``Node.shutdown`` on etcd: while a PUT in flight holds the stop, the other nodes
+    already count the stopping node down (``/v1/cluster``, placement), and a new PUT through
+    them is placed on the others only. It used to stay in placement until it exited (its
+    lease lived on), so their PUTs kept choosing it and meeting its refusals."""
+    cluster = EtcdInprocCluster(tmp_path / "nodes", 4, {"coordinator": etcd_url()})
+    try:
+        await cluster.start()
+        victim, others = cluster.node(3), [0, 1, 2]
+        data = random_chunk(64 * 1024)
+        arrived, finish = asyncio.Event(), asyncio.Event()
+
+        async def slow_body() -> AsyncIterator[bytes]:
+            yield data[:1024]
+            arrived.set()
+            await finish.wait()
+            yield data[1024:]
+
+        put = asyncio.create_task(victim.put_chunk(chunk_id_of(data), len(data), slow_body()))
+        await asyncio.wait_for(arrived.wait(), 30)
+        stop = asyncio.create_task(victim.shutdown(timeout=120))
+        await wait_until(
+            "n3 out of the other nodes' placement",
+            lambda: all("n3" not in cluster.node(i).placement().alive for i in others),
+            30,
+        )
+        assert not stop.done()  # still stopping: the PUT in flight holds it
+        api = Api(http, cluster.url(0), TOKEN)
+        listed = await api.request("GET", "/v1/cluster")
+        assert {n["id"]: n["alive"] for n in listed.doc["nodes"]}["n3"] is False, listed.raw
+        fresh_data = random_chunk(4096)
+        assert (await api.put_chunk(fresh_data)).status == 201
+        assert "n3" not in cluster.hot_holders(chunk_id_of(fresh_data))
+        finish.set()
+        status, _ = await asyncio.wait_for(put, 30)
+        assert status == 201  # the PUT it had taken before it began stopping
+        assert await asyncio.wait_for(stop, 120) is True  # drained, then closed
+    finally:
+        await cluster.close()
