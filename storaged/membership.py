@@ -139,6 +139,13 @@ class Membership(abc.ABC):
     async def _save_marks(self) -> None:  # noqa: B027
         """Persist the marks (where the implementation keeps them)."""
 
+    @abc.abstractmethod
+    async def leaving(self) -> None:
+        """This node has begun a graceful stop (``Node.shutdown``): take it out of every
+        node's placement promptly, while it still drains and serves reads until ``close``.
+        Best effort: never raises; a node that stops without it goes down as a crashed one
+        does."""
+
     async def start(self) -> None:  # noqa: B027
         pass
 
@@ -234,6 +241,11 @@ class StaticMembership(Membership):
             doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks().items()}}
             blob = json.dumps(doc).encode()
             await asyncio.to_thread(write_file_durably, self._marks_path, blob)
+
+    async def leaving(self) -> None:
+        # Nothing to do here: from ``Node.shutdown`` on, this node answers pings with
+        # ``stopping``, and each peer's next heartbeat takes it out (``_beat``).
+        return
 
     async def close(self) -> None:
         if self._task is not None:

@@ -17,6 +17,31 @@ stored as content-addressed chunks of at most ``max_chunk_size`` on the data pla
 etcd keeps their ids and sizes, and ``references()`` names them so GC keeps them. Chunk
 ids over ``inline_refs`` bytes are written in parts before the transaction, which then
 checks that each part still exists (a delete in between removes them).
+
+**No live record ever lacks a chunk-id part**, under any interleaving of commits (parts,
+transaction, retries), deletes, ``compact_tombstones`` and ``compact_orphans``. Parts of
+``<name>#<tag>`` are written by a commit of that digest and removed by a delete or an
+orphan compaction only:
+
+- A commit's transaction succeeds only if each of its parts exists at that revision, so
+  the record and all its parts exist together from then on. A retry writes the same
+  bytes under the same keys again (after a lost reply, a part may be older than any scan).
+- A delete tombstones the record and removes every part of the name in one transaction
+  that checks the record unchanged: a tombstone names no part.
+- ``compact_tombstones`` removes a tombstone only if unchanged: never a record or a part.
+- ``compact_orphans`` reads every record at one revision R and removes a part that no
+  record of R owns in a transaction that also checks ``ckpt/<name>`` is still what it was
+  at R (absent at R: still absent). If that transaction succeeds, the record of the name
+  is one that does not own the part (or there is none): nothing names the part. A commit
+  of it whose transaction lands before the removal changed ``ckpt/<name>``, so the
+  removal fails; one that lands after finds the part gone, fails, and writes it again.
+  The horizon (parts older than the previous scan) only spares commits in flight that
+  retry; safety rests on the compares.
+
+A record found short of a part all the same (damage from outside: an operator, an older
+version) is refused by reads and ``references()`` (GC frees nothing) until ``repair()``
+rewrites the part from its manifest, in a transaction that checks the record unchanged:
+a delete or a new commit of the name in between wins, and a tombstone gets no part.
 """
 
 from __future__ import annotations
@@ -24,6 +49,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -40,6 +67,9 @@ from storaged.coord.etcd import (
     compare_mod_revision,
     kv_response,
 )
+from storaged.errors import BadInput
+from storaged.ids import chunk_id_of
+from storaged.manifest import MAX_INT, check_manifest
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -56,6 +86,9 @@ _PAGE = 200
 _TRIES = 8
 #: reads of references() started again after their revision was compacted
 _SNAPSHOT_TRIES = 3
+#: a delete whose transaction's answer was lost: reads of its outcome, this far apart (s)
+_LOST_READS = 3
+_LOST_PAUSE = 0.5
 
 
 def pack_ids(ids: list[str]) -> bytes:
@@ -99,6 +132,8 @@ class EtcdCatalogue(Catalogue):
         self._last_compaction = 0.0
         #: the etcd revision of the last orphan scan: parts created after it are too young
         self._orphan_horizon = 0
+        #: names whose live record a read found without all its chunk-id parts
+        self._damaged: set[str] = set()
 
     # ---- keys --------------------------------------------------------------------------
     def _ckpt(self, name: str = "") -> str:
@@ -133,10 +168,7 @@ class EtcdCatalogue(Catalogue):
             ops.append(
                 KVService.txn_op_put(self._manifest(record.name, record.digest), record.manifest)
             )
-        parts = [
-            pack_ids(record.chunks[i : i + _IDS_PER_PART])
-            for i in range(0, len(record.chunks), _IDS_PER_PART)
-        ]
+        parts = _parts(record.chunks)
         summary["parts"] = len(parts)
         part_keys = [self._refs(record.name, record.digest, i) for i in range(len(parts))]
         inline = sum(len(p) for p in parts) <= self.inline_refs
@@ -223,6 +255,7 @@ class EtcdCatalogue(Catalogue):
         mine = self._refs(name, record.digest).encode() + b"#"
         parts = sorted((p for p in kv_response(reply, 1) if p.key.startswith(mine)), key=_key)
         if len(parts) != summary["parts"]:
+            self._damaged.add(name)
             raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
         record.chunks = [c for p in parts for c in unpack_ids(p.value)]
         chunks = summary.get("manifest_chunks")
@@ -271,32 +304,73 @@ class EtcdCatalogue(Catalogue):
         return out
 
     async def delete(self, name: str) -> None:
+        """Tombstone ``name``'s live record (``Catalogue.delete``). A transaction whose
+        answer is lost (etcd applied it, or not, and the call timed out) is not an error:
+        the tombstone carries a token of this call, and reading it back says the delete is
+        done. Only the record first read is deleted: one a new commit put under the name
+        meanwhile is never touched. ``CoordinatorUnavailable`` when etcd does not answer
+        (also after ``_LOST_READS`` reads following a lost answer)."""
         kv = await self.s.kv()
         key = self._ckpt(name)
+        token = secrets.token_hex(16)
+        #: the mod_revision of the live record this call deletes (the first one read)
+        target: int | None = None
+        lost: CoordinatorUnavailable | None = None
         for _ in range(_TRIES):
-            got = await self.s.call(f"read of {name!r}", kv.get(key))
-            if not got.kvs:
+            got = await self._read_record(name, key, retries=_LOST_READS if lost else 1)
+            item = got.kvs[0] if got.kvs else None
+            summary = _unpack(item.value) if item is not None else {}
+            if summary.get("deleted") is not None and summary.get("deleted_by") == token:
+                return  # ours: applied, though its answer was lost
+            if (
+                item is None
+                or summary.get("deleted") is not None
+                or (target is not None and item.mod_revision != target)
+            ):
+                if lost is not None:
+                    # The record this call meant went while its answer was lost (a commit may
+                    # have taken the name since): it is deleted, by this call or another.
+                    return
                 raise CheckpointNotFound(name)
-            summary = _unpack(got.kvs[0].value)
-            if summary.get("deleted") is not None:
-                raise CheckpointNotFound(name)
+            target = int(item.mod_revision)
             summary["deleted"] = time.time()
+            summary["deleted_by"] = token
             summary.pop("manifest_chunks", None)
             refs, manifests = self._refs(name), self._manifest(name)
-            reply = await self.s.call(
-                f"delete of {name!r}",
-                kv.txn(
-                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
-                    [
-                        KVService.txn_op_put(key, _pack(summary)),
-                        KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
-                        KVService.txn_op_delete(manifests, range_end=self.s.range_end(manifests)),
-                    ],
-                ),
-            )
+            try:
+                reply = await self.s.call(
+                    f"delete of {name!r}",
+                    kv.txn(
+                        [compare_mod_revision(key, target)],
+                        [
+                            KVService.txn_op_put(key, _pack(summary)),
+                            KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
+                            KVService.txn_op_delete(
+                                manifests, range_end=self.s.range_end(manifests)
+                            ),
+                        ],
+                    ),
+                )
+            except CoordinatorUnavailable as exc:
+                lost = exc  # applied or not: the next read tells
+                continue
             if reply.succeeded:
                 return
+        if lost is not None:
+            raise lost
         raise CoordinatorUnavailable(f"checkpoint {name!r} keeps changing: delete not done")
+
+    async def _read_record(self, name: str, key: str, *, retries: int) -> Any:
+        """``key``'s range answer, read up to ``retries`` times while etcd does not answer."""
+        kv = await self.s.kv()
+        for attempt in range(retries):
+            try:
+                return await self.s.call(f"read of {name!r}", kv.get(key))
+            except CoordinatorUnavailable:
+                if attempt == retries - 1:
+                    raise
+                await asyncio.sleep(_LOST_PAUSE)
+        raise AssertionError("unreachable")
 
     # ---- GC ------------------------------------------------------------------------------
     async def references(self) -> References:
@@ -328,49 +402,167 @@ class EtcdCatalogue(Catalogue):
                     continue  # a losing commit's parts, or a tombstone's leftovers
                 entry[0].chunks.extend(unpack_ids(item.value))
                 seen[(entry[0].name, tag)] = seen.get((entry[0].name, tag), 0) + 1
+        damaged = sorted(
+            name for (name, tag), (_, parts) in live.items() if seen.get((name, tag), 0) != parts
+        )
+        if damaged:
+            # Fail safe: GC frees nothing until repair() has rewritten their parts.
+            self._damaged.update(damaged)
+            raise CoordinatorUnavailable(
+                f"checkpoint {damaged[0]!r}: its chunk ids are incomplete"
+                + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else "")
+            )
         chunks = set(extra)
-        for (name, tag), (record, parts) in live.items():
-            if seen.get((name, tag), 0) != parts:
-                raise CoordinatorUnavailable(f"checkpoint {name!r}: its chunk ids are incomplete")
+        for record, _ in live.values():
             chunks.update(record.chunks)
         records = tuple(sorted((r for r, _ in live.values()), key=lambda r: r.name))
         return References(frozenset(chunks), records, taken_at, complete=True)
 
     async def repair(self) -> int:
-        """Compacts tombstones older than ``tombstone_ttl`` and orphan chunk-id parts (at
-        most every ``compact_interval`` s); returns how many keys went."""
+        """Rewrites the missing chunk-id parts of the records a read of this catalogue found
+        incomplete (``repair_record``), then compacts tombstones older than
+        ``tombstone_ttl`` and orphan chunk-id parts (at most every ``compact_interval`` s);
+        returns how many keys were written or went."""
+        damaged, self._damaged = self._damaged, set()
+        done = 0
+        for name in sorted(damaged):
+            try:
+                done += await self.repair_record(name)
+            except CoordinatorUnavailable as exc:
+                log.warning("checkpoint %r: its chunk ids not repaired yet: %s", name, exc)
+                self._damaged.add(name)
         if time.monotonic() - self._last_compaction < self.compact_interval:
-            return 0
+            return done
         self._last_compaction = time.monotonic()
-        return await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
+        return (
+            done + await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
+        )
+
+    async def repair_record(self, name: str) -> int:
+        """Rewrite the chunk-id parts that ``name``'s live record lacks (or holds other
+        bytes in) from its manifest, as the commit derived them; returns parts written.
+
+        Each part goes in a transaction that checks the record unchanged, so a delete or a
+        new commit of the name in between wins and nothing is written for a record that is
+        gone. A manifest that does not give the record's chunk list (it is not a manifest
+        of that digest, or of that many chunks) is left as it is, with an ERROR: reads and
+        ``references()`` go on refusing the record (fail safe). Raises
+        ``CoordinatorUnavailable`` when etcd, or a manifest on the data plane, is out of
+        reach (a later pass tries again)."""
+        kv = await self.s.kv()
+        key = self._ckpt(name)
+        refs, manifests = self._refs(name), self._manifest(name)
+        reply = await self.s.call(
+            f"read of {name!r}",
+            kv.txn(
+                [],
+                [
+                    KVService.txn_op_get(key),
+                    KVService.txn_op_get(refs, range_end=self.s.range_end(refs)),
+                    KVService.txn_op_get(manifests, range_end=self.s.range_end(manifests)),
+                ],
+            ),
+        )
+        kvs = kv_response(reply, 0)
+        if not kvs:
+            return 0
+        summary = _unpack(kvs[0].value)
+        if summary.get("deleted") is not None:
+            return 0
+        digest, revision = str(summary["digest"]), int(kvs[0].mod_revision)
+        stored = {bytes(p.key).decode(): bytes(p.value) for p in kv_response(reply, 1)}
+        mine = [self._refs(name, digest, i) for i in range(int(summary["parts"]))]
+        if all(k in stored for k in mine):
+            return 0  # complete (a repair of another node's, or the damage was seen stale)
+        chunks = summary.get("manifest_chunks")
+        if chunks is not None:
+            manifest = await self._read_manifest_chunks([str(c[0]) for c in chunks])
+        else:
+            want = self._manifest(name, digest).encode()
+            found = [bytes(m.value) for m in kv_response(reply, 2) if m.key == want]
+            if not found:
+                log.error("checkpoint %r: chunk ids incomplete and its manifest missing", name)
+                return 0
+            manifest = found[0]
+        try:
+            ids = await asyncio.to_thread(_chunk_ids_of, manifest, digest)
+        except ValueError as exc:
+            log.error("checkpoint %r: chunk ids incomplete, not rebuilt: %s", name, exc)
+            return 0
+        parts = _parts(ids)
+        if len(ids) != summary["count"] or len(parts) != len(mine):
+            log.error(
+                "checkpoint %r: chunk ids incomplete, not rebuilt: its manifest names %d "
+                "chunk(s), the record %d",
+                name,
+                len(ids),
+                summary["count"],
+            )
+            return 0
+        written = 0
+        for part_key, part in zip(mine, parts, strict=True):
+            if stored.get(part_key) == part:
+                continue
+            put = await self.s.call(
+                f"repair of {name!r}",
+                kv.txn(
+                    [compare_mod_revision(key, revision)], [KVService.txn_op_put(part_key, part)]
+                ),
+            )
+            if not put.succeeded:
+                log.info("checkpoint %r changed during its repair: left to what changed it", name)
+                return written
+            written += 1
+        log.warning(
+            "checkpoint %r: %d of its %d chunk-id part(s) were missing or damaged in etcd; "
+            "rewritten from its manifest",
+            name,
+            written,
+            len(parts),
+        )
+        return written
 
     async def compact_orphans(self) -> int:
         """Remove chunk-id parts no live record owns (a commit that lost its race or died
         between its parts and its transaction) that already existed at the previous call.
 
-        Safe against a commit in flight: its transaction checks that its parts exist, so
-        one whose parts went here retries and writes them again."""
+        A part goes only in a transaction that also checks its name's record unchanged
+        since the scan (absent then: still absent), so a commit that lands between the
+        scan and the delete keeps every part it names (see the module docstring)."""
         kv = await self.s.kv()
         owned: set[tuple[str, str]] = set()
-        revision = 0
-        async for item, at in self._pages(self._ckpt()):
-            revision = at
+        #: each name's record (live or tombstone) at the scan's revision: its mod_revision
+        versions: dict[str, int] = {}
+        ckpts = self._ckpt()
+        # The revision first: with no record at all, the pages would not tell it.
+        counted = await self.s.call(
+            "record count", kv.get(ckpts, self.s.range_end(ckpts), count_only=True)
+        )
+        revision = int(counted.header.revision)
+        async for item, _ in self._pages(ckpts, revision):
             record = _record(_unpack(item.value))
+            versions[_key(item).removeprefix(ckpts)] = int(item.mod_revision)
             if record.deleted is None:
                 owned.add((record.name, _tag(record.digest)))
         horizon, self._orphan_horizon = self._orphan_horizon, revision
         removed = 0
-        if not revision or not horizon:
+        if not horizon:
             return 0
         refs = self.s.key("refs", "")
         async for item, _ in self._pages(refs, revision, keys_only=True):
             name, tag, _part = _key(item).removeprefix(refs).rsplit("#", 2)
             if (name, tag) in owned or item.create_revision > horizon:
                 continue
+            seen = versions.get(name)
+            unchanged = (
+                KVService.txn_compare_create_revision(self._ckpt(name), 0)
+                if seen is None
+                else compare_mod_revision(self._ckpt(name), seen)
+            )
             reply = await self.s.call(
                 "orphan compaction",
                 kv.txn(
-                    [compare_mod_revision(item.key, item.mod_revision)],
+                    [compare_mod_revision(item.key, item.mod_revision), unchanged],
                     [KVService.txn_op_delete(item.key)],
                 ),
             )
@@ -417,6 +609,29 @@ def _unpack(blob: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise CoordinatorUnavailable("a catalogue record in etcd has an unknown format")
     return doc
+
+
+def _parts(chunks: list[str]) -> list[bytes]:
+    """A record's chunk list as its refs parts (what commit writes and repair rewrites)."""
+    return [pack_ids(chunks[i : i + _IDS_PER_PART]) for i in range(0, len(chunks), _IDS_PER_PART)]
+
+
+def _chunk_ids_of(manifest: bytes, digest: str) -> list[str]:
+    """The chunk list a commit of ``manifest`` gave its record (``CheckedManifest.chunks``:
+    distinct ids in first-seen order); ValueError unless ``manifest`` is the checked
+    manifest of ``digest``. Blocking: run it in a thread."""
+    if chunk_id_of(manifest) != digest:
+        raise ValueError("its manifest does not hash to the record's digest")
+    try:
+        # The limits were checked at the commit: a later, stricter setting must not refuse it.
+        checked = check_manifest(
+            msgpack.unpackb(manifest, raw=False), MAX_INT, max_items_per_key=sys.maxsize
+        )
+    except (BadInput, ValueError, TypeError) as exc:
+        raise ValueError(f"its manifest does not check: {exc}") from exc
+    if checked.digest != digest:
+        raise ValueError("its manifest does not encode back to the record's digest")
+    return list(checked.chunks)
 
 
 def _chunk_id(data: memoryview) -> str:

@@ -3,7 +3,8 @@
 A node registers ``membership/nodes/<id>`` (id, url, peer address, state) and
 ``membership/alive/<id>`` under a lease of ``ttl`` seconds that it keeps alive; a lease
 that expires (a crash, a partition from etcd) deletes the alive key, and every node's
-watch sees the node go down. A graceful close revokes the lease at once. No etcd locks and
+watch sees the node go down. A graceful stop revokes the lease as it begins (``leaving``),
+so placement everywhere stops choosing the node while it drains. No etcd locks and
 no leader election: the data path never waits on etcd.
 
 When this node cannot reach etcd it keeps its last view (it goes on serving reads with
@@ -74,6 +75,8 @@ class EtcdMembership(Membership):
         self._state = ACTIVE
         self._lease = 0
         self._tasks: list[asyncio.Task[None]] = []
+        #: the task that renews the lease (one of ``_tasks``; None once ``leaving``)
+        self._keepalive: asyncio.Task[None] | None = None
         self._probe = PeerClient(self.self_id, config.cluster_secret.encode(), connect_timeout=2)
         #: each peer's last ping reply (its ``Node.heartbeat()``)
         self._info: dict[str, dict[str, Any]] = {}
@@ -197,11 +200,35 @@ class EtcdMembership(Membership):
                         f"node {self.self_id} could not join through etcd: {exc}"
                     ) from exc
                 await asyncio.sleep(0.5)
+        self._keepalive = asyncio.create_task(self._keepalive_loop(), name="etcd-lease")
         self._tasks = [
-            asyncio.create_task(self._keepalive_loop(), name="etcd-lease"),
+            self._keepalive,
             asyncio.create_task(self._watch_loop(), name="etcd-watch"),
             asyncio.create_task(self._probe_loop(), name="etcd-probe"),
         ]
+
+    async def leaving(self) -> None:
+        """Revoke this node's lease now (its alive key goes) and stop renewing it: every
+        node's watch takes it out of placement within an etcd round trip, while it drains.
+        It stays a member, down, and registers again when it starts again."""
+        if self._keepalive is not None:
+            # First: a keepalive that found the lease gone would register it again.
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._keepalive
+            self._keepalive = None
+        if not self._lease:
+            return
+        try:
+            # No longer than the lease would live anyway, now that nothing renews it.
+            async with asyncio.timeout(self.ttl):
+                lease = await self.s.lease()
+                await self.s.call("lease revoke", lease.revoke(self._lease))
+        except (TimeoutError, CoordinatorUnavailable) as exc:
+            log.warning("node %s stopping: lease not revoked (%s); it expires", self.self_id, exc)
+            return
+        self._lease = 0
+        log.info("node %s stopping: out of placement (its lease is revoked)", self.self_id)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -273,6 +273,7 @@ class Node:
         limit = self.config.stop_timeout if timeout is None else timeout
         self.stopping = True
         deadline = time.monotonic() + limit
+        await self.membership.leaving()  # out of everyone's placement while it drains
         log.info("node %s stopping: refusing new PUTs, draining RAM-only chunks", self.id)
         while self.writes.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -33,6 +33,11 @@ class Members(abc.ABC):
     @abc.abstractmethod
     async def start(self, node_id: str) -> None: ...
 
+    @abc.abstractmethod
+    async def begin_stopping(self, node_id: str) -> None:
+        """Begin a graceful stop of ``node_id`` as ``Node.shutdown`` does (it refuses PUTs
+        and calls ``leaving``), without finishing it: the node goes on running."""
+
 
 async def _eventually(what: str, check: object, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -115,6 +120,25 @@ class MembershipTests:
             lambda: all(members.of(n).alive_ids() == ids for n in ids),
         )
 
+    async def test_a_node_beginning_a_graceful_stop_leaves_placement_while_it_runs(
+        self, members: Members
+    ) -> None:
+        ids = members.ids()
+        victim, others = ids[-1], ids[:-1]
+        await members.begin_stopping(victim)
+        await _eventually(
+            f"{victim}, stopping, out of every other view",
+            lambda: all(not members.of(n).is_alive(victim) for n in others),
+        )
+        view = members.of(victim)  # still running: it drains and serves reads
+        assert view.is_alive(victim) and view.alive_ids() == [*others, victim]
+        await members.stop(victim)
+        await members.start(victim)  # started again, it is placed again
+        await _eventually(
+            f"{victim} alive again everywhere",
+            lambda: all(members.of(n).alive_ids() == ids for n in ids),
+        )
+
 
 class InprocMembers(Members):
     """``Members`` over an in-process cluster (``tests/service/inproc.py``), whatever
@@ -134,3 +158,8 @@ class InprocMembers(Members):
 
     async def start(self, node_id: str) -> None:
         await self.cluster.start_node(self.cluster.index_of(node_id))
+
+    async def begin_stopping(self, node_id: str) -> None:
+        node = self.cluster.node(self.cluster.index_of(node_id))
+        node.stopping = True  # the first two steps of Node.shutdown
+        await node.membership.leaving()
