@@ -65,6 +65,11 @@ class EtcdCluster:
         return [f"127.0.0.1:{m.client_port}" for m in self.members]
 
     @property
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        """Member name -> client address: what a proxy in front of each member dials."""
+        return {f"e{m.index}": ("127.0.0.1", m.client_port) for m in self.members}
+
+    @property
     def url(self) -> str:
         """The coordinator URL a node is configured with (``Config.coordinator``)."""
         return "etcd://" + ",".join(self.endpoints)

@@ -14,6 +14,7 @@ import os
 import random
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +54,14 @@ class DiskCensus:
         #: (path, inode, size, mtime) -> whether the file checked out
         self._checked: dict[tuple[str, int, int, int], bool] = {}
 
-    def scan(self) -> tuple[dict[str, set[str]], dict[str, set[int]]]:
-        """(chunk id -> nodes with a good nvme copy, chunk id -> good fragment indexes)."""
+    def scan(
+        self, nodes: Collection[int] | None = None
+    ) -> tuple[dict[str, set[str]], dict[str, set[int]]]:
+        """(chunk id -> nodes with a good nvme copy, chunk id -> good fragment indexes),
+        from the files of ``nodes`` (default all)."""
         nvme: dict[str, set[str]] = defaultdict(set)
         frags: dict[str, set[int]] = defaultdict(set)
-        for i in range(self.cluster.nodes):
+        for i in sorted(range(self.cluster.nodes) if nodes is None else nodes):
             node = self.cluster.node_id(i)
             for tier in DISK_TIERS:
                 root = self.cluster.data / node / tier
@@ -106,50 +110,90 @@ def _check_file(path: Path, tier: str, cid: str, index: str) -> bool:
     return (fragment.chunk_id, str(fragment.index)) == (cid, index)
 
 
-async def wait_healed(
-    cluster: NemesisCluster, history: History, client: Client, timeout: float
-) -> float | None:
-    """Seconds until every chunk of every live checkpoint has ``replication`` hot copies or
-    all ``n`` good fragments; None (and an I6 violation) if that does not happen in time.
-    Chunks beyond repair (no hot copy, fewer than ``k`` fragments) are left to the reads,
-    which count them lost: they would otherwise hide how long the rest took to heal."""
-    census = DiskCensus(cluster)
-    erasure = client.cluster.erasure
-    assert erasure is not None, "the cluster does not say its erasure code"
-    n, k = erasure.n, erasure.k
-    replication = client.cluster.replication
-    started = time.monotonic()
-    short: dict[str, str] = {}
-    while True:
-        live = history.live_checkpoints()
+class Replication:
+    """Which chunks of the live checkpoints are short of full replication on ``nodes``
+    (default all): fewer than ``replication`` hot copies (RAM ones from ``?plan``, nvme
+    ones from the files) and fewer than ``n`` good fragments (from the files)."""
+
+    def __init__(
+        self,
+        cluster: NemesisCluster,
+        history: History,
+        client: Client,
+        nodes: Collection[int] | None = None,
+        census: DiskCensus | None = None,
+    ) -> None:
+        self.history = history
+        self.client = client
+        self.nodes = set(range(cluster.nodes) if nodes is None else nodes)
+        self.names = {cluster.node_id(i) for i in self.nodes}
+        #: a census may be shared: it checks each file once, whoever asks
+        self.census = census or DiskCensus(cluster)
+
+    async def short(self, among: Collection[str] | None = None) -> tuple[dict[str, str], set[str]]:
+        """(chunk id or checkpoint name -> what it lacks, chunks beyond repair: no hot
+        copy and fewer than ``k`` fragments), over the live checkpoints (those named in
+        ``among`` only, if given)."""
+        erasure = self.client.cluster.erasure
+        assert erasure is not None, "the cluster does not say its erasure code"
+        n, k = erasure.n, erasure.k
+        replication = self.client.cluster.replication
+        live = [r for r in self.history.live_checkpoints() if among is None or r.name in among]
         in_ram: dict[str, set[str]] = defaultdict(set)
+        short: dict[str, str] = {}
         for record in live:
             try:
-                plan = await client.plan(record.name)
+                plan = await self.client.plan(record.name)
             except StoragedError as exc:
                 short[record.name] = f"no plan: {exc}"
                 continue
             for cid, holders in plan.items():
-                in_ram[cid].update(h.node for h in holders if h.tier == "memory")
-        nvme, frags = await asyncio.to_thread(census.scan)
-        short = {}
-        gone: set[str] = set()
+                in_ram[cid].update(
+                    h.node for h in holders if h.tier == "memory" and h.node in self.names
+                )
+        nvme, frags = await asyncio.to_thread(self.census.scan, self.nodes)
+        lost: set[str] = set()
         for record in live:
             for cid in record.chunks:
                 hot = in_ram[cid] | nvme[cid]
                 if not hot and len(frags[cid]) < k:
-                    gone.add(cid)  # beyond repair: the reads below report it lost
+                    lost.add(cid)  # beyond repair: the reads report it lost
                 elif len(hot) < replication and len(frags[cid]) < n:
                     short[cid] = f"{len(hot)} hot ({sorted(hot)}), fragments {sorted(frags[cid])}"
+        return short, lost
+
+
+async def wait_healed(
+    cluster: NemesisCluster,
+    history: History,
+    client: Client,
+    timeout: float,
+    remaining: Collection[int] | None = None,
+) -> float | None:
+    """Seconds until every chunk of every live checkpoint has ``replication`` hot copies or
+    all ``n`` good fragments on the ``remaining`` nodes (default all); None (and an I6
+    violation) if that does not happen in time. Chunks beyond repair (no hot copy, fewer
+    than ``k`` fragments) are left to the reads, which count them lost: they would
+    otherwise hide how long the rest took to heal."""
+    replication = Replication(cluster, history, client, remaining)
+    gone = sorted(set(range(cluster.nodes)) - replication.nodes)
+    started = time.monotonic()
+    while True:
+        short, lost = await replication.short()
         elapsed = time.monotonic() - started
         if not short:
-            if gone:
-                history.note(f"healed but for {len(gone)} chunks beyond repair")
+            if lost:
+                history.note(f"healed but for {len(lost)} chunks beyond repair")
             return elapsed
         if elapsed > timeout:
             examples = "; ".join(f"{cid[:12]}: {why}" for cid, why in list(short.items())[:5])
+            left = f" on the nodes that remain ({cluster.node_id(gone[0])}" if gone else ""
+            left += "".join(f", {cluster.node_id(i)}" for i in gone[1:])
+            left += " left for good at can_leave)" if gone else ""
             history.violate(
-                "I6", f"{len(short)} chunks still under-replicated after {timeout:.0f}s: {examples}"
+                "I6",
+                f"{len(short)} chunks still under-replicated after {timeout:.0f}s{left}: "
+                + examples,
             )
             return None
         await asyncio.sleep(1.0)
@@ -163,12 +207,15 @@ async def check_history(
     *,
     faults: int,
     heal_timeout: float,
+    remaining: Collection[int] | None = None,
 ) -> Report:
-    """The end of a run: all nodes up and faults undone. Times the heal, then reads every
-    live checkpoint back whole from every node in turn until one serves each chunk."""
+    """The end of a run: all ``remaining`` nodes up (default all; those that left for good
+    stay down) and faults undone. Times the heal on the remaining nodes, then reads every
+    live checkpoint back whole from every node in turn until one serves each chunk, then
+    reads the node logs for tracebacks."""
     await asyncio.to_thread(cluster.wait_converged, 120.0)
     await client.refresh_cluster()
-    heal = await wait_healed(cluster, history, client, heal_timeout)
+    heal = await wait_healed(cluster, history, client, heal_timeout, remaining)
     rng = random.Random(f"{history.seed}/checker")
     verified: set[str] = set()
     lost: set[str] = set()
@@ -188,6 +235,7 @@ async def check_history(
                     + history.story(cid),
                 )
     await _check_listing(history, client)
+    await asyncio.to_thread(check_logs, cluster, history)
     return Report(
         seed=history.seed,
         faults=faults,
@@ -197,6 +245,51 @@ async def check_history(
         wrong=history.counts["wrong"],
         heal=heal,
     )
+
+
+TRACEBACK = "Traceback (most recent call last)"
+
+#: tracebacks a node may log without failing the run: (how the exception line starts,
+#: why it is no failure)
+TRACEBACK_ALLOWED: tuple[tuple[str, str], ...] = ()
+
+
+def tracebacks(text: str) -> list[str]:
+    """The last line (the exception) of every traceback in a log."""
+    found = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines):
+        if TRACEBACK not in line:
+            continue
+        last = line
+        for follow in lines[n + 1 : n + 400]:
+            last = follow
+            # A traceback's frames are indented; its exception line is not.
+            if follow and not follow.startswith((" ", "\t")):
+                break
+        found.append(last.strip())
+    return found
+
+
+def check_logs(cluster: NemesisCluster, history: History) -> None:
+    """No node log holds a traceback, but for those ``TRACEBACK_ALLOWED`` explains."""
+    for i in range(cluster.nodes):
+        try:
+            text = cluster.log_path(i).read_text(errors="replace")
+        except FileNotFoundError:
+            continue
+        counts: dict[str, int] = defaultdict(int)
+        for exc in tracebacks(text):
+            if any(exc.startswith(prefix) for prefix, _ in TRACEBACK_ALLOWED):
+                history.counts["tracebacks_allowed"] += 1
+                continue
+            counts[exc] += 1
+        for exc, times in sorted(counts.items()):
+            history.violate(
+                "log",
+                f"{cluster.node_id(i)} logged a traceback {times}x ending {exc!r} "
+                f"(log: {cluster.log_path(i)})",
+            )
 
 
 def _blame(history: History, cid: str) -> str:

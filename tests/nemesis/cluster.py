@@ -1,16 +1,20 @@
-"""The nemesis's cluster: ``LocalCluster`` with every peer link through a fault proxy, and
-optionally one node whose disks are small tmpfs mounts that a fault can fill."""
+"""The nemesis's cluster: ``LocalCluster`` with every peer link through a fault proxy,
+on etcd every node's etcd links through proxies of their own, optionally one node whose
+disks are small tmpfs mounts that a fault can fill, and spare node slots that join
+later (etcd only: the embedded cluster file is static)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from storaged.cluster import LocalCluster, free_port_block
+from storaged.coord.target import parse_etcd_url
 from tests.nemesis.proxy import FaultProxies
 
 #: the subdirectories of a node's data dir that hold chunk bytes (tiers/_durable.py layout)
@@ -22,28 +26,68 @@ FILL_NAME = ".nemesis-fill"  # at a tier's root: the tier's scan only looks two 
 class NemesisCluster(LocalCluster):
     """Nodes dial their peers through ``proxies`` (started by ``start``), and node
     ``small_disk`` (if not None) keeps its nvme and cold tiers on tmpfs mounts of
-    ``small_disk_bytes`` each (root only: ``mount_small_disk`` says whether it could)."""
+    ``small_disk_bytes`` each (root only: ``mount_small_disk`` says whether it could).
+
+    ``start`` starts the first ``initial`` of the ``nodes`` slots (all when None); the
+    others are spares that ``start_node`` joins later, on etcd. With ``etcd_members``
+    (name -> client address of each etcd member) every node reaches etcd through its own
+    links of ``etcd_proxies`` (node id, member name): its coordinator URL names them."""
 
     small_disk: int | None = None
     small_disk_bytes: int = 96 * 2**20
     proxies: FaultProxies | None = None
     mounts: list[Path] = field(default_factory=list)
+    initial: int | None = None
+    etcd_members: dict[str, tuple[str, int]] | None = None
+    etcd_proxies: FaultProxies | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        peers = {self.node_id(i): ("127.0.0.1", self.peer_port + i) for i in range(self.nodes)}
+        ids = [self.node_id(i) for i in range(self.nodes)]
+        peers = {node: ("127.0.0.1", self.peer_port + i) for i, node in enumerate(ids)}
         self.proxies = FaultProxies(peers)
         self.proxies.start(free_port_block(len(self.proxies.links)))
-        super().start(timeout=timeout)
+        if self.etcd_members is not None:
+            self.etcd_proxies = FaultProxies(self.etcd_members, dialers=ids)
+            self.etcd_proxies.start(free_port_block(len(self.etcd_proxies.links)))
+        first = self.nodes if self.initial is None else self.initial
+        self.check_not_running()
+        self.write_config()
+        for i in range(first):
+            self.start_node(i)
+        self.wait_healthy(list(range(first)), timeout=timeout)
+        self.wait_converged(timeout=timeout)
 
     def start_node(self, i: int) -> subprocess.Popen[bytes]:
         assert self.proxies is not None, "start() first: the routes name the proxies' ports"
-        # LocalCluster gives every node the same environment; only the routes differ.
-        shared = self.env
-        self.env = {**shared, "STORAGED_PEER_ROUTES": self.proxies.routes(self.node_id(i))}
+        # LocalCluster gives every node the same environment and coordinator; only the
+        # routes (and the etcd endpoints) differ.
+        shared, coordinator = self.env, self.coordinator
+        node = self.node_id(i)
+        self.env = {**shared, "STORAGED_PEER_ROUTES": self.proxies.routes(node)}
+        if self.etcd_proxies is not None:
+            root = parse_etcd_url(coordinator).root
+            self.coordinator = f"etcd://{','.join(self.etcd_proxies.endpoints(node))}{root}"
         try:
             return super().start_node(i)
         finally:
-            self.env = shared
+            self.env, self.coordinator = shared, coordinator
+
+    def wipe(self, i: int) -> int:
+        """Empty node ``i``'s data directory (it must be down), keeping its log and the
+        small disk's mount points; returns the entries removed."""
+        root = self.data / self.node_id(i)
+        removed = 0
+        for entry in sorted(root.iterdir()) if root.exists() else []:
+            if entry.name == "node.log":
+                continue  # not data: the end's log check reads it
+            if entry in self.mounts:
+                for inner in entry.iterdir():
+                    _remove(inner)
+                    removed += 1
+                continue
+            _remove(entry)
+            removed += 1
+        return removed
 
     def mount_small_disk(self) -> str | None:
         """Mount the small tmpfs disks of node ``small_disk``; None, or why not."""
@@ -110,6 +154,14 @@ class NemesisCluster(LocalCluster):
         try:
             super().stop(timeout=timeout)
         finally:
-            if self.proxies is not None:
-                self.proxies.close()
+            for proxies in (self.proxies, self.etcd_proxies):
+                if proxies is not None:
+                    proxies.close()
             self.unmount_small_disk()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

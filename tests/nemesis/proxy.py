@@ -74,16 +74,21 @@ class _LinkState:
 
 
 class FaultProxies:
-    """One proxy per directed link between ``peers`` (node id -> real peer address).
+    """One proxy per directed link from each of ``dialers`` (default: the peers
+    themselves) to each of ``peers`` (name -> real address) but itself.
 
     ``start(ports)`` binds link ``i`` (in ``links`` order) on ``127.0.0.1:ports[i]``;
-    ``routes(node)`` is that node's ``STORAGED_PEER_ROUTES``. ``close()`` stops the thread
-    and resets every connection.
+    ``routes(node)`` is that node's ``STORAGED_PEER_ROUTES``, ``endpoints(node)`` the
+    addresses that reach each peer through ``node``'s own links (the etcd members as one
+    node dials them). ``close()`` stops the thread and resets every connection.
     """
 
-    def __init__(self, peers: dict[str, tuple[str, int]]) -> None:
+    def __init__(
+        self, peers: dict[str, tuple[str, int]], dialers: Iterable[str] | None = None
+    ) -> None:
         self.peers = dict(peers)
-        self.links: list[Link] = [(a, b) for a in self.peers for b in self.peers if a != b]
+        froms = list(self.peers if dialers is None else dialers)
+        self.links: list[Link] = [(a, b) for a in froms for b in self.peers if a != b]
         self.ports: dict[Link, int] = {}
         self._states: dict[Link, _LinkState] = {}
         self._loop = asyncio.new_event_loop()
@@ -107,6 +112,14 @@ class FaultProxies:
     def routes(self, node: str) -> str:
         """``STORAGED_PEER_ROUTES`` for ``node``: every peer reached through its own link."""
         return ",".join(f"{b}=127.0.0.1:{self.ports[(a, b)]}" for (a, b) in self.links if a == node)
+
+    def endpoints(self, node: str) -> list[str]:
+        """``host:port`` of ``node``'s link to each peer, in the peers' order."""
+        return [f"127.0.0.1:{self.ports[(node, b)]}" for b in self.peers if (node, b) in self.ports]
+
+    def links_of(self, node: str) -> list[Link]:
+        """The links ``node`` dials."""
+        return [link for link in self.links if link[0] == node]
 
     # ---- faults (awaitable from any loop) ------------------------------------------------
     async def set_mode(self, links: Iterable[Link], mode: LinkMode, delay: float = 0.0) -> None:

@@ -47,6 +47,9 @@ SETTINGS: dict[str, Any] = {
     "n": 6,
     "gc_grace": 4.0,
     "gc_interval": 0.5,
+    # a node down this long is gone (its data rebuilt elsewhere; on etcd its member record
+    # removed): past a kill's restart, so only the gone fault reaches it, within a run
+    "gone_after": 8.0,
     "repair_interval": 1.0,
     "scrub_interval": 5.0,
     "encode_defer": 0.5,
@@ -64,19 +67,24 @@ class RunShape:
     heal_timeout: float
     #: how long the writers may take to finish their step once told to stop
     wind_down: float = 120.0
+    #: node slots beyond the first six that a ``join`` may start (etcd only)
+    spares: int = 2
+    #: the faults go on past ``seconds`` until every kind has run once, this long at most
+    first_pass_grace: float = 40.0
 
 
 #: the default suite's run (the suite's time budget: the soak is the long one)
-CI = RunShape(
-    seconds=30.0, workload=WorkloadShape(writers=3), nemesis=NemesisShape(), heal_timeout=60.0
-)
+#: the nemesis's view of the nodes' timing
+SHAPE = NemesisShape(gone_after=SETTINGS["gone_after"], gc_grace=SETTINGS["gc_grace"])
+
+CI = RunShape(seconds=30.0, workload=WorkloadShape(writers=3), nemesis=SHAPE, heal_timeout=60.0)
 #: the default suite's etcd run: shorter, beside the embedded CI run
 ETCD_CI = RunShape(
-    seconds=20.0, workload=WorkloadShape(writers=3), nemesis=NemesisShape(), heal_timeout=60.0
+    seconds=30.0, workload=WorkloadShape(writers=3), nemesis=SHAPE, heal_timeout=60.0
 )
 
-#: (seed, the etcd to coordinate through or None) -> the started cluster
-ClusterMaker = Callable[[int, EtcdCluster | None], NemesisCluster]
+#: (seed, the etcd to coordinate through or None, spare slots) -> the started cluster
+ClusterMaker = Callable[[int, EtcdCluster | None, int], NemesisCluster]
 
 
 @pytest.fixture
@@ -94,14 +102,18 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
     root = Path(tempfile.mkdtemp(prefix="storaged-nemesis-"))
     made: list[NemesisCluster] = []
 
-    def make(seed: int, etcd: EtcdCluster | None) -> NemesisCluster:
+    def make(seed: int, etcd: EtcdCluster | None, spares: int) -> NemesisCluster:
+        # Spare slots join through etcd; the embedded cluster file is static.
+        slots = NODES + (spares if etcd is not None else 0)
         for attempt in range(2):
-            port = free_port_block(NODES * 2 + 1)
+            port = free_port_block(slots * 2 + 1)
             cluster = NemesisCluster(
-                nodes=NODES,
+                nodes=slots,
+                initial=NODES,
+                etcd_members=etcd.addresses if etcd is not None else None,
                 data=root / f"cluster{len(made)}",
                 port=port,
-                peer_port=port + NODES,
+                peer_port=port + slots,
                 token=TOKEN,
                 settings=SETTINGS,
                 env={"PYTHONASYNCIODEBUG": ""},
@@ -134,6 +146,10 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+async def _until(event: asyncio.Event) -> None:
+    await event.wait()
+
+
 async def run_nemesis(
     cluster: NemesisCluster, seed: int, shape: RunShape, etcd: EtcdCluster | None = None
 ) -> tuple[Report, History]:
@@ -141,12 +157,22 @@ async def run_nemesis(
     rng = random.Random(f"{seed}/base")
     base = [history.chunk(f"base/{i}", rng.randint(*shape.workload.sizes)) for i in range(6)]
     base_ids = [(cid, len(data)) for cid, data in base]
-    nemesis = Nemesis(cluster, history, shape.nemesis, full_disk=bool(cluster.mounts), etcd=etcd)
     stop = asyncio.Event()
-    clients = [writer_client(cluster.urls, TOKEN) for _ in range(shape.workload.writers + 1)]
+    # The writers know the first six nodes (spares that join are found through them).
+    urls = cluster.urls[:NODES]
+    clients = [writer_client(urls, TOKEN) for _ in range(shape.workload.writers + 2)]
+    nemesis = Nemesis(
+        cluster,
+        history,
+        shape.nemesis,
+        full_disk=bool(cluster.mounts),
+        etcd=etcd,
+        initial=NODES,
+        client=clients[-2],
+    )
     timeout = aiohttp.ClientTimeout(total=30, sock_connect=3)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        raw = RawHttp(session, cluster.urls, TOKEN)
+        raw = RawHttp(session, urls, TOKEN)
         for client in clients:
             await client.open()
         try:
@@ -158,6 +184,16 @@ async def run_nemesis(
             chaos = asyncio.create_task(nemesis.run())
             try:
                 done, _ = await asyncio.wait([*tasks, chaos], timeout=shape.seconds)
+                if not done and not nemesis.first_pass_done.is_set():
+                    # A short run still sees every kind once (the budget may have held some).
+                    history.note("nemesis: faults go on until every kind has run once")
+                    passed = asyncio.create_task(_until(nemesis.first_pass_done))
+                    done, _ = await asyncio.wait(
+                        [*tasks, chaos, passed],
+                        timeout=shape.first_pass_grace,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    passed.cancel()
                 for task in done:
                     task.result()  # a bug in the suite itself fails the run at once
             finally:
@@ -166,7 +202,8 @@ async def run_nemesis(
                 await chaos
                 async with asyncio.timeout(shape.wind_down):
                     await asyncio.gather(*tasks)
-            history.note("faults over, all nodes up: checking")
+            left = ", ".join(cluster.node_id(i) for i in nemesis.left) or "none"
+            history.note(f"faults over, all members up (left for good: {left}): checking")
             report = await check_history(
                 cluster,
                 history,
@@ -174,6 +211,7 @@ async def run_nemesis(
                 clients[-1],
                 faults=nemesis.faults,
                 heal_timeout=shape.heal_timeout,
+                remaining=nemesis.members,
             )
         finally:
             for client in clients:
@@ -183,12 +221,13 @@ async def run_nemesis(
 
 def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[str]) -> None:
     kinds = {k[6:]: n for k, n in sorted(history.counts.items()) if k.startswith("fault ")}
+    skipped = {k: n for k, n in sorted(history.counts.items()) if k.endswith(" skipped")}
     with capsys.disabled():
         print("\n" + report.line())
-        print(f"nemesis faults by kind: {kinds}")
+        print(f"nemesis faults by kind: {kinds}" + (f" ({skipped})" if skipped else ""))
+    log = Path(tempfile.gettempdir()) / f"storaged-nemesis-seed{history.seed}.log"
+    dump(history, log)
     if history.violations:
-        log = Path(tempfile.gettempdir()) / f"storaged-nemesis-seed{history.seed}.log"
-        dump(history, log)
         listed = "\n".join(
             f"[{v.invariant}] t={v.at:.1f}s {v.text}" for v in history.violations[:20]
         )
@@ -210,7 +249,7 @@ async def test_nemesis_ci(
 ) -> None:
     replay = request.config.getoption("--nemesis-seed")
     seed = CI_SEED if replay is None else int(replay)
-    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, CI.spares)
     report, history = await run_nemesis(cluster, seed, CI, nemesis_etcd)
     _conclude(report, history, capsys)
 
@@ -228,7 +267,7 @@ async def test_nemesis_etcd_ci(
     replay = request.config.getoption("--nemesis-seed")
     seed = CI_SEED if replay is None else int(replay)
     await asyncio.to_thread(etcd_rig.restore_blocking)
-    cluster = await asyncio.to_thread(nemesis_cluster, seed, etcd_rig)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, etcd_rig, ETCD_CI.spares)
     report, history = await run_nemesis(cluster, seed, ETCD_CI, etcd_rig)
     _conclude(report, history, capsys)
 
@@ -252,6 +291,6 @@ async def test_nemesis_soak(
         nemesis=NemesisShape(),
         heal_timeout=180.0,
     )
-    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd)
+    cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, shape.spares)
     report, history = await run_nemesis(cluster, seed, shape, nemesis_etcd)
     _conclude(report, history, capsys)
