@@ -134,6 +134,8 @@ class Node:
         self.scrubber = Scrubber(self)
         self.evacuation = Evacuation(self)
         self._tasks: set[asyncio.Task[None]] = set()
+        #: every member's spec as the views this node took named it (``spec``)
+        self._specs: dict[str, NodeSpec] = {}
         #: set by ``shutdown``: new PUTs (HTTP and peer) are refused from then on
         self.stopping = False
         #: set by ``shutdown`` once it no longer waits for PUTs in flight: a co-located
@@ -327,10 +329,22 @@ class Node:
     def placement(self) -> Placement:
         """Placement from the membership as it is now: take one per operation and ask only
         it (``storaged.placement.Placement``)."""
-        return Placement(self.membership.view(), self.config.replication, self.config.n)
+        view = self.membership.view()
+        for member in view.members:
+            self._specs[member.id] = member
+        return Placement(view, self.config.replication, self.config.n)
 
     def spec(self, node_id: str) -> NodeSpec:
-        return self.membership.node(node_id)
+        """``node_id``'s addresses: from the membership, or, for a member removed since a
+        view that named it was taken (a gone member on etcd), as that view had them; an
+        operation's one view must not fail half-way because the member list moved on.
+        ``KeyError`` for a node no view ever named."""
+        try:
+            spec = self.membership.node(node_id)
+        except KeyError:
+            return self._specs[node_id]
+        self._specs[node_id] = spec
+        return spec
 
     # ---- peer calls ------------------------------------------------------------------------
     async def call(

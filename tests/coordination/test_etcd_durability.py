@@ -28,6 +28,7 @@ from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
+from storaged.peer import PeerUnavailable
 from tests.conftest import TOKEN, healthy_rig
 from tests.coordination.catalogue_conformance import cid, fresh, record
 from tests.etcd import etcd_binary
@@ -442,5 +443,35 @@ async def test_a_node_stopping_gracefully_on_etcd_leaves_placement_while_it_drai
         status, _ = await asyncio.wait_for(put, 30)
         assert status == 201  # the PUT it had taken before it began stopping
         assert await asyncio.wait_for(stop, 120) is True  # drained, then closed
+    finally:
+        await cluster.close()
+
+
+# ---- a member removed while an operation holds a view naming it (issue 16, §2) ---------------
+async def test_an_operation_whose_view_names_a_member_removed_meanwhile_does_not_fail(
+    tmp_path: Path, etcd_url: Callable[[], str], http: aiohttp.ClientSession
+) -> None:
+    """A gone member's record leaves etcd while other nodes still hold views that name it
+    (their restore plans, repairs and reads had taken one). Its addresses must still be
+    known for those views, and a call to it fails as a call to any dead node does. Before,
+    ``Node.spec`` raised ``KeyError`` out of ``?plan`` (500) and of repair's reads (a
+    traceback in the nemesis's etcd run, seed 2)."""
+    cluster = EtcdInprocCluster(tmp_path / "nodes", 5, {"coordinator": etcd_url()})
+    try:
+        await cluster.start()
+        node = cluster.node(0)
+        view = node.placement()
+        assert "n4" in view.alive
+        spec = node.spec("n4")
+        await cluster.kill(4)
+        await wait_until("n4 counted down", lambda: not node.membership.is_alive("n4"), 30)
+        assert await node.membership.forget("n4")
+        await wait_until("n4 removed from n0's members", lambda: "n4" not in {
+            m.id for m in node.membership.view().members}, 30)  # fmt: skip
+        assert node.spec("n4") == spec  # as the view had it
+        with pytest.raises(PeerUnavailable):
+            await node.call("n4", "ping", {})
+        held = await node.holdings(view.alive, ["0" * 64])
+        assert held == {"0" * 64: []}
     finally:
         await cluster.close()
