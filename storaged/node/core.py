@@ -390,13 +390,16 @@ class Node:
         touch: float | None = None,
         timeout: float = 30.0,
         answered: set[str] | None = None,
+        draining: set[str] | None = None,
     ) -> dict[str, list[Holding]]:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
 
         With ``touch``, every node that reports a chunk held also records that a request
         relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
         touch are one step on that node, so GC cannot collect what was just reported held.
-        ``answered``, if given, gets the ids of the nodes that answered.
+        ``answered``, if given, gets the ids of the nodes that answered; ``draining`` those
+        that said they are draining (whatever the caller's view says: it may predate the
+        mark), whose holdings a count of what stays must leave out.
         """
         out: dict[str, list[Holding]] = {cid: [] for cid in ids}
         args_extra = {} if touch is None else {"touch": touch}
@@ -410,6 +413,8 @@ class Node:
                 return
             if answered is not None:
                 answered.add(node_id)
+            if draining is not None and reply.get("draining"):
+                draining.add(node_id)
             for cid, (mem, nvme, frags, state, size) in reply["info"].items():
                 if cid in out:
                     out[cid].append(Holding(node_id, mem, nvme, tuple(frags), state, size))

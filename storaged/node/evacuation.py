@@ -118,11 +118,12 @@ class Evacuation:
         # snapshot says what is garbage (node/referenced.py), else everything counts.
         ids = [c for c in dict.fromkeys([*hot, *fragments]) if not self._garbage(c)]
         others = [n for n in placement.placeable if n != node.id]
-        held = await node.holdings(others, ids) if ids else {}
+        leaving: set[str] = set()  # others that say they drain too: they do not stay
+        held = await node.holdings(others, ids, draining=leaving) if ids else {}
         cfg = node.config
         pending: set[str] = set()
         for cid in ids:
-            answers = held[cid]
+            answers = [h for h in held[cid] if h.node not in leaving]
             copies = sum(1 for h in answers if h.hot)
             frags = {i for h in answers for i in h.fragments}
             if copies < cfg.replication and len(frags) < cfg.n:

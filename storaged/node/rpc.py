@@ -68,7 +68,9 @@ class PeerRpc:
                 state = known.state if known else MEMORY
                 size = known.size if known else -1
                 info[cid] = [mem, nvme, frags, state, size]
-        return {"info": info}, None
+        # Whether this node knows itself draining: a caller whose view is older than the
+        # mark (a node just back) must not count what it holds as staying (Node.holdings).
+        return {"info": info, "draining": node.membership.is_draining(node.id)}, None
 
     async def rpc_get_chunk(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         cid = args["id"]
@@ -121,9 +123,13 @@ class PeerRpc:
     async def rpc_witness(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Rebalance: whether a checked copy (``slot`` -1) or fragment ``slot`` of ``id`` is
         here; if so it is kept from a drop here for ``pin`` seconds (``pipeline/rebalance.py``)."""
-        held = await self.node.rebalance.witness(
-            str(args["id"]), int(args["slot"]), float(args["pin"])
-        )
+        node = self.node
+        if node.membership.is_draining(node.id):
+            # A node that is leaving vouches for nothing: a drop it witnessed could leave
+            # the only other copy on a node that goes (its can_leave may have counted the
+            # dropped one, taken before the drop).
+            return {"held": False}, None
+        held = await node.rebalance.witness(str(args["id"]), int(args["slot"]), float(args["pin"]))
         return {"held": held}, None
 
     async def rpc_drop_nvme(self, args: dict[str, Any], body: memoryview | None) -> Reply:

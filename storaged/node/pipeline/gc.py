@@ -184,9 +184,12 @@ class Collector:
         """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now by
         nodes that are not draining (a draining node's fragments are about to leave)."""
         node = self.node
-        held = await node.holdings(placement.placeable, ids)
+        leaving: set[str] = set()
+        held = await node.holdings(placement.placeable, ids, draining=leaving)
         for cid in ids:
-            frags = {i for h in held[cid] for i in h.fragments}
+            # A holder that says it drains counts for nothing, even where this view is older
+            # than its mark: its fragments are about to leave with it.
+            frags = {i for h in held[cid] if h.node not in leaving for i in h.fragments}
             if len(frags) >= node.config.n and node.is_cold(cid) and cid not in node.collecting:
                 await node.nvme.delete(cid)
 
