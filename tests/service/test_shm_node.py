@@ -194,7 +194,9 @@ async def test_entry_node_keeps_a_local_copy_that_counts_for_nothing(
     from storaged.server import http_error
     from storaged.shm import ShmListener, socket_path
 
-    cluster = await inproc.start(4, drain_defer=0.0)
+    # A node counted down under load (down_after 1.5 s) makes the PUT or repair place a
+    # real copy on the entry node, which the test would then take for its local copy.
+    cluster = await inproc.start(4, drain_defer=0.0, down_after=8.0)
     entry = cluster.node(0)
     listener = ShmListener(entry, socket_path(entry.config.data_dir), http_error)
     await listener.start()
