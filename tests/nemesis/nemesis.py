@@ -638,6 +638,29 @@ class Nemesis:
         assert proxies is not None
         await proxies.set_mode(mine, LinkMode.PASS)
 
+    async def _cut_links(
+        self,
+        nodes: list[int],
+        proxies: FaultProxies,
+        links: list[Link],
+        mode: LinkMode,
+        duration: float,
+        what: str,
+    ) -> None:
+        """Hold ``links`` in ``mode`` for ``duration`` (resetting their open connections for
+        a drop), noted as ``what``; then give the links back and release ``nodes``."""
+        owner = self._own(links)
+        try:
+            await proxies.set_mode(links, mode)
+            cut = await proxies.cut(links) if mode is LinkMode.DROP else 0
+            self.history.note(
+                f"nemesis: {what} ({mode.value}, {cut} connections reset) for {duration:.1f}s"
+            )
+            await self._sleep(duration)
+        finally:
+            await self._undo_links(links, owner, proxies)
+            self._release(nodes)
+
     async def _partition(self, nodes: list[int]) -> None:
         proxies = self.cluster.proxies
         assert proxies is not None
@@ -645,18 +668,9 @@ class Nemesis:
         links = [(a, b) for a, b in proxies.links if (a in side) != (b in side)]
         mode = self.rng.choice([LinkMode.DROP, LinkMode.BLACKHOLE])
         duration = self._duration()
-        owner = self._own(links)
-        try:
-            await proxies.set_mode(links, mode)
-            cut = await proxies.cut(links) if mode is LinkMode.DROP else 0
-            self.history.note(
-                f"nemesis: partition {sorted(side)} | rest ({mode.value}, {cut} connections "
-                f"reset) for {duration:.1f}s"
-            )
-            await self._sleep(duration)
-        finally:
-            await self._undo_links(links, owner)
-            self._release(nodes)
+        await self._cut_links(
+            nodes, proxies, links, mode, duration, f"partition {sorted(side)} | rest"
+        )
 
     async def _etcd_faults(self) -> None:
         """One etcd member at a time down or stopped, every ``etcd_gap`` s, until the end."""
@@ -722,19 +736,10 @@ class Nemesis:
         ]
         mode = self.rng.choice([LinkMode.DROP, LinkMode.BLACKHOLE])
         duration = self._duration()
-        owner = self._own(links)
-        try:
-            await proxies.set_mode(links, mode)
-            cut = await proxies.cut(links) if mode is LinkMode.DROP else 0
-            way = f"{node} -> rest" if outward else f"rest -> {node}"
-            self.history.note(
-                f"nemesis: one-way partition {way} ({mode.value}, {cut} connections reset; "
-                f"the other way works) for {duration:.1f}s"
-            )
-            await self._sleep(duration)
-        finally:
-            await self._undo_links(links, owner)
-            self._release(nodes)
+        way = f"{node} -> rest" if outward else f"rest -> {node}"
+        await self._cut_links(
+            nodes, proxies, links, mode, duration, f"one-way partition {way}, the other way works"
+        )
 
     # ---- membership ----------------------------------------------------------------------
     async def _drain(self, nodes: list[int]) -> None:
@@ -1033,18 +1038,9 @@ class Nemesis:
         links = proxies.links_of(self.cluster.node_id(i))
         mode = self.rng.choice([LinkMode.DROP, LinkMode.BLACKHOLE])
         duration = self.rng.uniform(1.0, 6.0)
-        owner = self._own(links)
-        try:
-            await proxies.set_mode(links, mode)
-            cut = await proxies.cut(links) if mode is LinkMode.DROP else 0
-            self.history.note(
-                f"nemesis: {self.cluster.node_id(i)} cut off etcd ({mode.value}, {cut} "
-                f"connections reset) for {duration:.1f}s"
-            )
-            await self._sleep(duration)
-        finally:
-            await self._undo_links(links, owner, proxies)
-            self._release(nodes)
+        await self._cut_links(
+            nodes, proxies, links, mode, duration, f"{self.cluster.node_id(i)} cut off etcd"
+        )
 
     async def _etcd_delay(self, nodes: list[int]) -> None:
         """One node's etcd links delayed (its lease keep-alives and watches late)."""

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from storaged.cluster import ClusterError, default_erasure, free_port_block
 from storaged.config import Config, NodeSpec
+from storaged.ids import chunk_id_of
 from storaged.node import Node
 from storaged.server import make_app
 from tests.conftest import FAST_SETTINGS, TOKEN
@@ -279,6 +280,15 @@ class InprocFactory:
     async def close_all(self) -> None:
         for cluster in self.clusters:
             await cluster.close()
+
+
+async def put_bytes(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
+    """PUT ``data`` as one chunk through ``node``'s write path (as the HTTP layer does)."""
+
+    async def body() -> Any:
+        yield memoryview(data)
+
+    return await node.put_chunk(chunk_id_of(data), len(data), body())
 
 
 async def hog_memory(node: Node) -> list[memoryview]:

@@ -11,20 +11,11 @@ turned true.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.node import Node
 from tests.service.http import manifest_for
-from tests.service.inproc import InprocFactory, wait_until
-
-
-async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
-    async def body() -> Any:
-        yield memoryview(data)
-
-    return await node.put_chunk(chunk_id_of(data), len(data), body())
+from tests.service.inproc import InprocFactory, put_bytes, wait_until
 
 
 async def test_a_drain_ends_where_the_fragments_cannot_be_spread_without_the_node(
@@ -36,7 +27,7 @@ async def test_a_drain_ends_where_the_fragments_cannot_be_spread_without_the_nod
     rng = random.Random(61)
     chunks = [rng.randbytes(32 * 1024) for _ in range(8)]
     for data in chunks:
-        assert (await _put(entry, data))[0] == 201
+        assert (await put_bytes(entry, data))[0] == 201
     checked = check_manifest(manifest_for(chunks), entry.config.max_chunk_size)
     assert (await entry.commit("spread/a", checked))[0] == 201
     ids = [chunk_id_of(c) for c in chunks]

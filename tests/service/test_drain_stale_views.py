@@ -19,26 +19,18 @@ from typing import Any
 from erasure import fragment_key
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.node import Node
 from tests.service.http import manifest_for
-from tests.service.inproc import InprocCluster, InprocFactory, wait_until
+from tests.service.inproc import InprocCluster, InprocFactory, put_bytes, wait_until
 
 #: heartbeats rare enough that a mark set on one node alone stays unknown to the others
 #: for the length of the test
 SLOW_MARKS: dict[str, Any] = {"heartbeat_interval": 5.0, "down_after": 30.0}
 
 
-async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
-    async def body() -> Any:
-        yield memoryview(data)
-
-    return await node.put_chunk(chunk_id_of(data), len(data), body())
-
-
 async def _cold_chunk(cluster: InprocCluster, seed: int) -> str:
     entry = cluster.node(0)
     data = random.Random(seed).randbytes(64 * 1024)
-    assert (await _put(entry, data))[0] == 201
+    assert (await put_bytes(entry, data))[0] == 201
     checked = check_manifest(manifest_for([data]), entry.config.max_chunk_size)
     assert (await entry.commit(f"stale/{seed}", checked))[0] == 201
     cid = chunk_id_of(data)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
-from typing import Any
 
 import aiohttp
 
@@ -23,22 +22,15 @@ from storaged.node import Node
 from storaged.node.referenced import ReferencedSet
 from tests.conftest import ADMIN_TOKEN
 from tests.service.http import Api, manifest_for
-from tests.service.inproc import InprocCluster, InprocFactory, PeerLinkProxy, wait_until
+from tests.service.inproc import InprocCluster, InprocFactory, PeerLinkProxy, put_bytes, wait_until
 
 GRACE = 2.0
 WINDOW = 1.0
 
 
-async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
-    async def body() -> Any:
-        yield memoryview(data)
-
-    return await node.put_chunk(chunk_id_of(data), len(data), body())
-
-
 async def _commit(node: Node, name: str, chunks: list[bytes]) -> None:
     for data in chunks:
-        status, _ = await _put(node, data)
+        status, _ = await put_bytes(node, data)
         assert status in (200, 201)
     status, _ = await node.commit(name, check_manifest(manifest_for(chunks), 2**30))
     assert status == 201
@@ -207,7 +199,7 @@ async def test_a_node_cut_off_one_way_counts_new_chunks_as_referenced(
         held: list[str] = []
         for step in range(40):
             data = rng.randbytes(24 * 1024)
-            status, reply = await _put(cluster.node(0), data)
+            status, reply = await put_bytes(cluster.node(0), data)
             assert status == 201
             if cluster.node_id(x) in reply["replicas"]:
                 status, _ = await cluster.node(0).commit(

@@ -10,21 +10,12 @@ fragment before any is advertised and quarantines what fails.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from erasure import fragment_key
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.node import Node
 from tests.service.http import manifest_for
-from tests.service.inproc import InprocFactory, wait_until
-
-
-async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
-    async def body() -> Any:
-        yield memoryview(data)
-
-    return await node.put_chunk(chunk_id_of(data), len(data), body())
+from tests.service.inproc import InprocFactory, put_bytes, wait_until
 
 
 async def test_a_fragment_flipped_while_the_node_was_down_is_never_advertised(
@@ -38,7 +29,7 @@ async def test_a_fragment_flipped_while_the_node_was_down_is_never_advertised(
     entry = cluster.node(0)
     data = random.Random(9).randbytes(96 * 1024)
     cid = chunk_id_of(data)
-    assert (await _put(entry, data))[0] == 201
+    assert (await put_bytes(entry, data))[0] == 201
     checked = check_manifest(manifest_for([data]), entry.config.max_chunk_size)
     assert (await entry.commit("restart/flip", checked))[0] == 201
     await wait_until("the chunk is cold", lambda: len(cluster.fragments(cid)) == 6, 60)

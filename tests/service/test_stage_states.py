@@ -13,17 +13,9 @@ import pytest
 from erasure import fragment_key
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.node import Node
 from storaged.peer import PeerUnavailable
 from tests.service.http import manifest_for
-from tests.service.inproc import InprocFactory, wait_until
-
-
-async def _put(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
-    async def body() -> Any:
-        yield memoryview(data)
-
-    return await node.put_chunk(chunk_id_of(data), len(data), body())
+from tests.service.inproc import InprocFactory, put_bytes, wait_until
 
 
 async def test_scrub_forgets_a_vanished_fragment_and_passes_over_an_unreadable_one(
@@ -36,7 +28,7 @@ async def test_scrub_forgets_a_vanished_fragment_and_passes_over_an_unreadable_o
     rng = random.Random(3)
     chunks = [rng.randbytes(64 * 1024) for _ in range(3)]
     for data in chunks:
-        assert (await _put(entry, data))[0] == 201
+        assert (await put_bytes(entry, data))[0] == 201
     checked = check_manifest(manifest_for(chunks), entry.config.max_chunk_size)
     assert (await entry.commit("scrub/states", checked))[0] == 201
     ids = [chunk_id_of(c) for c in chunks]
