@@ -65,15 +65,7 @@ class Checkpoints:
         except Conflict as exc:
             if exc.code != "missing_chunks" or not (live or await self._committed(name, checked)):
                 raise
-        record = CatalogRecord(
-            name=name,
-            digest=checked.digest,
-            created=float(checked.manifest["created"]),
-            committed=time.time(),
-            total_bytes=checked.total_bytes,
-            chunks=list(checked.chunks),
-            manifest=checked.encoded,
-        )
+        record = record_of(name, checked)
         left = node.config.commit_window - (time.monotonic() - checked_at)
         try:
             async with asyncio.timeout(max(left, 0.0)):
@@ -239,3 +231,16 @@ def _unavailable(exc: CatalogueUnavailable, code: str) -> Exception:
     if isinstance(exc, CoordinatorUnavailable):
         return unavailable("coordinator_unavailable", str(exc), retry_after=1.0)
     return unavailable(code, str(exc), retry_after=1.0)
+
+
+def record_of(name: str, checked: CheckedManifest) -> CatalogRecord:
+    """The catalogue record a commit of ``checked`` under ``name`` writes (committed now)."""
+    return CatalogRecord(
+        name=name,
+        digest=checked.digest,
+        created=float(checked.manifest["created"]),
+        committed=time.time(),
+        total_bytes=checked.total_bytes,
+        chunks=list(checked.chunks),
+        manifest=checked.encoded,
+    )

@@ -13,7 +13,6 @@ import asyncio
 import importlib.util
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
+from storaged.node.checkpoints import record_of
 from storaged.peer import PeerUnavailable
 from tests.conftest import TOKEN, healthy_rig
 from tests.coordination.catalogue_conformance import cid, fresh, record
@@ -228,16 +228,7 @@ def two_rank_manifest(chunks: list[bytes]) -> dict[str, Any]:
 
 def checked_record(name: str, chunks: list[bytes]) -> CatalogRecord:
     """The record ``Checkpoints.commit`` makes of ``two_rank_manifest(chunks)``."""
-    checked = check_manifest(two_rank_manifest(chunks), 2**20)
-    return CatalogRecord(
-        name=name,
-        digest=checked.digest,
-        created=float(checked.manifest["created"]),
-        committed=time.time(),
-        total_bytes=checked.total_bytes,
-        chunks=list(checked.chunks),
-        manifest=checked.encoded,
-    )
+    return record_of(name, check_manifest(two_rank_manifest(chunks), 2**20))
 
 
 async def drop_parts(session: EtcdSession, name: str) -> int:
