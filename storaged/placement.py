@@ -8,7 +8,9 @@ ranked first for move; everyone else keeps their order.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,3 +96,40 @@ class Placement:
         placeable = set(self.placeable)
         secondaries = [n for n in order[1:] if n in placeable]
         return [order[0], *secondaries[: self.replication - 1]]
+
+
+def failure_budget(nodes: int, replication: int, k: int, n: int) -> int:
+    """How many nodes may lose their data at once with ``nodes`` placeable, the failure
+    model placement is built for: ``replication - 1`` (hot copies), and no more than lose
+    ``n - k`` fragments of a chunk whose fragments are spread ``ceil(n / nodes)`` a node."""
+    per_node = math.ceil(n / max(nodes, 1))
+    return max(0, min(replication - 1, (n - k) // per_node))
+
+
+def exposed(fragments: Mapping[str, Collection[int]], k: int, budget: int) -> bool:
+    """Whether the loss of some ``budget`` of these holders (node -> the fragment indexes it
+    holds) would leave fewer than ``k`` distinct indexes: the chunk's fragments are
+    concentrated beyond the failure model, as when a node kept indexes of two views of
+    the membership (it held 0 and 5 over five nodes, then got 4 over four) and the paced
+    rebalance has not moved them yet. Placement's own arrangement is never exposed: any
+    ``budget`` nodes hold at most ``budget * ceil(n / nodes) <= n - k`` of its indexes."""
+    if budget <= 0:
+        return False  # no loss is promised to be survived: nothing to hold to
+    holders: dict[int, list[str]] = {}
+    for node, indexes in fragments.items():
+        for i in indexes:
+            holders.setdefault(i, []).append(node)
+    # Only an index held by at most ``budget`` nodes can be lost with them.
+    fragile: dict[str, int] = {}
+    for nodes in holders.values():
+        if len(nodes) <= budget:
+            for node in nodes:
+                fragile[node] = fragile.get(node, 0) + 1
+    worst = sum(sorted(fragile.values(), reverse=True)[:budget])
+    if len(holders) - worst >= k:
+        return False  # even the worst losses leave k (the usual case: no search)
+    for lost in itertools.combinations(sorted(fragile), min(budget, len(fragile))):
+        gone = set(lost)
+        if sum(1 for nodes in holders.values() if not gone.issuperset(nodes)) < k:
+            return True
+    return False

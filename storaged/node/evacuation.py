@@ -9,7 +9,9 @@ unmarks, and answers how far the evacuation is.
 
 Upholds: ``can_leave`` is true only when every chunk the node holds (hot or as fragments,
 garbage awaiting GC aside) has ``replication`` hot copies or all ``n`` fragments on live
-nodes that are not draining, as those nodes answer now, and no copy can still land on
+nodes that are not draining, spread as the failure model needs (no ``budget`` of those
+nodes hold so many that ``k`` would not be left: ``storaged.placement.exposed``), as
+those nodes answer now, and no copy can still land on
 the node (it knows it is draining, and no store or PUT is under way on it).
 
 Where the mark lives: with a coordinator (etcd) in the coordinator, seen by every node by
@@ -120,13 +122,17 @@ class Evacuation:
         others = [n for n in placement.placeable if n != node.id]
         leaving: set[str] = set()  # others that say they drain too: they do not stay
         held = await node.holdings(others, ids, draining=leaving) if ids else {}
+        staying = set(others) - leaving
         cfg = node.config
         pending: set[str] = set()
         for cid in ids:
             answers = [h for h in held[cid] if h.node not in leaving]
             copies = sum(1 for h in answers if h.hot)
             frags = {i for h in answers for i in h.fragments}
-            if copies < cfg.replication and len(frags) < cfg.n:
+            spread = len(frags) >= cfg.n and not node.repairer.exposed(
+                {h.node: h.fragments for h in answers}, len(staying)
+            )
+            if copies < cfg.replication and not spread:
                 pending.add(cid)
         return {
             "node": node.id,

@@ -182,15 +182,23 @@ class Collector:
 
     async def _trim_nvme(self, ids: list[str], placement: Placement) -> None:
         """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now by
-        nodes that are not draining (a draining node's fragments are about to leave)."""
+        nodes that are not draining (a draining node's fragments are about to leave), and
+        not concentrated on too few of them (``repairer.exposed``: repair spreads them)."""
         node = self.node
         leaving: set[str] = set()
         held = await node.holdings(placement.placeable, ids, draining=leaving)
+        nodes = len(set(placement.placeable) - leaving)
         for cid in ids:
             # A holder that says it drains counts for nothing, even where this view is older
             # than its mark: its fragments are about to leave with it.
-            frags = {i for h in held[cid] if h.node not in leaving for i in h.fragments}
-            if len(frags) >= node.config.n and node.is_cold(cid) and cid not in node.collecting:
+            staying = [h for h in held[cid] if h.node not in leaving]
+            frags = {i for h in staying for i in h.fragments}
+            if (
+                len(frags) >= node.config.n
+                and not node.repairer.exposed({h.node: h.fragments for h in staying}, nodes)
+                and node.is_cold(cid)
+                and cid not in node.collecting
+            ):
                 await node.nvme.delete(cid)
 
 

@@ -57,7 +57,6 @@ what the trim needs (every fragment index).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -302,16 +301,27 @@ class Rebalance:
                     await self._ask_drop(holder, chunk_id, HOT, targets)
             return
         frag_targets = placement.fragment_targets(chunk_id)
+        # What the drops leave, as this pass counts it: no drop may leave the fragments
+        # more concentrated than the failure model allows (a holder of misplaced indexes
+        # that became the only holder of one more), or repair would move it straight back.
+        left = {h.node: set(h.fragments) for h in held if not placement.is_draining(h.node)}
         for index in sorted({slot for _, slot in misplaced if slot != HOT}):
             target = frag_targets[index]
             placed = any(h.node == target and index in h.fragments for h in held)
             if not placed:
                 source = next(h.node for h in held if index in h.fragments)
                 placed = await self._move_fragment(chunk_id, index, source, target)
+                if placed:
+                    left.setdefault(target, set()).add(index)
             if placed:
                 for holder, slot in misplaced:
-                    if slot == index:
-                        await self._ask_drop(holder, chunk_id, index, [target])
+                    if slot != index:
+                        continue
+                    after = {n: f - {index} if n == holder else f for n, f in left.items()}
+                    if self.node.repairer.exposed(after, len(placement.placeable)):
+                        continue
+                    if await self._ask_drop(holder, chunk_id, index, [target]):
+                        left = after
 
     async def _place_copies(self, chunk_id: str, held: list[Holding], targets: list[str]) -> bool:
         """True once every target holds an nvme copy (copies sent now count next pass)."""
@@ -357,11 +367,15 @@ class Rebalance:
         node.metrics.rebalanced.labels("fragment").inc()
         return True
 
-    async def _ask_drop(self, holder: str, chunk_id: str, slot: int, witnesses: list[str]) -> None:
-        with contextlib.suppress(PeerError):
-            await self.node.call(
+    async def _ask_drop(self, holder: str, chunk_id: str, slot: int, witnesses: list[str]) -> bool:
+        """Whether ``holder`` says it dropped the slot (False also when it did not answer)."""
+        try:
+            reply, _ = await self.node.call(
                 holder,
                 "drop_misplaced",
                 {"id": chunk_id, "slot": slot, "witnesses": witnesses},
                 timeout=PIN_SECONDS,
             )
+        except PeerError:
+            return False
+        return bool(reply.get("dropped"))

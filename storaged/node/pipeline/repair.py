@@ -28,13 +28,14 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
 from storaged.catalogue import CoordinatorUnavailable
 from storaged.node.index import COLD, NVME, Holding
 from storaged.peer import PeerError
-from storaged.placement import Placement
+from storaged.placement import Placement, exposed, failure_budget
 from tiers import TierFull
 
 if TYPE_CHECKING:
@@ -198,6 +199,12 @@ class Repair:
                     ):
                         node.metrics.repaired.labels("fragment").inc(len(missing))
                 return LACKING
+            if self.exposed({h.node: h.fragments for h in staying}, len(placement.placeable)):
+                # Every index present, but too many on too few nodes for the failure model:
+                # not the paced rebalance's to fix in its own time. Each index goes to its
+                # target now (the bytes as they are); the rebalance drops the extras later.
+                await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
+                return LACKING
             return self._rebalance(chunk_id, held, placement)
         kept = {h.node for h in staying if h.hot}
         targets = placement.hot_targets(chunk_id)
@@ -238,18 +245,33 @@ class Repair:
         nodes = len(placement.placeable)
         return nodes > 0 and math.ceil(cfg.n / nodes) <= cfg.n - cfg.k
 
+    def exposed(self, fragments: Mapping[str, Collection[int]], nodes: int) -> bool:
+        """Whether the fragments on the nodes that stay (node -> the indexes it holds, with
+        ``nodes`` placeable nodes) are
+        more concentrated than the failure model allows (``storaged.placement.exposed``):
+        repair moves them at once, GC keeps the nvme copies, the drain is not done."""
+        cfg = self.node.config
+        budget = failure_budget(nodes, cfg.replication, cfg.k, cfg.n)
+        return exposed(fragments, cfg.k, budget)
+
     async def _move_fragments(
         self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
     ) -> set[int]:
-        """Copy the fragments of ``missing`` that draining nodes hold, bytes as they are, to
-        their targets in ``placement``; the indexes moved. The target checks each fragment
-        against its header's checksum (``put_fragment``), as for an encode."""
+        """Copy the fragments of ``missing`` that are not on their targets in ``placement``
+        there, bytes as they are, from a holder (a draining one first: its copy is about
+        to leave); the indexes moved. The target checks each fragment against its
+        header's checksum (``put_fragment``), as for an encode."""
         node = self.node
         targets = placement.fragment_targets(chunk_id)
         if not targets:
             return set()
         size = max((h.size for h in held), default=-1)
-        sources = {i: h.node for h in held if placement.is_draining(h.node) for i in h.fragments}
+        placed = {(h.node, i) for h in held for i in h.fragments}
+        sources: dict[int, str] = {}
+        for h in sorted(held, key=lambda h: not placement.is_draining(h.node)):
+            for i in h.fragments:
+                if (targets[i], i) not in placed:
+                    sources.setdefault(i, h.node)
 
         async def move(index: int) -> bool:
             key = fragment_key(chunk_id, index)
