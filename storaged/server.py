@@ -23,6 +23,7 @@ import msgpack
 from aiohttp import web
 
 from storaged import __version__
+from storaged.catalogue import CatalogueUnavailable, CoordinatorUnavailable
 from storaged.errors import (
     ApiError,
     BadInput,
@@ -178,6 +179,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         exc = http_error(caught) if isinstance(caught, StoragedError) else caught
         node.metrics.errors.labels(exc.code).inc()
         return reply(request, exc.body(), exc.status, exc.headers)
+    except CatalogueUnavailable as caught:
+        # A handler that did not map it itself (etcd out of reach, a leader change): the
+        # client's to retry, like any 503, not an internal error with a traceback.
+        code = (
+            "coordinator_unavailable"
+            if isinstance(caught, CoordinatorUnavailable)
+            else ("catalogue_unavailable")
+        )
+        node.metrics.errors.labels(code).inc()
+        return reply(request, {"error": code, "message": str(caught)}, 503, {"Retry-After": "1"})
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -316,6 +316,12 @@ class EtcdMembership(Membership):
                     await self._register()
             except CoordinatorUnavailable as exc:
                 log.warning("node %s: etcd unreachable for the lease: %s", self.self_id, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # The loop must outlive any one failure: a lease that nobody renews takes
+                # the node out of placement.
+                log.exception("node %s: lease keepalive failed; trying again", self.self_id)
 
     # ---- the view ----------------------------------------------------------------------------
     async def _reload(self) -> None:

@@ -37,7 +37,7 @@ import msgpack
 from erasure import make_codec, parse_fragment_key
 from erasure.base import Codec
 from storaged.catalog import Catalog, CatalogRecord
-from storaged.catalogue import Catalogue, EmbeddedCatalogue
+from storaged.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
 from storaged.config import Config, NodeSpec
 from storaged.manifest import CheckedManifest
 from storaged.membership import Membership, StaticMembership
@@ -321,6 +321,10 @@ class Node:
                 await job()
             except asyncio.CancelledError:
                 raise
+            except CatalogueUnavailable as exc:
+                # etcd out of reach, a leader change: the next pass tries again. A line, not
+                # a traceback: nothing is wrong with the node.
+                log.warning("background pass %s: %s", getattr(job, "__name__", job), exc)
             except Exception:
                 log.exception("background pass %s failed", getattr(job, "__name__", job))
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))

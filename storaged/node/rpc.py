@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from storaged.catalog import CatalogRecord
+from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, MEMORY
 from storaged.node.pipeline.rebalance import HOT
 from storaged.peer import PeerError, PeerHandler
@@ -42,7 +43,12 @@ class PeerRpc:
         handler: Method | None = getattr(self, f"rpc_{method}", None)
         if handler is None:
             raise PeerError("bad_request", f"unknown method {method!r}")
-        return await handler(args, body)
+        try:
+            return await handler(args, body)
+        except CatalogueUnavailable as exc:
+            # etcd out of reach (or too few record holders): the caller's to retry, as a
+            # peer out of reach is, not a handler's defect.
+            raise PeerError("coordinator_unavailable", str(exc)) from exc
 
     async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         return self.node.heartbeat(), None

@@ -303,10 +303,19 @@ def _blame(history: History, cid: str) -> str:
 
 
 async def _check_listing(history: History, client: Client) -> None:
-    try:
-        listed = {c.name for c in await client.list()}
-    except StoragedError as exc:
-        history.violate("I4", f"the final listing failed: {exc}")
+    # A listing walks the whole catalogue (on etcd, page by page): one that times out right
+    # after the heal (etcd still catching up) is tried again, thrice at most, and counted.
+    failures: list[str] = []
+    for _ in range(3):
+        try:
+            listed = {c.name for c in await client.list()}
+            break
+        except StoragedError as exc:
+            failures.append(str(exc))
+            history.counts["final_listing_retried"] += 1
+            await asyncio.sleep(2.0)
+    else:
+        history.violate("I4", f"the final listing failed thrice: {failures}")
         return
     for record in history.checkpoints.values():
         if record.live and record.name not in listed:

@@ -830,14 +830,21 @@ class Nemesis:
 
     async def _cancel_drain(self, i: int) -> None:
         node = self.cluster.node_id(i)
-        for _ in range(20):
+        # As an operator would: again until it takes. On etcd the mark is etcd's to change,
+        # and a member fault (a leader election) or a node cut off from etcd answers 503
+        # meanwhile; a minute of that is a coordinator that does not come back.
+        deadline = time.monotonic() + 60.0
+        got: tuple[int, Any] | None = None
+        while time.monotonic() < deadline:
             others = self._alive_members(exclude=[i])
             got = await self._ask(others, "POST", f"/v1/nodes/{node}/drain", {"cancel": True})
             if got is not None and got[0] == 200:
                 self.history.note(f"nemesis: drain of {node} cancelled ({got[1]})")
                 return
             await asyncio.sleep(0.5)
-        self.history.violate("drain", f"the drain mark of {node} could not be cancelled")
+        self.history.violate(
+            "drain", f"the drain mark of {node} could not be cancelled in 60 s (last: {got})"
+        )
 
     async def _gone(self, nodes: list[int]) -> None:
         """SIGKILL, down past ``gone_after`` and until repair has rebuilt its data

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
+from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, NVME
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
@@ -64,6 +65,8 @@ class Encoder:
                 await self.advance(cid)
             except asyncio.CancelledError:
                 raise
+            except CatalogueUnavailable as exc:
+                log.warning("encode of %s: %s; repair will retry", cid, exc)
             except Exception:
                 log.exception("encode of %s failed; repair will retry", cid)
 

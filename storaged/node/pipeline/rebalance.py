@@ -62,6 +62,7 @@ import time
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
+from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, Holding
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
@@ -138,6 +139,8 @@ class Rebalance:
                     await self.rebalance_one(cid, held, placement)
             except asyncio.CancelledError:
                 raise
+            except CatalogueUnavailable as exc:
+                log.warning("rebalance of %s: %s; the next repair pass offers it again", cid, exc)
             except Exception:
                 log.exception("rebalance of %s failed; the next repair pass offers it again", cid)
             finally:

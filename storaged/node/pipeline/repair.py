@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.catalogue import CoordinatorUnavailable
+from storaged.catalogue import CatalogueUnavailable, CoordinatorUnavailable
 from storaged.node.index import COLD, NVME, Holding
 from storaged.peer import PeerError
 from storaged.placement import Placement, exposed, failure_budget
@@ -75,6 +75,8 @@ class Repair:
             await node.catalogue.repair()
         except asyncio.CancelledError:
             raise
+        except CatalogueUnavailable as exc:
+            log.warning("catalogue repair: %s; the next pass tries again", exc)
         except Exception:
             log.exception("catalogue repair failed")
         away = await self._away_members()
@@ -89,6 +91,9 @@ class Repair:
                     found = await self.repair_one(cid, held, placement)
                 except asyncio.CancelledError:
                     raise
+                except CatalogueUnavailable as exc:
+                    found = LACKING
+                    log.warning("repair of %s: %s; the next pass tries again", cid, exc)
                 except Exception:
                     found = LACKING
                     log.exception("repair of %s failed", cid)
