@@ -360,10 +360,10 @@ async def test_etcd_entirely_down_reads_go_on_catalogue_fails_fast_then_recovers
             assert "Retry-After" in reply.headers
         # What needs the catalogue says so (503 with Retry-After, never 500 internal).
         for path in ("/v1/checkpoints", f"/v1/checkpoints/{name}?plan", "/v1/cluster"):
-            got = await api.request("GET", path)
-            assert got.status in (200, 503), (path, got.status, got.raw)
-            if got.status == 503:
-                assert "Retry-After" in got.headers, (path, got.raw)
+            answer = await api.request("GET", path)
+            assert answer.status in (200, 503), (path, answer.status, answer.raw)
+            if answer.status == 503:
+                assert "Retry-After" in answer.headers, (path, answer.raw)
     # Background passes (GC, repair, encode) meet the outage on every node for a while:
     # each logs a line, not a traceback (the nemesis's etcd soak found tracebacks here).
     await asyncio.sleep(3.0)
