@@ -21,6 +21,7 @@ from pathlib import Path
 from erasure import CorruptFragment, parse_fragment
 from storaged.client import Client, StoragedError
 from storaged.ids import chunk_id_of, is_chunk_id
+from storaged.placement import exposed, failure_budget
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
 from tests.nemesis.history import History
 from tests.nemesis.workload import RawHttp, check_visible, verify_checkpoint
@@ -56,11 +57,11 @@ class DiskCensus:
 
     def scan(
         self, nodes: Collection[int] | None = None
-    ) -> tuple[dict[str, set[str]], dict[str, set[int]]]:
-        """(chunk id -> nodes with a good nvme copy, chunk id -> good fragment indexes),
-        from the files of ``nodes`` (default all)."""
+    ) -> tuple[dict[str, set[str]], dict[str, dict[str, set[int]]]]:
+        """(chunk id -> nodes with a good nvme copy, chunk id -> node -> the good fragment
+        indexes it holds), from the files of ``nodes`` (default all)."""
         nvme: dict[str, set[str]] = defaultdict(set)
-        frags: dict[str, set[int]] = defaultdict(set)
+        frags: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
         for i in sorted(range(self.cluster.nodes) if nodes is None else nodes):
             node = self.cluster.node_id(i)
             for tier in DISK_TIERS:
@@ -75,7 +76,7 @@ class DiskCensus:
                     if tier == "nvme":
                         nvme[cid].add(node)
                     else:
-                        frags[cid].add(int(index))
+                        frags[cid][node].add(int(index))
         return nvme, frags
 
     def _good(self, path: Path, tier: str, cid: str, index: str) -> bool:
@@ -151,15 +152,20 @@ class Replication:
                 in_ram[cid].update(
                     h.node for h in holders if h.tier == "memory" and h.node in self.names
                 )
-        nvme, frags = await asyncio.to_thread(self.census.scan, self.nodes)
+        nvme, held = await asyncio.to_thread(self.census.scan, self.nodes)
+        # The failure model over the nodes counted: fragments all there but concentrated on
+        # too few of them (a node the only holder of more than it may lose) are short too.
+        budget = failure_budget(len(self.nodes), replication, k, n)
         lost: set[str] = set()
         for record in live:
             for cid in record.chunks:
                 hot = in_ram[cid] | nvme[cid]
-                if not hot and len(frags[cid]) < k:
+                frags = {i for indexes in held[cid].values() for i in indexes}
+                if not hot and len(frags) < k:
                     lost.add(cid)  # beyond repair: the reads report it lost
-                elif len(hot) < replication and len(frags[cid]) < n:
-                    short[cid] = f"{len(hot)} hot ({sorted(hot)}), fragments {sorted(frags[cid])}"
+                elif len(hot) < replication and (len(frags) < n or exposed(held[cid], k, budget)):
+                    where = {node: sorted(f) for node, f in sorted(held[cid].items())}
+                    short[cid] = f"{len(hot)} hot ({sorted(hot)}), fragments {where}"
         return short, lost
 
 

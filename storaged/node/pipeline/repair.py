@@ -204,10 +204,13 @@ class Repair:
                     ):
                         node.metrics.repaired.labels("fragment").inc(len(missing))
                 return LACKING
-            if self.exposed({h.node: h.fragments for h in staying}, len(placement.placeable)):
-                # Every index present, but too many on too few nodes for the failure model:
-                # not the paced rebalance's to fix in its own time. Each index goes to its
-                # target now (the bytes as they are); the rebalance drops the extras later.
+            spread = {h.node: h.fragments for h in staying}
+            if self.exposed(spread, len(placement.placeable), at_most=1):
+                # Every index present, but one node's loss would leave fewer than k: not the
+                # paced rebalance's to fix in its own time. Each index goes to its target
+                # now (the bytes as they are); the rebalance drops the extras later. (Below
+                # the failure model only for two losses, as after a fifth node's return to
+                # six, it is misplaced: the rebalance moves it, paced, as for a join.)
                 await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
                 return LACKING
             return self._rebalance(chunk_id, held, placement)
@@ -250,14 +253,17 @@ class Repair:
         nodes = len(placement.placeable)
         return nodes > 0 and math.ceil(cfg.n / nodes) <= cfg.n - cfg.k
 
-    def exposed(self, fragments: Mapping[str, Collection[int]], nodes: int) -> bool:
+    def exposed(
+        self, fragments: Mapping[str, Collection[int]], nodes: int, at_most: int | None = None
+    ) -> bool:
         """Whether the fragments on the nodes that stay (node -> the indexes it holds, with
         ``nodes`` placeable nodes) are
-        more concentrated than the failure model allows (``storaged.placement.exposed``):
-        repair moves them at once, GC keeps the nvme copies, the drain is not done."""
+        more concentrated than the failure model allows (``storaged.placement.exposed``;
+        ``at_most`` losses only, if given): repair moves them (at once where one loss is
+        too many), GC keeps the nvme copies, the drain is not done."""
         cfg = self.node.config
         budget = failure_budget(nodes, cfg.replication, cfg.k, cfg.n)
-        return exposed(fragments, cfg.k, budget)
+        return exposed(fragments, cfg.k, budget if at_most is None else min(budget, at_most))
 
     async def _move_fragments(
         self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
