@@ -567,8 +567,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     records = await node.list_checkpoints(prefix)
     states: dict[str, str] = {}
     if records and "nostate" not in request.query:
-        for record in records:
-            states[record.name] = (await node.checkpoint_status(record.name))["state"]
+        states = await node.checkpoints.states(records)
     return reply(
         request,
         {

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
@@ -185,20 +186,24 @@ class Checkpoints:
             and sum(1 for h in held[cid] if h.hot) < rf
             and len({i for h in held[cid] for i in h.fragments}) < n
         )
-        reached = "memory"
-        for s in STATES:
-            if counts[s] == total:
-                reached = s
-        if lost:
-            reached = "lost"
         return {
-            "state": reached,
+            "state": _reached(record.chunks, states),
             "chunks": total,
             **counts,
             "lost": lost,
             "under_replicated": under,
             "now": now,
         }
+
+    async def states(self, records: Sequence[CatalogRecord]) -> dict[str, str]:
+        """The state each of ``records`` reached (``status``'s ``state``), from one question
+        to the live nodes about all their chunks: a listing of many checkpoints asked each
+        one's status in turn before (hundreds of round trips to etcd and to every node: the
+        etcd soak's final listing timed out thrice)."""
+        node = self.node
+        ids = list(dict.fromkeys(cid for r in records for cid in r.chunks))
+        states = await node.chunk_states(ids) if ids else {}
+        return {r.name: _reached(r.chunks, states) for r in records}
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
         node = self.node
@@ -244,3 +249,12 @@ def record_of(name: str, checked: CheckedManifest) -> CatalogRecord:
         chunks=list(checked.chunks),
         manifest=checked.encoded,
     )
+
+
+def _reached(chunks: Sequence[str], states: dict[str, tuple[int, int]]) -> str:
+    """The last of ``STATES`` every one of ``chunks`` reached; ``lost`` if one is held by no
+    live node (absent from ``states``)."""
+    if any(cid not in states for cid in chunks):
+        return "lost"
+    low = min((states[cid][0] for cid in chunks), default=len(STATES))
+    return STATES[max(low, 1) - 1]

@@ -250,6 +250,11 @@ async def test_commit_get_list_status_plan_delete(api: Api, cluster: LocalCluste
 
     status = await api.wait_state("job1/step-000100", "cold", timeout=90)
     assert status["chunks"] == 4 and status["memory"] == status["nvme"] == status["cold"] == 4
+    # The listing's states come from one question about every listed chunk (not a status
+    # per checkpoint): the same answer as ``?status`` for one that has reached its last.
+    listing = await api.request("GET", "/v1/checkpoints?prefix=job1/")
+    listed = {c["name"]: c["state"] for c in listing.doc["checkpoints"]}
+    assert listed["job1/step-000100"] == "cold", listed
 
     plan = await api.request("GET", "/v1/checkpoints/job1/step-000100?plan")
     assert plan.status == 200 and set(plan.doc["chunks"]) == set(ids)
