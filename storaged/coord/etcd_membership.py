@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
 from storaged.catalogue import CoordinatorUnavailable
@@ -92,6 +93,11 @@ class EtcdMembership(Membership):
     def _alive_key(self, node_id: str = "") -> str:
         return self.s.key("membership", "alive", node_id)
 
+    def _drained_key(self, node_id: str = "") -> str:
+        # The drain mark of a member forgotten while draining: it outlives the member record
+        # so that the node, back, drains again instead of taking placements as a joiner.
+        return self.s.key("membership", "drained", node_id)
+
     # ---- the interface -------------------------------------------------------------------
     def nodes(self) -> tuple[NodeSpec, ...]:
         return tuple(spec for _, (spec, _) in sorted(self._members.items()))
@@ -136,6 +142,8 @@ class EtcdMembership(Membership):
         for _ in range(8):
             got = await self.s.call("member read", kv.get(key))
             if not got.kvs:
+                if not draining and await self._lift_drained(node_id):
+                    return
                 raise KeyError(node_id)
             doc = msgpack.unpackb(got.kvs[0].value, raw=False)
             doc["state"] = DRAINING if draining else ACTIVE
@@ -152,6 +160,26 @@ class EtcdMembership(Membership):
                 return
         raise CoordinatorUnavailable(f"member {node_id} keeps changing: state not set")
 
+    async def _lift_drained(self, node_id: str) -> bool:
+        """Lift the drain mark a member forgotten while draining left (``forget``), while it
+        is still not a member; False if it left none."""
+        kv = await self.s.kv()
+        reply = await self.s.call(
+            "drain mark removal",
+            kv.txn(
+                [
+                    KVService.txn_compare_create_revision(self._node_key(node_id), 0),
+                    KVService.txn_compare_create_revision(
+                        self._drained_key(node_id), 0, result=Compare.NOT_EQUAL
+                    ),
+                ],
+                [KVService.txn_op_delete(self._drained_key(node_id))],
+            ),
+        )
+        if reply.succeeded:
+            log.info("the drain mark left by forgotten member %s is lifted", node_id)
+        return bool(reply.succeeded)
+
     async def leave(self) -> None:
         """Deregister this node for good (decommission): it leaves ``nodes()`` everywhere."""
         kv = await self.s.kv()
@@ -162,6 +190,7 @@ class EtcdMembership(Membership):
                 [
                     KVService.txn_op_delete(self._node_key(self.self_id)),
                     KVService.txn_op_delete(self._alive_key(self.self_id)),
+                    KVService.txn_op_delete(self._drained_key(self.self_id)),
                 ],
             ),
         )
@@ -169,20 +198,40 @@ class EtcdMembership(Membership):
     async def forget(self, node_id: str) -> bool:
         """Remove a member that is down (no alive key) for every node: its record goes in a
         transaction that holds only while it has no alive key, so a node that registered
-        again meanwhile stays. If it comes back later it registers anew, as any joiner."""
+        again meanwhile stays. If it comes back later it registers anew, as any joiner; but
+        a drain mark is the operator's, not the timer's: the record of a draining member
+        leaves a drain mark in the same transaction, and the node, back, drains again."""
         if node_id == self.self_id:
             return False
         kv = await self.s.kv()
-        reply = await self.s.call(
-            "member removal",
-            kv.txn(
-                [KVService.txn_compare_create_revision(self._alive_key(node_id), 0)],
-                [KVService.txn_op_delete(self._node_key(node_id))],
-            ),
-        )
-        if reply.succeeded:
-            log.warning("member %s was down past gone_after: removed from the members", node_id)
-        return bool(reply.succeeded)
+        node_key, alive_key = self._node_key(node_id), self._alive_key(node_id)
+        for _ in range(8):
+            got = await self.s.call("member read", kv.get(node_key))
+            compares = [KVService.txn_compare_create_revision(alive_key, 0)]
+            ops = [KVService.txn_op_delete(node_key)]
+            if got.kvs:
+                compares.append(compare_mod_revision(node_key, got.kvs[0].mod_revision))
+                doc = msgpack.unpackb(got.kvs[0].value, raw=False)
+                if doc.get("state") == DRAINING:
+                    mark = {"id": node_id, "state": DRAINING, "forgotten": time.time()}
+                    ops.append(
+                        KVService.txn_op_put(
+                            self._drained_key(node_id), msgpack.packb(mark, use_bin_type=True)
+                        )
+                    )
+            reply = await self.s.call("member removal", kv.txn(compares, ops))
+            if reply.succeeded:
+                if got.kvs:
+                    log.warning(
+                        "member %s was down past gone_after: removed from the members", node_id
+                    )
+                return True
+            back = await self.s.call("member read", kv.get(alive_key))
+            if back.kvs:
+                return False  # registered again meanwhile: it stays
+            # Its record changed between the read and the removal (a drain mark set or
+            # lifted): read it again.
+        raise CoordinatorUnavailable(f"member {node_id} keeps changing: not removed")
 
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -257,29 +306,48 @@ class EtcdMembership(Membership):
         lease = await self.s.lease()
         kv = await self.s.kv()
         spec = self._spec
-        # A drain mark outlives the node's restarts: keep the state etcd has for it.
-        got = await self.s.call("member read", kv.get(self._node_key(spec.id)))
-        if got.kvs:
-            self._state = str(msgpack.unpackb(got.kvs[0].value, raw=False).get("state", ACTIVE))
+        node_key, drained_key = self._node_key(spec.id), self._drained_key(spec.id)
         granted = await self.s.call("lease grant", lease.grant(self.ttl))
-        member = {"id": spec.id, "url": spec.url, "peer": spec.peer, "state": self._state}
-        alive = {"id": spec.id, "since": time.time()}
-        await self.s.call(
-            "registration",
-            kv.txn(
-                [],
-                [
-                    KVService.txn_op_put(
-                        self._node_key(spec.id), msgpack.packb(member, use_bin_type=True)
-                    ),
-                    KVService.txn_op_put(
-                        self._alive_key(spec.id),
-                        msgpack.packb(alive, use_bin_type=True),
-                        lease=int(granted.ID),
-                    ),
-                ],
-            ),
-        )
+        for _ in range(8):
+            # A drain mark outlives the node's restarts: keep the state etcd has for it. So
+            # does the mark a member forgotten while draining left behind (``forget``): the
+            # registration moves it into the record. Both reads hold in the transaction, so
+            # a mark set, lifted or left meanwhile is read again, never undone.
+            got = await self.s.call("member read", kv.get(node_key))
+            left = await self.s.call("member read", kv.get(drained_key))
+            if got.kvs:
+                state = str(msgpack.unpackb(got.kvs[0].value, raw=False).get("state", ACTIVE))
+            else:
+                state = DRAINING if left.kvs else ACTIVE
+            member = {"id": spec.id, "url": spec.url, "peer": spec.peer, "state": state}
+            alive = {"id": spec.id, "since": time.time()}
+            reply = await self.s.call(
+                "registration",
+                kv.txn(
+                    [
+                        compare_mod_revision(node_key, got.kvs[0].mod_revision if got.kvs else 0),
+                        compare_mod_revision(
+                            drained_key, left.kvs[0].mod_revision if left.kvs else 0
+                        ),
+                    ],
+                    [
+                        KVService.txn_op_put(node_key, msgpack.packb(member, use_bin_type=True)),
+                        KVService.txn_op_put(
+                            self._alive_key(spec.id),
+                            msgpack.packb(alive, use_bin_type=True),
+                            lease=int(granted.ID),
+                        ),
+                        KVService.txn_op_delete(drained_key),
+                    ],
+                ),
+            )
+            if reply.succeeded:
+                break
+        else:
+            raise CoordinatorUnavailable(f"member {spec.id} keeps changing: not registered")
+        if not got.kvs and left.kvs:
+            log.warning("node %s was forgotten while draining: it registers draining", spec.id)
+        self._state = state
         self._lease = int(granted.ID)
         self._renewed = time.monotonic()
         log.info("node %s registered in etcd (lease %x, ttl %d s)", spec.id, self._lease, self.ttl)

@@ -58,10 +58,13 @@ class Evacuation:
         in the embedded mode, the members the mark did not reach now (they learn it from
         their peers' heartbeats once back)."""
         node = self.node
-        self._known(node_id)
         membership = node.membership
         try:
+            # A stranger is refused, except that a member forgotten while draining (etcd:
+            # down past gone_after) left its mark, which a cancel lifts.
             await membership.mark_draining(node_id, draining)
+        except KeyError:
+            raise NotFound("node_not_found", f"no member named {node_id!r}") from None
         except CoordinatorUnavailable as exc:
             raise unavailable("coordinator_unavailable", str(exc), retry_after=1.0) from exc
         unreached: list[str] = []

@@ -120,6 +120,40 @@ class MembershipTests:
             lambda: all(members.of(n).alive_ids() == ids for n in ids),
         )
 
+    async def test_a_drain_mark_outlives_forgetting_the_member(self, members: Members) -> None:
+        """A member forgotten (down past ``gone_after``) while draining comes back draining:
+        the timer does not undo the operator's decommission."""
+        ids = members.ids()
+        victim, others = ids[-1], ids[:-1]
+        view = members.of(ids[0])
+        await view.mark_draining(victim)
+        await _eventually(
+            f"{victim} draining in every view",
+            lambda: all(members.of(n).is_draining(victim) for n in ids),
+        )
+        await members.stop(victim)
+        await _eventually(f"{victim} down", lambda: not view.is_alive(victim))
+        assert await view.forget(victim) == self.forgets
+        if self.forgets:
+            await _eventually(
+                f"{victim} no longer a member anywhere",
+                lambda: all(victim not in members.of(n).all_ids() for n in others),
+            )
+            assert not view.is_draining(victim)  # not a member: neither draining nor not
+        await members.start(victim)
+        await _eventually(
+            f"{victim} a live member again everywhere, draining",
+            lambda: all(
+                members.of(n).alive_ids() == ids and members.of(n).is_draining(victim) for n in ids
+            ),
+        )
+        assert members.of(victim).view().draining == frozenset({victim})
+        await view.mark_draining(victim, draining=False)  # and the mark can be lifted
+        await _eventually(
+            f"{victim} active again everywhere",
+            lambda: not any(members.of(n).is_draining(victim) for n in ids),
+        )
+
     async def test_a_node_beginning_a_graceful_stop_leaves_placement_while_it_runs(
         self, members: Members
     ) -> None:
@@ -140,6 +174,20 @@ class MembershipTests:
         )
 
 
+def as_a_crash(membership: Membership) -> None:
+    """Make the next ``close`` of ``membership`` tell the coordinator nothing, as a crash
+    does: a draining etcd member that closes leaves the members for good, and any closes by
+    revoking its lease; a dead process does neither (its lease runs out)."""
+    if hasattr(membership, "_lease"):  # the etcd membership
+
+        async def no_leave() -> None:
+            pass
+
+        # setattr: the leave of an etcd membership is not on the abstract interface
+        setattr(membership, "_lease", 0)  # noqa: B010
+        setattr(membership, "leave", no_leave)  # noqa: B010
+
+
 class InprocMembers(Members):
     """``Members`` over an in-process cluster (``tests/service/inproc.py``), whatever
     coordinator its nodes use."""
@@ -154,7 +202,9 @@ class InprocMembers(Members):
         return self.cluster.node(self.cluster.index_of(node_id)).membership
 
     async def stop(self, node_id: str) -> None:
-        await self.cluster.kill(self.cluster.index_of(node_id))
+        i = self.cluster.index_of(node_id)
+        as_a_crash(self.cluster.node(i).membership)
+        await self.cluster.kill(i)
 
     async def start(self, node_id: str) -> None:
         await self.cluster.start_node(self.cluster.index_of(node_id))

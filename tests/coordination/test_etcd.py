@@ -28,7 +28,12 @@ from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
 from storaged.coord.etcd_membership import EtcdMembership
 from tests.conftest import TOKEN
 from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
-from tests.coordination.membership_conformance import InprocMembers, Members, MembershipTests
+from tests.coordination.membership_conformance import (
+    InprocMembers,
+    Members,
+    MembershipTests,
+    as_a_crash,
+)
 from tests.etcd import EtcdCluster, etcd_binary
 from tests.service.http import Api, manifest_for, random_chunk
 from tests.service.inproc import SECRET, EtcdInprocCluster, wait_until
@@ -185,6 +190,36 @@ async def test_joins_leaves_and_draining_reach_every_node(rig: EtcdRig) -> None:
         await joiner.close()
     assert all(v.view().members == views[0].nodes() for v in views)
     assert [n.id for n in views[0].nodes()] == ["n0", "n1", "n2"]
+
+
+async def test_the_mark_a_member_forgotten_while_draining_left_can_be_lifted(
+    rig: EtcdRig,
+) -> None:
+    """Forgotten while draining, a member leaves a drain mark (it comes back draining: the
+    conformance suite); a cancel lifts that mark while it is away, and it comes back
+    active. Marking a forgotten member draining is refused as for any stranger."""
+    cluster = await rig.start(4)
+    views = [cluster.node(i).membership for i in range(3)]
+    await views[0].mark_draining("n3")
+    await wait_until("n3 draining everywhere", lambda: all(
+        v.is_draining("n3") for v in views), SLOW)  # fmt: skip
+    as_a_crash(cluster.node(3).membership)
+    await cluster.kill(3)
+    await wait_until("n3 down", lambda: not views[0].is_alive("n3"), SLOW)
+    assert await views[1].forget("n3")
+    await wait_until("n3 forgotten everywhere", lambda: all(
+        "n3" not in v.all_ids() for v in views), SLOW)  # fmt: skip
+    with pytest.raises(KeyError):
+        await views[2].mark_draining("n3")  # a stranger now
+    await views[2].mark_draining("n3", draining=False)  # lifts the mark it left
+    with pytest.raises(KeyError):
+        await views[2].mark_draining("n3", draining=False)  # nothing left to lift
+    await cluster.start_node(3)
+    await cluster.wait_converged(SLOW)
+    back = cluster.node(3).membership
+    for v in [*views, back]:
+        assert v.alive_ids() == ["n0", "n1", "n2", "n3"]
+        assert not v.is_draining("n3")
 
 
 # ---- the catalogue: what does not fit in one etcd request ---------------------------------
