@@ -20,6 +20,7 @@ from pathlib import Path
 
 from erasure import CorruptFragment, parse_fragment
 from storaged.client import Client, StoragedError
+from storaged.cluster import ClusterError
 from storaged.ids import chunk_id_of, is_chunk_id
 from storaged.placement import exposed, failure_budget
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
@@ -219,7 +220,11 @@ async def check_history(
     stay down) and faults undone. Times the heal on the remaining nodes, then reads every
     live checkpoint back whole from every node in turn until one serves each chunk, then
     reads the node logs for tracebacks."""
-    await asyncio.to_thread(cluster.wait_converged, 120.0)
+    try:
+        await asyncio.to_thread(cluster.wait_converged, 120.0)
+    except ClusterError as exc:
+        # Still checked: what the nodes serve, and how long they take to heal, say more.
+        history.violate("converge", f"the nodes do not agree who is alive: {exc}")
     await client.refresh_cluster()
     heal = await wait_healed(cluster, history, client, heal_timeout, remaining)
     rng = random.Random(f"{history.seed}/checker")
