@@ -634,7 +634,8 @@ async def test_node_killed_mid_seal_puts_complete_and_nothing_acked_is_lost(
 ) -> None:
     cluster = await cluster_factory.start(4)
     rng = np.random.default_rng(3)
-    blobs = [rng.bytes(4 * MiB) for _ in range(32)]
+    # 128 MiB of random bytes: made in a thread, off the test's event loop
+    blobs = await asyncio.to_thread(lambda: [rng.bytes(4 * MiB) for _ in range(32)])
     async with client_for(cluster, max_concurrency=4) as client:
         await client_sees_all_alive(client)
         assert client.shm is not None

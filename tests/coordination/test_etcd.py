@@ -509,9 +509,18 @@ async def test_serve_with_a_coordinator_and_no_cluster_file(
 
 
 async def test_orphan_chunk_id_parts_go_and_a_commit_in_flight_survives_it(rig: EtcdRig) -> None:
-    cluster = await rig.start(4, catalogue_options={"inline_refs": 16})
+    # Each node's catalogue compacts at its first repair pass, then not for an hour: once
+    # every one has, the calls below are the only compactions (their counts are exact).
+    options = {"inline_refs": 16, "compact_interval": 3600.0}
+    cluster = await rig.start(4, catalogue_options=options)
     cat = cluster.node(0).catalogue
     assert isinstance(cat, EtcdCatalogue)
+    catalogues = [cluster.node(i).catalogue for i in range(4)]
+    await wait_until(
+        "every node's first compaction",
+        lambda: all(getattr(c, "_last_compaction", 0) > 0 for c in catalogues),
+        SLOW,
+    )
     name = fresh("orphan")
     winner, loser = record(name, [cid(1), cid(2)]), record(name, [cid(3)], salt="lost")
     assert await cat.commit(winner) is True
