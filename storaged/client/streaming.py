@@ -110,8 +110,12 @@ def _stream_reader(
         except StopIteration:
             return 0
         end = offset + size
-        # The last item starting at or before the chunk; then every item up to its end.
+        # The last item starting at or before the chunk (the first of those starting there:
+        # an empty item shares its start with the next one, and the one that straddles
+        # into the chunk may be sorted before it); then every item up to the chunk's end.
         position = max(0, bisect.bisect_right(starts, offset) - 1)
+        while position > 0 and starts[position - 1] == starts[position]:
+            position -= 1
         while position < len(order) and starts[position] < end:
             item = source.items[order[position]]
             lo, hi = max(offset, starts[position]), min(end, starts[position] + item.nbytes)

@@ -242,6 +242,21 @@ def test_sharded_safetensors_directory(cli: Any, tmp_path: Path) -> None:
     assert r.status == 1 and "cannot read" in r.err and "00002" in r.err
 
 
+def test_an_empty_item_before_a_large_one_saves_every_byte(cli: Any, tmp_path: Path) -> None:
+    """An empty array shares its stream start with the large one after it: the large one's
+    first chunk was once uploaded unfilled (test_client_layout has the property)."""
+    big = np.random.default_rng(3).standard_normal(600_000).astype(np.float32)  # 2.3 MiB
+    src = tmp_path / "e.npz"
+    np.savez(src, big=big, empty=np.zeros(0, dtype=np.float32))
+    name = _name("empty")
+    assert cli("save", str(src), name, "--chunk-size", "1MiB").status == 0
+    out = tmp_path / "back.npz"
+    r = cli("restore", name, str(out))
+    assert r.status == 0, r.err
+    with np.load(out) as z:
+        assert np.array_equal(z["big"], big) and z["empty"].shape == (0,)
+
+
 def test_format_flag_stdin_and_stdout(cluster: LocalCluster, tmp_path: Path) -> None:
     payload = np.random.default_rng(9).bytes(3 * MiB + 12345)
     name = _name("raw")

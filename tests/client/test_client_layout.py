@@ -706,3 +706,50 @@ def test_staging_copies_strided_and_big_endian_sources() -> None:
         plan_restore(manifest, [Request("v", (5, 4), Box((0, 0), (5, 4)), dst.dtype)]), store, [dst]
     )
     assert np.array_equal(dst, view)
+
+
+# --------------------------------------------------------------------------- file sources
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.sampled_from([0, 0, 1, 7, 63, 64, 65, 200]), min_size=1, max_size=12),
+    chunk_size=st.sampled_from([1, 8, 64, 100]),
+)
+def test_a_file_source_streams_every_byte_in_place_empty_items_included(
+    lengths: list[int], chunk_size: int
+) -> None:
+    """What ``storaged save`` uploads of a file (``_stream_reader``) is the packed stream,
+    byte for byte, whatever the items: an empty one (an empty file of a model directory)
+    shares its start with the next, and once let the chunk of a large item start there go
+    out unfilled (uninitialised bytes committed as the tensor's)."""
+    from storaged.client.formats import Source, SourceItem
+    from storaged.client.streaming import _stream_reader
+
+    rng = np.random.default_rng(len(lengths) * 1000 + chunk_size)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lengths]
+
+    def reader(blob: bytes) -> Any:
+        def read(offset: int, into: memoryview) -> None:
+            into[:] = blob[offset : offset + len(into)]
+
+        return read
+
+    items = [
+        SourceItem(f"k{i}", "uint8", (len(b),), len(b), reader(b)) for i, b in enumerate(blobs)
+    ]
+    fill, starts = _stream_reader(Source(items, {}), chunk_size)
+    layout = pack_stream(lengths, chunk_size)
+    want = bytearray(layout.size)
+    for blob, start in zip(blobs, layout.starts, strict=True):
+        want[start : start + len(blob)] = blob
+    assert tuple(starts) == layout.starts
+    got = bytearray()
+    buffer = bytearray(chunk_size)
+    for offset, size in layout.chunks:
+        buffer[:] = b"\xee" * chunk_size  # what an unfilled buffer would show
+        assert fill(memoryview(buffer)) == size
+        got += buffer[:size]
+        assert bytes(got[offset : offset + size]) == bytes(want[offset : offset + size]), offset
+    assert fill(memoryview(buffer)) == 0
+    assert bytes(got) == bytes(want)
