@@ -228,6 +228,9 @@ class Nemesis:
         #: spares being started: members, but no other fault may pick them meanwhile (one
         #: that did would find no process to stop and start a second one beside the first)
         self.joining: set[int] = set()
+        #: nodes whose GC a gc_stall fault holds paused: another must not pick them (its
+        #: end resumes GC, which would cut the other's pause short and hide its stall)
+        self.gc_paused: set[int] = set()
         #: nodes that left for good on ``can_leave``: they stay down to the end
         self.left: list[int] = []
         #: node -> monotonic time until which it counts as impaired (inf while a fault runs)
@@ -479,7 +482,7 @@ class Nemesis:
         elif kind == "delay":
             coro = self._delay()
         elif kind == "gc_stall":
-            alive = self._alive_members()
+            alive = self._alive_members(exclude=self.gc_paused)
             if not alive:
                 return False
             coro = self._gc_stall(
@@ -766,6 +769,7 @@ class Nemesis:
         self.rng.shuffle(others)
         started = time.monotonic()
         left = False
+        recheck = False
         hold = 0.0
         try:
             got = await self._ask(others, "POST", f"/v1/nodes/{node}/drain", {})
@@ -805,12 +809,18 @@ class Nemesis:
                 f"({progress}); back in {away:.1f}s with an empty disk ({removed} entries wiped)"
             )
             await self._sleep(away)
-            await self._cancel_drain(i)
+            # On etcd a graceful stop of a draining node deregisters it (it left): 404.
+            absent = self.etcd is not None and how == signal.SIGTERM
+            recheck = not await self._cancel_drain(i, left_ok=absent)
             hold = self.shape.settle_lost
         finally:
             if not left:
                 if not self.cluster.alive(i):
                     await self._restart(i)
+                if recheck and self.cluster.alive(i):
+                    # Back, it joined anew: a cancel now finds it a member (200, active);
+                    # one that cannot be made means a mark survived its leaving.
+                    await self._cancel_drain(i)
                 self._release(nodes, hold)
 
     async def _until_can_leave(self, i: int, started: float) -> dict[str, Any] | None:
@@ -836,7 +846,10 @@ class Nemesis:
         self.history.note(f"nemesis: drain of {node} cut short by the end (last {last})")
         return None
 
-    async def _cancel_drain(self, i: int) -> None:
+    async def _cancel_drain(self, i: int, *, left_ok: bool = False) -> bool:
+        """Cancel node ``i``'s drain mark; False when it had none to cancel because the
+        node left the members (``left_ok``: on etcd a draining node's graceful stop
+        deregisters it, mark and all: 404 ``node_not_found``)."""
         node = self.cluster.node_id(i)
         # As an operator would: again until it takes. On etcd the mark is etcd's to change,
         # and a member fault (a leader election) or a node cut off from etcd answers 503
@@ -848,11 +861,15 @@ class Nemesis:
             got = await self._ask(others, "POST", f"/v1/nodes/{node}/drain", {"cancel": True})
             if got is not None and got[0] == 200:
                 self.history.note(f"nemesis: drain of {node} cancelled ({got[1]})")
-                return
+                return True
+            if left_ok and got is not None and got[0] == 404:
+                self.history.note(f"nemesis: {node} left at its stop: no drain mark to cancel")
+                return False
             await asyncio.sleep(0.5)
         self.history.violate(
             "drain", f"the drain mark of {node} could not be cancelled in 60 s (last: {got})"
         )
+        return True
 
     async def _gone(self, nodes: list[int]) -> None:
         """SIGKILL, down past ``gone_after`` and until repair has rebuilt its data
@@ -912,6 +929,7 @@ class Nemesis:
         names = {i: self.cluster.node_id(i) for i in nodes}
         pids = {i: self.cluster.pid(i) for i in nodes}
         paused: list[int] = []
+        self.gc_paused.update(nodes)
         try:
             for i in nodes:
                 got = await asyncio.to_thread(
@@ -946,6 +964,7 @@ class Nemesis:
                 await asyncio.to_thread(
                     self._http, i, "POST", "/v1/admin/gc", {"pause": 0}, admin=True
                 )
+            self.gc_paused.difference_update(nodes)
 
     async def _sample_stalls(self, nodes: list[int], until: float) -> dict[int, float | None]:
         """Node -> the first ``stalled_since`` some node's ``/v1/cluster`` gave it before
