@@ -150,7 +150,9 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Start N nodes on 127.0.0.1, report success once each of them serves, "
         "and supervise them until Ctrl-C: a node that exits is reported with the tail of its "
         "log and restarted. A new cluster gets a random client token unless --token or "
-        "--insecure; an existing cluster file keeps its token and cluster secret. With "
+        "--insecure, and a random admin token (drain, evict) unless --insecure; an existing "
+        "cluster file keeps its tokens and cluster secret (one without an admin token gets "
+        "one). With "
         "--coordinator etcd, a local etcd member (Debian's etcd-server) holds membership and "
         "the catalogue: it is started first and stopped last.",
     )
@@ -239,6 +241,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                     "run it without with --insecure"
                 )
             cluster.token = secrets.token_urlsafe(24)
+        if not args.insecure:
+            # Draining a node, evicting a tier: the admin endpoints need their own token
+            # (a file that has one keeps it; write_config says which).
+            cluster.admin_token = secrets.token_urlsafe(24)
         cluster.start()
     except ClusterError as exc:
         cluster.stop()
@@ -258,6 +264,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         exports += f" STORAGED_TOKEN={shlex.quote(cluster.token)}"
     else:
         print("INSECURE: no client token, every client is accepted (--insecure)", flush=True)
+    if cluster.admin_token:
+        exports += f" STORAGED_ADMIN_TOKEN={shlex.quote(cluster.admin_token)}"
     print(exports, flush=True)
     restarts = "a node that exits is reported" + ("" if args.no_restart else " and restarted")
     print(f"Ctrl-C stops them; {restarts}.", flush=True)

@@ -18,6 +18,7 @@ working directory: a clone's top folder is often named ``storaged`` too, and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -102,6 +103,9 @@ class LocalCluster:
     port: int
     peer_port: int = 0
     token: str = ""
+    #: the admin token (``/v1/admin/``, ``/v1/nodes/``): written to a cluster file that has
+    #: none; after ``write_config``, the file's (its ``admin_token`` or ``admin_token_env``)
+    admin_token: str = ""
     replication: int = 3
     settings: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
@@ -218,8 +222,15 @@ class LocalCluster:
         return self.config_path
 
     def _auth(self, old: Mapping[str, Any]) -> dict[str, Any]:
-        # Other credentials of the file (the admin token) are kept as they are.
+        # The file's admin token is kept as it is; one is added only where there is none.
         auth: dict[str, Any] = {k: v for k, v in old.items() if k.startswith("admin_token")}
+        if auth:
+            env = {**os.environ, **self.env}
+            self.admin_token = str(
+                auth.get("admin_token") or env.get(str(auth.get("admin_token_env", "")), "")
+            )
+        elif self.admin_token:
+            auth["admin_token"] = self.admin_token
         secret_keys = [key for key in ("cluster_secret", "cluster_secret_env") if key in old]
         if secret_keys and not self.new_secret:
             auth.update((key, old[key]) for key in secret_keys)
@@ -728,10 +739,12 @@ def supervise(
     (restarted on its ports and data; the nodes wait for it meanwhile).
     """
     stop = False
+    signals = 0
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
+        nonlocal stop, signals
         stop = True
+        signals += 1
 
     if say is None:
         say = functools.partial(print, flush=True)
@@ -783,7 +796,55 @@ def supervise(
             time.sleep(0.2)
         return 0
     finally:
-        cluster.stop()
+        _stop_saying(cluster, say, forced=lambda: signals >= 2)
+
+
+def _stop_saying(
+    cluster: LocalCluster,
+    say: Callable[[str], None],
+    forced: Callable[[], bool],
+    every: float = 10.0,
+) -> None:
+    """``cluster.stop()``, saying what it waits for: each node's graceful stop (its
+    RAM-only chunks written to disk), until ``forced()`` (a second Ctrl-C) kills the rest."""
+    running = {i: p for i, p in cluster.procs.items() if p.poll() is None}
+    if running:
+        say(
+            f"storaged up: stopping {len(running)} nodes: each writes its RAM-only chunks to "
+            "disk first (Ctrl-C again to kill them at once)"
+        )
+    for proc in running.values():
+        proc.send_signal(signal.SIGTERM)
+    began = time.monotonic()
+    deadline = began + STOP_TIMEOUT
+    last_said = began
+    while True:
+        left = [i for i, p in running.items() if p.poll() is None]
+        if not left:
+            break
+        now = time.monotonic()
+        names = ", ".join(cluster.node_id(i) for i in left)
+        if forced() or now > deadline:
+            for i in left:
+                running[i].kill()
+            for i in left:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    running[i].wait(timeout=10)
+            why = "a second Ctrl-C" if forced() else f"still running after {STOP_TIMEOUT:.0f} s"
+            say(
+                f"storaged up: killed {names} ({why}): a chunk still only in their RAM is "
+                "lost unless another node has it on disk"
+            )
+            break
+        if now - last_said >= every:
+            last_said = now
+            say(f"storaged up: still waiting for {names} ({now - began:.0f} s): RAM to disk")
+        time.sleep(0.1)
+    if cluster.etcd is not None:
+        if cluster.etcd.proc is not None and cluster.etcd.proc.poll() is None:
+            say("storaged up: stopping etcd")
+        cluster.etcd.stop()
+    say("storaged up: stopped")
 
 
 class _Watched(Protocol):

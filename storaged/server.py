@@ -264,7 +264,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             raise ApiError(403, "forbidden", "admin endpoints need the admin token")
         if cfg.token:
             raise ApiError(
-                403, "forbidden", "no admin token is configured: admin endpoints are closed"
+                403,
+                "forbidden",
+                "no admin token is configured: admin endpoints are closed (set [auth] "
+                "admin_token, or admin_token_env, in the cluster file and restart the nodes)",
             )
     return await handler(request)
 
@@ -604,6 +607,7 @@ async def cluster(request: web.Request) -> web.Response:
             }
         # As of the node's last heartbeat (its own figures for this node).
         entry["down_since"] = node.membership.down_since(spec.id)
+        entry["draining_since"] = node.membership.draining_since(spec.id)
         entry["up_since"] = info.get("up_since")
         entry["drain_backlog"] = info.get("drain_backlog")
         entry["encode_backlog"] = info.get("encode_backlog")

@@ -104,6 +104,12 @@ class Up:
                 return word.removeprefix("STORAGED_TOKEN=")
         return ""
 
+    def exported(self) -> dict[str, str]:
+        """The variables of the ``export`` line ``up`` printed."""
+        line = self.lines[self.wait_for("export STORAGED_URL=")]
+        words = line.removeprefix("export ").split()
+        return dict(word.split("=", 1) for word in words)
+
     def pid(self, i: int) -> int:
         return int((self.data / f"n{i}" / "node.pid").read_text())
 
@@ -336,6 +342,86 @@ def test_new_cluster_gets_a_random_token(tmp_path: Path, ups: list[Up]) -> None:
     assert tomllib.loads((up.data / "cluster.toml").read_text())["auth"]["token"] == token
     assert _get(up.url(2) + "/v1/cluster")[0] == 401
     assert _get(up.url(2) + "/v1/cluster", token)[0] == 200
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """A client command of the real ``storaged``, configured by ``env`` alone."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "storaged", *args],
+        capture_output=True, text=True, env=_env(**env), timeout=150,
+    )  # fmt: skip
+
+
+def test_up_makes_an_admin_token_and_drain_works_with_its_export_line(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    data = tmp_path / "cluster"
+    port = free_port_block(9)
+    up = Up(data, port)
+    ups.append(up)
+    up.started()
+    env = up.exported()
+    admin = env["STORAGED_ADMIN_TOKEN"]
+    assert len(admin) >= 16 and admin != env["STORAGED_TOKEN"]
+    assert tomllib.loads((data / "cluster.toml").read_text())["auth"]["admin_token"] == admin
+
+    # the client token alone: refused, saying what to give
+    client_only = {k: v for k, v in env.items() if k != "STORAGED_ADMIN_TOKEN"}
+    refused = _cli(client_only, "drain", "n3")
+    assert refused.returncode == 1, refused.stderr
+    assert "STORAGED_ADMIN_TOKEN" in _one_line(refused.stderr), refused.stderr
+
+    # as the export line has it: a drain to the end, then its cancel
+    drained = _cli(env, "drain", "n3", "--wait", "--timeout", "120", "--interval", "0.5")
+    assert drained.returncode == 0, drained.stderr
+    assert "n3 can leave" in drained.stdout
+    cancelled = _cli(env, "drain", "n3", "--cancel")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert "not draining" not in cancelled.stderr
+    twice = _cli(env, "drain", "n3", "--cancel")
+    assert twice.returncode == 0 and "n3 was not draining: nothing to cancel" in twice.stderr
+    assert up.stop() == 0
+
+    # a restart keeps it
+    again = Up(data, port)
+    ups.append(again)
+    again.started()
+    assert again.exported()["STORAGED_ADMIN_TOKEN"] == admin
+
+
+def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_forces_it(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    up = Up(tmp_path / "cluster", free_port_block(9))
+    ups.append(up)
+    up.started()
+    assert up.stop() == 0  # one Ctrl-C: every node stops gracefully, and it says so
+    stopping = up.wait_for("storaged up: stopping 4 nodes")
+    assert "Ctrl-C again" in up.lines[stopping]
+    assert up.wait_for("storaged up: stopped", after=stopping) > stopping
+    assert "killed" not in up.output
+
+    again = Up(up.data, up.port)
+    ups.append(again)
+    again.started()
+    hung = again.pid(1)
+    os.kill(hung, signal.SIGSTOP)  # a node that cannot finish its stop
+    try:
+        again.proc.send_signal(signal.SIGINT)
+        again.wait_for("storaged up: stopping 4 nodes")
+        deadline = time.monotonic() + 60
+        while _alive(again.pid(0)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the others stop; n1 cannot
+        assert _alive(hung)
+        again.proc.send_signal(signal.SIGINT)  # the second Ctrl-C
+        line = again.lines[again.wait_for("storaged up: killed n1 (a second Ctrl-C)")]
+        assert "lost unless another node has it on disk" in line
+        again.wait_for("storaged up: stopped")
+        assert again.proc.wait(timeout=60) == 0
+        assert not _alive(hung)
+    finally:
+        if _alive(hung):
+            os.kill(hung, signal.SIGKILL)
 
 
 def test_a_cluster_without_token_must_be_asked_for(tmp_path: Path, ups: list[Up]) -> None:
