@@ -104,6 +104,12 @@ class Membership(abc.ABC):
     def is_draining(self, node_id: str) -> bool:
         return self._marks().get(node_id, (False, 0.0))[0]
 
+    def draining_since(self, node_id: str) -> float | None:
+        """When ``node_id`` was (last) marked draining, epoch seconds; None when it is not
+        draining (or its mark predates the time being kept)."""
+        on, at = self._marks().get(node_id, (False, 0.0))
+        return at if on and at else None
+
     def _marks(self) -> dict[str, tuple[bool, float]]:
         # Created on first use, so that implementations need not call an __init__ here.
         try:

@@ -72,6 +72,8 @@ class EtcdMembership(Membership):
         self._failed: set[str] = set()
         #: wall-clock time this node saw each peer go down (lease gone or call failed)
         self._down_at: dict[str, float] = {}
+        #: when each member's state was last set (its record's ``since``): a drain's start
+        self._draining_since: dict[str, float] = {}
         self._revision = 0
         self._state = ACTIVE
         self._lease = 0
@@ -127,6 +129,9 @@ class EtcdMembership(Membership):
         entry = self._members.get(node_id)
         return entry is not None and entry[1] == DRAINING
 
+    def draining_since(self, node_id: str) -> float | None:
+        return self._draining_since.get(node_id) if self.is_draining(node_id) else None
+
     def view(self) -> MembershipView:
         return MembershipView(
             members=self.nodes(),
@@ -147,6 +152,7 @@ class EtcdMembership(Membership):
                 raise KeyError(node_id)
             doc = msgpack.unpackb(got.kvs[0].value, raw=False)
             doc["state"] = DRAINING if draining else ACTIVE
+            doc["since"] = time.time()  # when it was marked (as the embedded marks keep it)
             reply = await self.s.call(
                 "member update",
                 kv.txn(
@@ -214,6 +220,8 @@ class EtcdMembership(Membership):
                 doc = msgpack.unpackb(got.kvs[0].value, raw=False)
                 if doc.get("state") == DRAINING:
                     mark = {"id": node_id, "state": DRAINING, "forgotten": time.time()}
+                    if "since" in doc:
+                        mark["since"] = doc["since"]
                     ops.append(
                         KVService.txn_op_put(
                             self._drained_key(node_id), msgpack.packb(mark, use_bin_type=True)
@@ -315,11 +323,20 @@ class EtcdMembership(Membership):
             # a mark set, lifted or left meanwhile is read again, never undone.
             got = await self.s.call("member read", kv.get(node_key))
             left = await self.s.call("member read", kv.get(drained_key))
-            if got.kvs:
-                state = str(msgpack.unpackb(got.kvs[0].value, raw=False).get("state", ACTIVE))
-            else:
-                state = DRAINING if left.kvs else ACTIVE
-            member = {"id": spec.id, "url": spec.url, "peer": spec.peer, "state": state}
+            kept = (
+                msgpack.unpackb((got.kvs or left.kvs)[0].value, raw=False)
+                if (got.kvs or left.kvs)
+                else {}
+            )
+            state = str(kept.get("state", ACTIVE))
+            member: dict[str, Any] = {
+                "id": spec.id,
+                "url": spec.url,
+                "peer": spec.peer,
+                "state": state,
+            }
+            if "since" in kept:
+                member["since"] = kept["since"]
             alive = {"id": spec.id, "since": time.time()}
             reply = await self.s.call(
                 "registration",
@@ -428,6 +445,9 @@ class EtcdMembership(Membership):
             doc = msgpack.unpackb(value, raw=False)
             spec = NodeSpec(str(doc["id"]), str(doc["url"]), str(doc["peer"]))
             members[node_id] = (spec, str(doc.get("state", ACTIVE)))
+            since = doc.get("since")
+            if isinstance(since, int | float):
+                self._draining_since[node_id] = float(since)
         elif key.startswith(alives):
             node_id = key[len(alives) :]
             if value is None:

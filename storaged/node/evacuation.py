@@ -59,6 +59,13 @@ class Evacuation:
         their peers' heartbeats once back)."""
         node = self.node
         membership = node.membership
+        # What this node knew before (a forgotten member's leftover mark counts as draining)
+        try:
+            membership.node(node_id)
+        except KeyError:
+            was = DRAINING
+        else:
+            was = DRAINING if membership.is_draining(node_id) else ACTIVE
         try:
             # A stranger is refused, except that a member forgotten while draining (etcd:
             # down past gone_after) left its mark, which a cancel lifts.
@@ -87,7 +94,12 @@ class Evacuation:
             DRAINING if draining else ACTIVE,
             f" (not reached now: {', '.join(unreached)})" if unreached else "",
         )
-        return {"node": node_id, "state": DRAINING if draining else ACTIVE, "unreached": unreached}
+        return {
+            "node": node_id,
+            "state": DRAINING if draining else ACTIVE,
+            "was": was,
+            "unreached": unreached,
+        }
 
     async def progress(self, node_id: str) -> dict[str, Any]:
         """How far ``node_id``'s evacuation is, as it answers (it alone knows what it holds);

@@ -126,11 +126,18 @@ class MembershipTests:
         ids = members.ids()
         victim, others = ids[-1], ids[:-1]
         view = members.of(ids[0])
+        assert view.draining_since(victim) is None
+        before = time.time()
         await view.mark_draining(victim)
         await _eventually(
             f"{victim} draining in every view",
             lambda: all(members.of(n).is_draining(victim) for n in ids),
         )
+        # when the drain began, the same in every view (the mark's time, not the node's start)
+        began = {members.of(n).draining_since(victim) for n in ids}
+        assert len(began) == 1, began
+        (since,) = began
+        assert since is not None and before - 1 <= since <= time.time() + 1
         await members.stop(victim)
         await _eventually(f"{victim} down", lambda: not view.is_alive(victim))
         assert await view.forget(victim) == self.forgets
@@ -148,11 +155,13 @@ class MembershipTests:
             ),
         )
         assert members.of(victim).view().draining == frozenset({victim})
+        assert all(members.of(n).draining_since(victim) == since for n in ids)
         await view.mark_draining(victim, draining=False)  # and the mark can be lifted
         await _eventually(
             f"{victim} active again everywhere",
             lambda: not any(members.of(n).is_draining(victim) for n in ids),
         )
+        assert all(members.of(n).draining_since(victim) is None for n in ids)
 
     async def test_a_node_beginning_a_graceful_stop_leaves_placement_while_it_runs(
         self, members: Members

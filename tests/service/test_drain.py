@@ -280,7 +280,8 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
     r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": "yes"}, headers=admin)
     assert (r.status, r.error) == (400, "bad_request")
     r = await api.request("POST", "/v1/nodes/n2/drain", headers=admin)
-    assert r.status == 200 and r.doc == {"node": "n2", "state": "draining", "unreached": []}
+    assert r.status == 200 and r.doc == {
+        "node": "n2", "state": "draining", "was": "active", "unreached": []}  # fmt: skip
     await _seen(cluster, "n2")
     r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin, url=cluster.url(3))
     assert r.status == 200 and r.doc["node"] == "n2" and r.doc["state"] == "draining"
@@ -290,8 +291,11 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
     assert {n["id"]: n["state"] for n in r.doc["nodes"]} == {
         "n0": "active", "n1": "active", "n2": "draining", "n3": "active"}  # fmt: skip
     r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": True}, headers=admin)
-    assert r.status == 200 and r.doc["state"] == "active"
+    assert r.status == 200 and (r.doc["state"], r.doc["was"]) == ("active", "draining")
     await _seen(cluster, "n2", draining=False)
+    # a cancel of a node that is not draining: 200, and it says what it was
+    r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": True}, headers=admin)
+    assert r.status == 200 and (r.doc["state"], r.doc["was"]) == ("active", "active")
     # the node a progress request names does not answer: 503, not a guess
     await cluster.kill(2)
     r = await api.request("GET", "/v1/nodes/n2/drain", headers=admin)
