@@ -42,12 +42,14 @@ from storaged.client.errors import (
     ConnectionFailed,
     NotEnoughFragments,
     NotFound,
+    NotStoraged,
     ProtocolError,
     StoragedError,
     TooLarge,
     Unavailable,
     decode_body,
     error_from_response,
+    is_api_content_type,
     is_retryable,
 )
 from storaged.client.retry import RetryPolicy
@@ -277,6 +279,31 @@ class WaitTimeout(TimeoutError):
 # --------------------------------------------------------------------------- helpers
 
 
+def base_url(url: str) -> str:
+    """A node's base URL as given (``http://host:port``, trailing ``/`` dropped); a bare
+    ``host:port`` means ``http://host:port``. ``ValueError`` for one that names no host."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    scheme, _, rest = url.partition("://")
+    if scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{url}: a node URL is http://host:port (or https://)")
+    if not rest:
+        raise ValueError(f"{url}: a node URL names a host (http://host:port)")
+    return url
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a failed attempt found nothing listening (connection refused)."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return exc.os_error is not None and isinstance(exc.os_error, ConnectionRefusedError)
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
 def range_header(byte_range: ByteRange) -> str:
     """``Range`` header for an exclusive-end ``ByteRange`` (the wire's end is inclusive)."""
     if byte_range.start < 0 or (byte_range.end is not None and byte_range.end <= byte_range.start):
@@ -408,13 +435,15 @@ class Client:
         direct_reads: bool | None = None,
         decode_cache_bytes: int = 128 << 20,
         shm: bool | None = None,
+        refused_fails_fast: bool = False,
     ) -> None:
         seeds = [urls] if isinstance(urls, str) else list(urls)
         if not seeds:
             raise ValueError("need at least one node URL")
         if max_concurrency < 1 or missing_batch < 1:
             raise ValueError("max_concurrency and missing_batch must be >= 1")
-        self._seeds = [url.rstrip("/") for url in seeds]
+        self._seeds = [base_url(url) for url in seeds]
+        self._refused_fails_fast = refused_fails_fast
         self._token = token
         self._retry = retry or RetryPolicy()
         self._timeout = aiohttp.ClientTimeout(
@@ -638,9 +667,18 @@ class Client:
 
     async def _decoded(self, resp: aiohttp.ClientResponse) -> Any:
         raw = await resp.read()
+        content_type = resp.headers.get("Content-Type")
         try:
-            return decode_body(raw, resp.headers.get("Content-Type"))
+            return decode_body(raw, content_type)
         except ValueError as exc:
+            if not is_api_content_type(content_type):
+                # a web page, etcd's plain text: another server answers at this URL
+                raise NotStoraged(
+                    message=f"{resp.url.origin()} answered HTTP {resp.status} "
+                    f"{(content_type or 'without a content type').split(';')[0]}, "
+                    "not storaged's JSON or msgpack: is it a storaged node?",
+                    status=resp.status,
+                ) from None
             raise ProtocolError(message=str(exc), status=resp.status) from exc
 
     async def _call(
@@ -688,6 +726,7 @@ class Client:
         attempts = 0
         position = 0
         lost_in_a_row = 0
+        refused_in_a_row = 0
         replayed = False
         refused_by: list[StoragedError] = []
         limit = self._retry.max_attempts if max_attempts is None else max_attempts
@@ -741,14 +780,19 @@ class Client:
                 self._suspect(node)
                 replayed = replayed or method != "GET"
                 lost_in_a_row += 1
+                refused_in_a_row = refused_in_a_row + 1 if _refused(exc) else 0
                 position += 1
                 if not background:
                     self.stats.failovers += 1
+                if self._refused_fails_fast and refused_in_a_row >= len(order):
+                    # nothing listens at any of them (a command's typo, a stopped cluster):
+                    # say so now rather than after the backoff of a node's restart
+                    raise self._mark(error, replayed) from None
                 if lost_in_a_row < len(order) and self._may_retry(attempts, started, limit):
                     continue  # an untried node remains: no reason to wait
             except StoragedError as exc:
                 error = exc
-                lost_in_a_row = 0
+                lost_in_a_row = refused_in_a_row = 0
                 if method != "GET" and exc.status == 503:
                     # A refused write may have been partly carried out (a delete's tombstone
                     # on some nodes): what a retry answers may reflect this attempt.

@@ -19,10 +19,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TypeVar
 
-from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout
+from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout, base_url
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
+    NotStoraged,
     StoragedError,
     Unauthorized,
     Unavailable,
@@ -53,7 +54,10 @@ class UsageError(CommandError):
 
 
 def urls_of(value: str) -> list[str]:
-    urls = [u.strip() for u in value.split(",") if u.strip()]
+    try:
+        urls = [base_url(u) for u in value.split(",") if u.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--url: {exc}") from None
     if not urls:
         raise UsageError("--url names no node")
     return urls
@@ -67,7 +71,14 @@ def explain(error: BaseException, url: str = "") -> str:
             f"the cluster{where} refused the token (HTTP 401): pass --token or set STORAGED_TOKEN"
         )
     if isinstance(error, Forbidden):
-        return f"the cluster{where} refused the request (HTTP 403): {error.message}"
+        hint = (
+            "; pass --admin-token or set STORAGED_ADMIN_TOKEN (`storaged up` prints it)"
+            if "admin token" in error.message
+            else ""
+        )
+        return f"the cluster{where} refused the request (HTTP 403): {error.message}{hint}"
+    if isinstance(error, NotStoraged):
+        return f"not a storaged node{where}: {error.message} (--url or STORAGED_URL name one)"
     if isinstance(error, ConnectionFailed):
         return (
             f"cannot reach the cluster{where}: {error.message} "

@@ -198,6 +198,13 @@ class ProtocolError(StoragedError):
     default_code = "bad_response"
 
 
+class NotStoraged(ProtocolError):
+    """Another server answers at the URL (a web server, etcd): its answer is not one of
+    storaged's documents."""
+
+    default_code = "not_storaged"
+
+
 class ServerError(StoragedError):
     default_code = "server_error"
 
@@ -262,6 +269,14 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, seconds)
 
 
+_API_TYPES = ("application/json", "application/msgpack", "application/x-msgpack")
+
+
+def is_api_content_type(content_type: str | None) -> bool:
+    """Whether a response says it is one of storaged's documents (JSON or msgpack)."""
+    return (content_type or "").split(";")[0].strip().lower() in _API_TYPES
+
+
 def decode_body(raw: bytes, content_type: str | None) -> Any:
     """Decode a msgpack or JSON body; raise ``ValueError`` when it is neither."""
     ctype = (content_type or "").split(";")[0].strip().lower()
@@ -304,6 +319,15 @@ def error_from_response(
             code = decoded["error"]
         if isinstance(decoded.get("message"), str):
             message = decoded["message"]
+    if code is None and status not in (502, 503, 504) and not is_api_content_type(content_type):
+        # storaged answers every error with its document; a page of HTML, or etcd's
+        # "404 page not found", is another server (a proxy's 502-504 stay retryable)
+        return NotStoraged(
+            message=f"answered HTTP {status} "
+            f"{(content_type or 'without a content type').split(';')[0]}, not storaged's "
+            "JSON or msgpack: is it a storaged node?",
+            status=status,
+        )
     cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else StoragedError

@@ -10,12 +10,14 @@ demo's byte check catches a flipped byte, and the demo cleans up after Ctrl-C.
 from __future__ import annotations
 
 import asyncio
+import http.server
 import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,6 +273,80 @@ def test_unreachable_cluster(cli: Any) -> None:
     assert r.status == 1
     assert "cannot reach the cluster" in r.err and str(port) in r.err
     assert time.monotonic() - began < 60
+
+
+class _OtherServer(http.server.BaseHTTPRequestHandler):
+    """Not storaged: a web server's HTML page, or etcd's plain-text 404."""
+
+    body = b"<html><body>" + b"<p>a web page</p>" * 500 + b"</body></html>"
+    content_type = "text/html"
+    status = 404
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _EtcdLike(_OtherServer):
+    body = b"404 page not found\n"
+    content_type = "text/plain; charset=utf-8"
+
+
+class _PageFor200(_OtherServer):
+    status = 200
+
+
+@pytest.mark.parametrize("handler", [_OtherServer, _EtcdLike, _PageFor200])
+def test_a_server_that_is_not_storaged_is_named_as_such(
+    cli: Any, handler: type[http.server.BaseHTTPRequestHandler]
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        for url in (f"http://127.0.0.1:{port}", f"127.0.0.1:{port}"):
+            r = cli("ls", url=url)
+            assert r.status == 1, r
+            line = r.err.strip()
+            assert len(line.splitlines()) == 1 and "<html" not in line and "<p>" not in line
+            assert line.startswith("storaged ls: error: not a storaged node at "), line
+            assert f"127.0.0.1:{port}" in line, line
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_a_url_without_a_scheme_is_http(cli: Any, cluster: LocalCluster) -> None:
+    bare = ",".join(url.removeprefix("http://") for url in cluster.urls)
+    r = cli("ls", url=bare, token=TOKEN)
+    assert r.status == 0, r.err
+    r = cli("ls", url="ftp://127.0.0.1:1")
+    assert r.status == 2 and "--url" in r.err
+
+
+async def test_a_closed_port_fails_at_the_first_refusal_for_a_command() -> None:
+    """Nothing listening: a command's client (refused_fails_fast) gives up after one try of
+    each URL; a job's client backs off and retries, as across a node's restart."""
+    from storaged.client import Client, ConnectionFailed
+
+    ports = [free_port_block(1), free_port_block(1)]
+    urls = [f"127.0.0.1:{p}" for p in ports]
+    fast = Client(urls, refused_fails_fast=True)
+    with pytest.raises(ConnectionFailed):
+        await fast.open()  # asks for the cluster document: each URL once, then no retry
+    assert (fast.stats.requests, fast.stats.retries) == (len(urls), 0)
+    patient = Client(urls)
+    with pytest.raises(ConnectionFailed):
+        await patient.open()
+    assert patient.stats.retries >= 1 and patient.stats.requests > len(urls)
 
 
 def test_unknown_checkpoint(cli: Any, tmp_path: Path) -> None:
