@@ -93,6 +93,7 @@ from storaged.client.checkpoint import StagedShard, execute_restore
 from storaged.client.client import Client, ClientStats, CommitResult, RestorePlanDoc, run_all
 from storaged.client.errors import CheckpointNotFound, Exists
 from storaged.client.layout import (
+    DCP_BYTES_DTYPE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_COALESCE_GAP,
     MSGPACK_DTYPE,
@@ -127,7 +128,7 @@ T = TypeVar("T")
 #: Manifest dtype of a non-tensor value (DCP's ``BytesIO``). numpy must not know the
 #: name: the server checks the length of items whose dtype numpy understands, and
 #: numpy reads "bytes" as a zero-size type.
-BYTES_DTYPE: Final = "dcp-bytes"
+BYTES_DTYPE: Final = DCP_BYTES_DTYPE
 #: ``meta["framework"]`` of checkpoints written here.
 FRAMEWORK: Final = "torch.distributed.checkpoint"
 #: ``Metadata.version`` of what is written (the version DCP's file system writer uses).

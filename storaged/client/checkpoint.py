@@ -20,7 +20,9 @@ copied to reusable host staging buffers and uploads in the background.
 ``restore_checkpoint`` fills caller-supplied arrays of any sharding: every
 requested box is intersected with the saved ones and only the byte ranges it
 needs are fetched, in parallel, straight into the destination's memory where it
-is contiguous.
+is contiguous. A value the PyTorch DCP writer saved (dtype ``"dcp-bytes"``) comes back
+as the bytes ``torch.save`` made of it: unpickling is the caller's decision
+(``storaged restore`` uses ``torch.load(weights_only=True)``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from storaged.client.layout import (
     DEFAULT_COALESCE_GAP,
     DEFAULT_MAX_TILE,
     MSGPACK_DTYPE,
+    VALUE_DTYPES,
     Box,
     DtypeMismatch,
     Fetch,
@@ -744,7 +747,7 @@ def _requests(
     for key, target in targets.items():
         saved = manifest.items_of(key)[0][1]
         if target is None:
-            if saved.dtype == MSGPACK_DTYPE:
+            if saved.dtype in VALUE_DTYPES:
                 requests.append(Request(key, (), Box((), ()), None))
                 arrays.append(None)
                 continue
@@ -903,7 +906,11 @@ async def execute_restore(
             await budget.release(copy.size)
 
     await run_all([*(fetch(f) for f in plan.fetches), *(staged(s) for s in plan.staged)])
+    # msgpack values decoded; a DCP-saved value stays the bytes torch.save made of it
+    # (decoding them means unpickling: the caller decides, see storaged.client.formats)
     return {
         read.request: msgpack.unpackb(bytes(buffer), raw=False)
+        if read.dtype == MSGPACK_DTYPE
+        else bytes(buffer)
         for read, buffer in zip(plan.values, value_buffers, strict=True)
     }

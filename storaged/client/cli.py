@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import io
 import json
 import os
 import re
@@ -61,24 +62,32 @@ from storaged.client.errors import (
     Exists,
 )
 from storaged.client.formats import (
+    FILE_PREFIX,
     FORMATS,
     RESTORE_TO_STDOUT,
     SAVE_FROM_STDIN,
     STORAGE_DTYPES,
+    SUFFIXES,
+    VALUES_METADATA_KEY,
+    DirectoryWriter,
+    ItemWriter,
     NpzWriter,
     StreamWriter,
     UnknownFormat,
     check_writable,
+    decode_value,
     format_of,
     open_source,
     safetensors_header,
+    values_metadata,
     write_torch,
 )
-from storaged.client.layout import DEFAULT_CHUNK_SIZE, LayoutError, Manifest
+from storaged.client.layout import DEFAULT_CHUNK_SIZE, VALUE_DTYPES, LayoutError, Manifest
 from storaged.client.streaming import (
     DEFAULT_RESTORE_WINDOW,
     DEFAULT_WINDOW,
     Counters,
+    is_side_item,
     nbytes_of,
     output_items,
     restore_blocks,
@@ -243,7 +252,9 @@ def _format_of(path: str, given: str | None) -> str:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(urls_of(args.url), token=args.token)
+    # A command fails at once where nothing listens (a typo, a stopped cluster), instead
+    # of backing off as a job's client does across a node's restart.
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True)
 
 
 # --------------------------------------------------------------------------- output
@@ -385,6 +396,9 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     row["state"] = str(raw.get("state") or "active")
     since = raw.get("down_since") if not alive else raw.get("up_since")
     row["since"] = since if isinstance(since, int | float) else None
+    # A drain's own start, not the node's: how long the evacuation has been going on.
+    drain = raw.get("draining_since")
+    row["draining_since"] = drain if isinstance(drain, int | float) else None
     for tier in STATES:
         given = raw.get(tier)
         space: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
@@ -458,10 +472,13 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
     table = [[name.replace("_", " ") for name in header.split()]]
     for row in rows:
         state = "alive" if row["alive"] else "DOWN"
+        if row["since"] is not None and not (row["alive"] and row["draining_since"]):
+            state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
         if row["state"] != "active":
             state += f", {row['state']}"
-        if row["since"] is not None:
-            state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
+            if row["draining_since"] is not None:
+                since = row["draining_since"]
+                state += f" since {_clock(since)[11:]} ({now - since:.0f} s)"
         counts = [row[t]["chunks"] for t in STATES]
         table.append(
             [
@@ -530,6 +547,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
                 marked = await client.drain(
                     args.node, cancel=args.cancel, admin_token=args.admin_token
                 )
+                if marked.get("was") == marked.get("state") and not args.json:
+                    print(
+                        f"{args.node} was not draining: nothing to cancel"
+                        if args.cancel
+                        else f"{args.node} was already draining",
+                        file=sys.stderr,
+                    )
                 if marked.get("unreached") and not args.json:
                     print(
                         f"not told now (they learn it from their peers once back): "
@@ -578,7 +602,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
             async with _client(args) as client:
                 names = list(dict.fromkeys(args.names))
                 if args.prefix is not None:
-                    names += [c.name for c in await client.list(args.prefix) if c.name not in names]
+                    listed = [c.name for c in await client.list(args.prefix)]
+                    if not listed:
+                        raise CommandError(f"no checkpoint name starts with {args.prefix!r}")
+                    names += [name for name in listed if name not in names]
                 for name in names:
                     try:
                         await client.delete(name)
@@ -773,22 +800,89 @@ def _check_room(path: Path, tmp: Path, need: int) -> None:
 def cmd_restore(args: argparse.Namespace) -> int:
     def body() -> None:
         _check_name(args.name)
-        fmt = _format_of(args.file, args.format)
         if args.file == "-":
-            if fmt not in RESTORE_TO_STDOUT:
+            # Without --format, the format the checkpoint was saved from (its manifest says).
+            if args.format is not None and args.format not in RESTORE_TO_STDOUT:
                 raise UsageError(
-                    f"{fmt} cannot be written to stdout; allowed: {', '.join(RESTORE_TO_STDOUT)}"
+                    f"{args.format} cannot be written to stdout; allowed: "
+                    f"{', '.join(RESTORE_TO_STDOUT)}"
                 )
-            run_async(lambda: _restore(args, fmt, None, None))
+            run_async(lambda: _restore(args, args.format, None, None))
             return
         path = Path(args.file)
+        args.dir_named = args.file.endswith("/") or path.is_dir()
+        if _directory_target(args.file, args.format):
+            with _replacing_dir(path, args.force) as tmp:
+                run_async(lambda: _restore(args, DIRECTORY, path, tmp))
+            return
+        fmt = _format_of(args.file, args.format)
         with _replacing(path, args.force) as tmp:
             run_async(lambda: _restore(args, fmt, path, tmp))
 
     return run_command(args, body)
 
 
-async def _restore(args: argparse.Namespace, fmt: str, path: Path | None, tmp: Path | None) -> None:
+#: ``_restore``'s format for a shard directory written as it was saved
+DIRECTORY: Final = "directory"
+
+
+def _directory_target(file: str, given: str | None) -> bool:
+    """Whether ``restore`` writes a directory: one named so (a trailing ``/``), one that
+    exists, or a name without a known suffix (then the checkpoint must be a directory's)."""
+    path = Path(file)
+    wanted = file.endswith("/") or path.is_dir()
+    if wanted and given not in (None, "safetensors"):
+        raise UsageError(f"{file} is a directory: it takes safetensors shards, not {given}")
+    return wanted or (given is None and path.suffix.lower() not in SUFFIXES)
+
+
+@contextlib.contextmanager
+def _replacing_dir(path: Path, force: bool) -> Iterator[Path]:
+    """A temporary directory next to ``path``, put in its place when the block succeeds (an
+    empty directory there is replaced; anything else only with ``force``)."""
+    if path.exists() and not force:
+        if not path.is_dir():
+            raise CommandError(f"{path} is a file (--force replaces it with the directory)")
+        if any(path.iterdir()):
+            raise CommandError(f"{path} is a directory that is not empty (--force replaces it)")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    old = path.with_name(f".{path.name}.{os.getpid()}.old")
+    try:
+        try:
+            tmp.mkdir()  # fail before any download when the directory cannot be made
+        except OSError as exc:
+            raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+        yield tmp
+        if path.exists() or path.is_symlink():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, old):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
+
+
+def _stdout_format(name: str, manifest: Manifest) -> str:
+    """The format ``restore NAME -`` writes without ``--format``: the one the checkpoint
+    was saved from, or safetensors for one a library wrote (the DCP writer, the client)."""
+    source = manifest.meta.get("source")
+    saved = source.get("format") if isinstance(source, Mapping) else None
+    if saved is None:
+        return "safetensors"
+    if saved not in RESTORE_TO_STDOUT:
+        raise UsageError(
+            f"{name} was saved from a {saved} file, which cannot be written to "
+            f"stdout: give --format ({', '.join(RESTORE_TO_STDOUT)}) or a file name"
+        )
+    return str(saved)
+
+
+async def _restore(
+    args: argparse.Namespace, fmt: str | None, path: Path | None, tmp: Path | None
+) -> None:
     name: str = args.name
     async with _client(args) as client:
         try:
@@ -799,16 +893,32 @@ async def _restore(args: argparse.Namespace, fmt: str, path: Path | None, tmp: P
             manifest = Manifest.from_wire(doc)
         except LayoutError as exc:
             raise CommandError(f"checkpoint {name}: unreadable manifest: {exc}") from None
-        items = output_items(manifest)
-        check_writable(fmt, items)
-        need = nbytes_of(manifest)
+        if fmt is None:
+            fmt = _stdout_format(name, manifest)
+        layout = manifest.meta.get("safetensors_shards")
+        whole = fmt == DIRECTORY
+        if whole and not isinstance(layout, Mapping):
+            if getattr(args, "dir_named", False):
+                raise CommandError(
+                    f"{name} was saved from a file, not a directory of shards: restore it "
+                    "into a file (.safetensors, .npz, .pt)"
+                )
+            _format_of(args.file, None)  # the usage error naming the known suffixes
+        items = output_items(manifest, side_files=whole)
+        check_writable("safetensors" if whole else fmt, items)
+        need = nbytes_of(manifest, side_files=whole)
         if path is not None and tmp is not None:
             _check_room(path, tmp, need)
+        skipped = [] if whole else [k for k in manifest.keys() if is_side_item(manifest, k)]  # noqa: SIM118
         stats = client.stats
         counters = Counters()
         began = time.perf_counter()
         out: IO[bytes] = (
-            sys.stdout.buffer if tmp is None else await asyncio.to_thread(open, tmp, "wb")
+            sys.stdout.buffer
+            if tmp is None
+            else io.BytesIO()
+            if whole
+            else await asyncio.to_thread(open, tmp, "wb")
         )
         try:
             async with (
@@ -821,6 +931,13 @@ async def _restore(args: argparse.Namespace, fmt: str, path: Path | None, tmp: P
             ):
                 if fmt == "torch":
                     await _restore_torch(client, manifest, holders, out, counters)
+                elif whole:
+                    assert tmp is not None and isinstance(layout, Mapping)
+                    saved = manifest.meta.get("safetensors_metadata")
+                    writer = DirectoryWriter(tmp, layout, items).with_metadata(
+                        saved if isinstance(saved, Mapping) else None
+                    )
+                    await _write_blocks(client, manifest, holders, writer, counters, True)
                 else:
                     await _restore_streamed(client, manifest, holders, fmt, out, counters)
             out.flush()
@@ -830,6 +947,15 @@ async def _restore(args: argparse.Namespace, fmt: str, path: Path | None, tmp: P
             if tmp is not None:
                 out.close()
         took = time.perf_counter() - began
+    files = [k.removeprefix(FILE_PREFIX) for k in skipped if k.startswith(FILE_PREFIX)]
+    if files:
+        shown = ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
+        print(
+            f"storaged restore: note: {name} was saved from a directory: its tensors are in "
+            f"{args.file}, its {len(files)} other files ({shown}) only in a directory "
+            "restore (a name ending in /)",
+            file=sys.stderr,
+        )
     special = sorted({i.dtype for i in items if i.dtype in STORAGE_DTYPES})
     if fmt == "npz" and special:
         print(
@@ -865,23 +991,52 @@ async def _restore_streamed(
 ) -> None:
     items = output_items(manifest)
     if fmt == "safetensors":
-        metadata = manifest.meta.get("safetensors_metadata")
-        header = safetensors_header(items, metadata if isinstance(metadata, Mapping) else None)
+        saved = manifest.meta.get("safetensors_metadata")
+        metadata = dict(saved) if isinstance(saved, Mapping) else {}
+        value_items = [item for item in items if item.dtype in VALUE_DTYPES]
+        if value_items:
+            # Non-tensor values (a DCP step, an optimizer's settings) go in the metadata,
+            # as one JSON object; they are small, and the header comes first.
+            got = await restore_checkpoint(
+                client, manifest, {item.key: None for item in value_items}, holders=holders
+            )
+            decoded = {item.key: decode_value(item, got[item.key]) for item in value_items}
+            metadata[VALUES_METADATA_KEY] = values_metadata(decoded)
+        header = safetensors_header(items, metadata or None)
         writer: StreamWriter | NpzWriter = StreamWriter(out, header)
     elif fmt == "raw":
         writer = StreamWriter(out)
     else:
         writer = NpzWriter(out)
-    async for block in restore_blocks(client, manifest, holders, budget=DEFAULT_RESTORE_WINDOW):
-        if block.array is None:
-            writer.value(block.item, block.value)
-            continue
-        if block.first:
-            writer.begin(block.item)
-        data = block.array.reshape(-1).view(np.uint8).data
-        # Off the loop: the next window is being fetched meanwhile.
-        await asyncio.to_thread(writer.write, data)
-        counters.written += len(data)
+    await _write_blocks(client, manifest, holders, writer, counters, False)
+
+
+async def _write_blocks(
+    client: Client,
+    manifest: Manifest,
+    holders: Any,
+    writer: ItemWriter,
+    counters: Counters,
+    side_files: bool,
+) -> None:
+    blocks = restore_blocks(
+        client, manifest, holders, budget=DEFAULT_RESTORE_WINDOW, side_files=side_files
+    )
+    try:
+        async for block in blocks:
+            if block.array is None:
+                if not isinstance(writer, StreamWriter) or not writer.has_header:
+                    writer.value(block.item, block.value)
+                continue  # a safetensors file has its values in its header already
+            if block.first:
+                await asyncio.to_thread(writer.begin, block.item)
+            data = block.array.reshape(-1).view(np.uint8).data
+            # Off the loop: the next window is being fetched meanwhile.
+            await asyncio.to_thread(writer.write, data)
+            counters.written += len(data)
+    except BaseException:
+        await asyncio.to_thread(writer.abandon)
+        raise
     await asyncio.to_thread(writer.finish)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import json
 import math
 import os
@@ -45,7 +46,7 @@ from typing import IO, Any, Final
 import msgpack
 import numpy as np
 
-from storaged.client.layout import MSGPACK_DTYPE
+from storaged.client.layout import DCP_BYTES_DTYPE, MSGPACK_DTYPE, VALUE_DTYPES
 
 #: Element types numpy lacks, and the same-width integer type their bytes are held in.
 STORAGE_DTYPES: Final[Mapping[str, type[np.generic]]] = {
@@ -271,63 +272,141 @@ def _open_fd(path: Path) -> tuple[int, int]:
     return fd, size
 
 
-def _safetensors_items(path: Path, source: Source) -> tuple[list[SourceItem], dict[str, str]]:
+def _safetensors_items(
+    path: Path, source: Source
+) -> tuple[list[SourceItem], dict[str, str], SourceItem | None]:
+    """The tensors of a file, its metadata, and its header (length prefix included) as an
+    item when the tensors fill the rest of the file back to back (else None)."""
     fd, size = _open_fd(path)
     source.closers.append(lambda: os.close(fd))
     tensors, metadata, data_start = _safetensors_header(fd, size, str(path))
     items = []
+    end = 0
     for t in tensors:
 
         def read(offset: int, into: memoryview, base: int = data_start + t.begin) -> None:
             _pread_all(fd, into, base + offset, str(path))
 
         items.append(SourceItem(t.key, t.dtype, t.shape, t.end - t.begin, read))
-    return items, metadata
+        end = end if t.begin != end else t.end
+    header = None
+    if data_start + end == size:
+        header = _bytes_item(HEADER_PREFIX + path.name, fd, 0, data_start, str(path))
+    return items, metadata, header
+
+
+def _metadata_values(path: Path, metadata: dict[str, str]) -> list[SourceItem]:
+    """The non-tensor values a restore kept in the metadata (``VALUES_METADATA_KEY``, taken
+    out of ``metadata``), as value items again."""
+    text = metadata.pop(VALUES_METADATA_KEY, None)
+    if text is None:
+        return []
+    try:
+        values = json.loads(text)
+    except ValueError as exc:
+        raise FormatError(
+            f"{path}: {VALUES_METADATA_KEY} in its metadata is not JSON ({exc})"
+        ) from None
+    if not isinstance(values, dict):
+        raise FormatError(f"{path}: {VALUES_METADATA_KEY} in its metadata is not a JSON object")
+    return [_value_item(str(key), value) for key, value in values.items()]
 
 
 def open_safetensors(path: Path) -> Source:
-    """A ``.safetensors`` file, or a directory of shards (with its index, if any)."""
+    """A ``.safetensors`` file, or a directory of shards (``_open_shard_directory``)."""
     source = Source([], {})
     try:
-        if not path.is_dir():
-            items, metadata = _safetensors_items(path, source)
-            source.items = items
-            if metadata:
-                source.meta["safetensors_metadata"] = metadata
+        if path.is_dir():
+            _open_shard_directory(path, source)
             return source
-        indexes = sorted(path.glob("*.safetensors.index.json"))
-        index: dict[str, Any] = {}
-        if indexes:
-            try:
-                index = json.loads(indexes[0].read_text())
-                shard_names = list(dict.fromkeys(index["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise FormatError(f"{indexes[0]}: not a readable shard index ({exc!r})") from None
-        else:
-            shard_names = sorted(p.name for p in path.glob("*.safetensors"))
-        if not shard_names:
-            raise FormatError(f"{path}: a directory without .safetensors shards")
-        seen: dict[str, str] = {}
-        first_meta: dict[str, str] = {}
-        for name in shard_names:
-            items, metadata = _safetensors_items(path / name, source)
-            first_meta = first_meta or metadata
-            for item in items:
-                if item.key in seen:
-                    raise FormatError(f"{path}: {item.key} is in both {seen[item.key]} and {name}")
-                seen[item.key] = name
-            source.items.extend(items)
-        source.meta["safetensors_shards"] = {
-            "index": indexes[0].name if indexes else None,
-            "metadata": index.get("metadata") if isinstance(index, dict) else None,
-            "weight_map": seen,
-        }
-        if first_meta:
-            source.meta["safetensors_metadata"] = first_meta
+        items, metadata, _ = _safetensors_items(path, source)
+        source.items = items + _metadata_values(path, metadata)
+        if metadata:
+            source.meta["safetensors_metadata"] = metadata
         return source
     except BaseException:
         source.close()
         raise
+
+
+#: key prefixes of the items a shard directory's checkpoint holds besides its tensors:
+#: a shard's header as it was (so that the shard comes back byte for byte), and every
+#: other file of the directory, whole (config.json, tokenizer files, the index...)
+HEADER_PREFIX: Final = "header:"
+FILE_PREFIX: Final = "file:"
+
+
+def _bytes_item(key: str, fd: int, offset: int, size: int, what: str) -> SourceItem:
+    def read(at: int, into: memoryview) -> None:
+        _pread_all(fd, into, offset + at, what)
+
+    return SourceItem(key, "uint8", (size,), size, read)
+
+
+def _directory_files(path: Path) -> list[str]:
+    """Every regular file under ``path`` (symlinks to files followed, to directories not),
+    relative, sorted."""
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in files:
+            full = Path(root) / name
+            if full.is_file():
+                found.append(full.relative_to(path).as_posix())
+    return sorted(found)
+
+
+def _open_shard_directory(path: Path, source: Source) -> None:
+    """A directory of safetensors shards (a Hugging Face model), whole: each shard's tensors
+    as items (chunked and deduplicated like any), preceded by the shard's header as it was
+    when its tensors fill the rest of it, and every other file (the index, config.json,
+    tokenizer files...) as one ``uint8`` item. ``meta["safetensors_shards"]`` says how to
+    lay them out again (``DirectoryWriter``)."""
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    index: dict[str, Any] = {}
+    if indexes:
+        try:
+            index = json.loads(indexes[0].read_text())
+            shard_names = list(dict.fromkeys(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FormatError(f"{indexes[0]}: not a readable shard index ({exc!r})") from None
+    else:
+        shard_names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shard_names:
+        raise FormatError(f"{path}: a directory without .safetensors shards")
+    seen: dict[str, str] = {}
+    first_meta: dict[str, str] = {}
+    headers: list[str] = []
+    for name in shard_names:
+        items, metadata, header = _safetensors_items(path / name, source)
+        if header is not None:
+            # The tensors fill the file after the header (as every writer lays them out):
+            # keep the header's bytes, and the shard comes back identical.
+            source.items.append(header)
+            headers.append(name)
+        first_meta = first_meta or metadata
+        for item in items:
+            if item.key in seen:
+                raise FormatError(f"{path}: {item.key} is in both {seen[item.key]} and {name}")
+            if item.key.startswith((HEADER_PREFIX, FILE_PREFIX)):
+                raise FormatError(f"{path}: a tensor named {item.key!r} cannot be saved here")
+            seen[item.key] = name
+        source.items.extend(items)
+    files = [rel for rel in _directory_files(path) if rel not in set(shard_names)]
+    for rel in files:
+        fd, size = _open_fd(path / rel)
+        source.closers.append(lambda fd=fd: os.close(fd))  # type: ignore[misc]
+        source.items.append(_bytes_item(FILE_PREFIX + rel, fd, 0, size, str(path / rel)))
+    source.meta["safetensors_shards"] = {
+        "index": indexes[0].name if indexes else None,
+        "metadata": index.get("metadata") if isinstance(index, dict) else None,
+        "weight_map": seen,
+        "shards": shard_names,
+        "headers": headers,
+        "files": files,
+    }
+    if first_meta:
+        source.meta["safetensors_metadata"] = first_meta
 
 
 # ---- npz
@@ -581,21 +660,28 @@ class OutputItem:
 
     @property
     def nbytes(self) -> int:
-        if self.dtype == MSGPACK_DTYPE:
+        if self.dtype in VALUE_DTYPES:
             return 0
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+#: the ``__metadata__`` entry of a restored ``.safetensors`` that holds the checkpoint's
+#: non-tensor values (a JSON object, key -> value); ``save`` turns it back into values
+VALUES_METADATA_KEY: Final = "storaged.values"
 
 
 def check_writable(fmt: str, items: Iterable[OutputItem]) -> None:
     """Refuse, before any download, what ``fmt`` cannot hold."""
     items = list(items)
-    values = [i.key for i in items if i.dtype == MSGPACK_DTYPE]
-    if fmt in ("safetensors", "raw") and values:
+    values = [i.key for i in items if i.dtype in VALUE_DTYPES]
+    if fmt == "raw" and values:
         shown = ", ".join(values[:5]) + (" ..." if len(values) > 5 else "")
         raise FormatError(
-            f"the checkpoint holds non-tensor values ({shown}) which {fmt} output cannot hold; "
-            "restore into .pt instead"
+            f"the checkpoint holds non-tensor values ({shown}) which raw output cannot hold; "
+            "restore into .pt or .safetensors instead"
         )
+    if any(i.dtype == DCP_BYTES_DTYPE for i in items):
+        import_torch("reading the non-tensor values a DCP checkpoint holds")
     if fmt == "raw" and len(items) != 1:
         raise FormatError(
             f"raw output holds one item and this checkpoint has {len(items)}: "
@@ -605,13 +691,47 @@ def check_writable(fmt: str, items: Iterable[OutputItem]) -> None:
         import_torch("writing a torch file")
 
 
+def decode_value(item: OutputItem, value: Any) -> Any:
+    """A restored value as a Python object: a DCP-saved one (``torch.save``'s bytes) is
+    loaded with ``torch.load(weights_only=True)``, so restoring never runs a pickle's code;
+    one that needs more is refused, saying how to read it."""
+    if item.dtype != DCP_BYTES_DTYPE:
+        return value
+    torch = import_torch("reading the non-tensor values a DCP checkpoint holds")
+    try:
+        return torch.load(io.BytesIO(value), weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, ...
+        raise FormatError(
+            f"{item.key}: a pickled value that torch.load(weights_only=True) refuses "
+            f"({clean_message(str(exc)).splitlines()[0][:160]}); load the checkpoint with "
+            "storaged.dcp.StoragedReader to read it"
+        ) from None
+
+
+def values_metadata(values: Mapping[str, Any]) -> str:
+    """The JSON of the non-tensor values a restored ``.safetensors`` keeps in its metadata
+    (tuples become lists); ``FormatError`` naming a value JSON cannot hold."""
+    for key, value in values.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise FormatError(
+                f"{key} is a {type(value).__name__}, which .safetensors metadata (JSON) cannot "
+                f"hold ({exc}); restore into .pt instead"
+            ) from None
+    return json.dumps(dict(values), separators=(",", ":"))
+
+
 def safetensors_header(items: Iterable[OutputItem], metadata: Mapping[str, Any] | None) -> bytes:
-    """The header (length prefix included) of a file holding ``items`` back to back."""
+    """The header (length prefix included) of a file holding ``items`` back to back; value
+    items (``VALUE_DTYPES``) are left out (their values go in ``metadata``)."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for item in items:
+        if item.dtype in VALUE_DTYPES:
+            continue
         header[item.key] = {
             "dtype": _SAFETENSORS_CODES[item.dtype],
             "shape": list(item.shape),
@@ -638,12 +758,17 @@ class ItemWriter:
     def finish(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        """Release what is open after a failure (the output is discarded)."""
+
 
 class StreamWriter(ItemWriter):
     """Items back to back after an optional header: safetensors and raw."""
 
     def __init__(self, out: IO[bytes], header: bytes = b"") -> None:
         self._out = out
+        #: a safetensors header: the values are in it (``value`` is not called then)
+        self.has_header = bool(header)
         out.write(header)
 
     def begin(self, item: OutputItem) -> None:
@@ -682,15 +807,104 @@ class NpzWriter(ItemWriter):
 
     def value(self, item: OutputItem, value: Any) -> None:
         self._close_member()
-        array = np.asarray(value)
-        if array.dtype.kind not in "biufcUS":
-            raise FormatError(f"{item.key} is a {type(value).__name__}, which an .npz cannot hold")
+        value = decode_value(item, value)
+        try:
+            array = None if isinstance(value, dict) else np.asarray(value)
+        except ValueError:  # a ragged list
+            array = None
+        if array is None or array.dtype.kind not in "biufcUS":
+            raise FormatError(
+                f"{item.key} is a {type(value).__name__}, which an .npz cannot hold (numbers, "
+                "strings and arrays of them only); restore into .pt or .safetensors instead"
+            )
         with self._archive.open(f"{item.key}.npy", "w", force_zip64=True) as member:
             np.lib.format.write_array(member, array, allow_pickle=False)
 
     def finish(self) -> None:
         self._close_member()
         self._archive.close()
+
+    def abandon(self) -> None:
+        with contextlib.suppress(Exception):
+            self.finish()
+
+
+class DirectoryWriter(ItemWriter):
+    """A shard directory laid out as it was saved (``_open_shard_directory``): each shard
+    its header as it was, then its tensors; every side file whole. A shard saved without
+    its header gets one made here; an index the checkpoint does not hold as a file (saved
+    by an older storaged) is written from the layout it recorded."""
+
+    def __init__(self, root: Path, layout: Mapping[str, Any], items: Iterable[OutputItem]) -> None:
+        self._root = root
+        self._weight_map = {str(k): str(v) for k, v in (layout.get("weight_map") or {}).items()}
+        self._layout = layout
+        self._metadata: Mapping[str, Any] | None = None
+        self._tensors_of: dict[str, list[OutputItem]] = {}
+        for item in items:
+            if item.key.startswith((HEADER_PREFIX, FILE_PREFIX)) or item.dtype in VALUE_DTYPES:
+                continue
+            shard = self._weight_map.get(item.key)
+            if shard is None:
+                raise FormatError(f"{item.key}: in no shard of the directory it was saved from")
+            self._tensors_of.setdefault(shard, []).append(item)
+        self._out: IO[bytes] | None = None
+        self._shard: str | None = None
+        self._written: set[str] = set()
+
+    def with_metadata(self, metadata: Mapping[str, Any] | None) -> DirectoryWriter:
+        self._metadata = metadata
+        return self
+
+    def _open(self, rel: str) -> IO[bytes]:
+        self._close()
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts:
+            raise FormatError(f"{rel!r}: a saved file name outside the directory")
+        target = self._root.joinpath(*parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._out = open(target, "wb")  # noqa: SIM115 - closed by _close
+        self._written.add(rel)
+        return self._out
+
+    def _close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def begin(self, item: OutputItem) -> None:
+        key = item.key
+        if key.startswith(HEADER_PREFIX):
+            self._shard = key.removeprefix(HEADER_PREFIX)
+            self._open(self._shard)
+        elif key.startswith(FILE_PREFIX):
+            self._shard = None
+            self._open(key.removeprefix(FILE_PREFIX))
+        else:
+            shard = self._weight_map[key]
+            if shard != self._shard:
+                out = self._open(shard)
+                self._shard = shard
+                out.write(safetensors_header(self._tensors_of[shard], self._metadata))
+
+    def write(self, data: memoryview) -> None:
+        assert self._out is not None
+        self._out.write(data)
+
+    def value(self, item: OutputItem, value: Any) -> None:
+        raise FormatError(f"{item.key}: a shard directory holds no non-tensor values")
+
+    def abandon(self) -> None:
+        self._close()
+
+    def finish(self) -> None:
+        self._close()
+        index = self._layout.get("index")
+        if isinstance(index, str) and index not in self._written:
+            doc = {"metadata": self._layout.get("metadata"), "weight_map": self._weight_map}
+            with self._open(index) as out:
+                out.write(json.dumps(doc, indent=2).encode())
+            self._out = None
 
 
 def to_torch(torch: Any, array: np.ndarray[Any, Any], dtype: str) -> Any:
@@ -708,7 +922,9 @@ def write_torch(
 ) -> None:
     torch = import_torch("writing a torch file")
     leaves = {
-        key: value if dtypes[key] == MSGPACK_DTYPE else to_torch(torch, value, dtypes[key])
+        key: decode_value(OutputItem(key, dtypes[key], ()), value)
+        if dtypes[key] in VALUE_DTYPES
+        else to_torch(torch, value, dtypes[key])
         for key, value in values.items()
     }
     paths = meta.get("torch_keys")

@@ -32,6 +32,11 @@ from storaged.ids import is_chunk_id
 FORMAT: Final = 1
 #: dtype of an item holding one msgpack-encoded non-array value.
 MSGPACK_DTYPE: Final = "msgpack"
+#: dtype of a non-tensor value the DCP writer saved: ``torch.save``'s bytes of it
+#: (``storaged.dcp``; numpy must not know the name, see there).
+DCP_BYTES_DTYPE: Final = "dcp-bytes"
+#: dtypes of items that are one value (shape ``[]``), not an array.
+VALUE_DTYPES: Final = frozenset({MSGPACK_DTYPE, DCP_BYTES_DTYPE})
 DEFAULT_CHUNK_SIZE: Final = 8 << 20
 #: Gaps up to this size between wanted byte runs of one chunk are fetched rather than
 #: split into another request: on loopback a request costs about this much transfer.
@@ -262,12 +267,12 @@ def _nonneg_int(value: Any, what: str) -> int:
 
 
 def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dtype[Any] | None:
-    """The numpy dtype a saved dtype name stands for, None for ``"msgpack"``.
+    """The numpy dtype a saved dtype name stands for, None for a value (``VALUE_DTYPES``).
 
     ``dtype_map`` overrides or extends numpy's names (e.g. ``{"bfloat16": np.uint16}``
     for bytes a framework saved in a dtype numpy lacks). ``DtypeMismatch`` if unknown.
     """
-    if name == MSGPACK_DTYPE:
+    if name in VALUE_DTYPES:
         return None
     if dtype_map is not None and name in dtype_map:
         mapped: np.dtype[Any] = np.dtype(dtype_map[name])
@@ -345,9 +350,9 @@ class Item:
                 f"{self.key}: box {list(self.offsets)}+{list(self.shape)} "
                 f"outside global shape {list(self.global_shape)}"
             )
-        if self.dtype == MSGPACK_DTYPE:
+        if self.dtype in VALUE_DTYPES:
             if self.global_shape:
-                raise InvalidManifest(f"{self.key}: a msgpack item has shape []")
+                raise InvalidManifest(f"{self.key}: a {self.dtype} item has shape []")
             return
         try:
             dtype = numpy_dtype(self.dtype)
@@ -694,10 +699,12 @@ class StagedCopy:
 
 @dataclass(frozen=True, slots=True)
 class ValueRead:
-    """A msgpack value of ``length`` bytes for request ``request``."""
+    """A value of ``length`` bytes for request ``request``, saved as ``dtype`` (one of
+    ``VALUE_DTYPES``: how to decode the bytes)."""
 
     request: int
     length: int
+    dtype: str = MSGPACK_DTYPE
 
 
 @dataclass(frozen=True, slots=True)
@@ -799,14 +806,14 @@ def plan_restore(
     for req_index, req in enumerate(requests):
         saved = manifest.items_of(req.key)
         first = saved[0][1]
-        if first.dtype == MSGPACK_DTYPE or req.dtype is None:
-            if first.dtype != MSGPACK_DTYPE:
+        if first.dtype in VALUE_DTYPES or req.dtype is None:
+            if first.dtype not in VALUE_DTYPES:
                 raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
             if req.dtype is not None:
-                raise DtypeMismatch(f"{req.key}: saved as a msgpack value, not an array")
+                raise DtypeMismatch(f"{req.key}: saved as a {first.dtype} value, not an array")
             position, item = saved[0]
             value_index = len(values)
-            values.append(ValueRead(req_index, item.length))
+            values.append(ValueRead(req_index, item.length, first.dtype))
             needed += item.length
             shard = manifest.shards[position]
             for chunk, start, end, at in _split_stream_range(

@@ -27,8 +27,14 @@ import numpy as np
 
 from storaged.client.checkpoint import Shard, restore_checkpoint
 from storaged.client.client import Client, RestorePlanDoc
-from storaged.client.formats import STORAGE_DTYPES, OutputItem, Source
-from storaged.client.layout import MSGPACK_DTYPE, Item, Manifest, ShardEntry, pack_stream
+from storaged.client.formats import (
+    FILE_PREFIX,
+    HEADER_PREFIX,
+    STORAGE_DTYPES,
+    OutputItem,
+    Source,
+)
+from storaged.client.layout import VALUE_DTYPES, Item, Manifest, ShardEntry, pack_stream
 
 #: Chunks in flight (read, hashed or uploading) during a streamed save.
 DEFAULT_WINDOW = 6
@@ -179,10 +185,19 @@ async def upload_sequential(
 # --------------------------------------------------------------------------- restore
 
 
-def output_items(manifest: Manifest) -> list[OutputItem]:
-    """Each key of a checkpoint once, in manifest order, with its global shape."""
+def is_side_item(manifest: Manifest, key: str) -> bool:
+    """Whether ``key`` is a shard directory's header or side file (``config.json``...),
+    not a tensor: only a directory restore writes those."""
+    return "safetensors_shards" in manifest.meta and key.startswith((HEADER_PREFIX, FILE_PREFIX))
+
+
+def output_items(manifest: Manifest, *, side_files: bool = False) -> list[OutputItem]:
+    """Each key of a checkpoint once, in manifest order, with its global shape; a shard
+    directory's headers and side files only with ``side_files``."""
     out = []
     for key in manifest.keys():  # noqa: SIM118 - Manifest.keys is a method, not a mapping
+        if not side_files and is_side_item(manifest, key):
+            continue
         saved = manifest.items_of(key)[0][1]
         out.append(OutputItem(key, saved.dtype, tuple(saved.global_shape)))
     return out
@@ -215,13 +230,15 @@ async def restore_blocks(
     holders: RestorePlanDoc | None,
     *,
     budget: int = DEFAULT_RESTORE_WINDOW,
+    side_files: bool = False,
 ) -> AsyncIterator[Block]:
-    """Every item of ``manifest`` in order, as row blocks, fetched a window ahead."""
+    """Every item of ``manifest`` in order (``output_items``), as row blocks, fetched a
+    window ahead."""
     # (item, first row, end row, first block?, last block?), grouped into windows
     windows: list[list[tuple[OutputItem, int, int, bool, bool]]] = [[]]
     used = 0
-    for item in output_items(manifest):
-        ranges = _blocks(item, budget) if item.dtype != MSGPACK_DTYPE else [(0, 1)]
+    for item in output_items(manifest, side_files=side_files):
+        ranges = _blocks(item, budget) if item.dtype not in VALUE_DTYPES else [(0, 1)]
         rows = max(1, item.shape[0]) if item.shape else 1
         for index, (lo, hi) in enumerate(ranges):
             size = item.nbytes * (hi - lo) // rows
@@ -235,7 +252,7 @@ async def restore_blocks(
     async def fetch(window: Sequence[tuple[OutputItem, int, int, bool, bool]]) -> list[Block]:
         targets: dict[str, Any] = {}
         for item, lo, hi, _, _ in window:
-            if item.dtype == MSGPACK_DTYPE:
+            if item.dtype in VALUE_DTYPES:
                 targets[item.key] = None
                 continue
             dtype = np.dtype(STORAGE_DTYPES.get(item.dtype, item.dtype))
@@ -280,6 +297,6 @@ async def restore_blocks(
                     await task
 
 
-def nbytes_of(manifest: Manifest) -> int:
+def nbytes_of(manifest: Manifest, *, side_files: bool = False) -> int:
     """The bytes of every item's global array (what a restored file holds, headers aside)."""
-    return sum(item.nbytes for item in output_items(manifest))
+    return sum(item.nbytes for item in output_items(manifest, side_files=side_files))

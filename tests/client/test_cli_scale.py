@@ -225,7 +225,7 @@ def test_sharded_safetensors_directory(cli: Any, tmp_path: Path) -> None:
     name = _name("shards")
     r = cli("save", str(directory), name, "--json")
     assert r.status == 0, r.err
-    assert json.loads(r.out)["items"] == 3
+    assert json.loads(r.out)["items"] == 3 + 2 + 2  # tensors, shard headers, other files
     out = tmp_path / "merged.safetensors"
     r = cli("restore", name, str(out))
     assert r.status == 0, r.err
@@ -236,10 +236,47 @@ def test_sharded_safetensors_directory(cli: Any, tmp_path: Path) -> None:
         for key, want in arrays.items():
             assert got[key].dtype == want.dtype and np.array_equal(got[key], want), key
 
+    assert "config.json" in r.err and "directory restore" in r.err  # what it left out
     # A directory naming a shard that is not there: one line, nothing saved.
     (directory / "model-00002-of-00002.safetensors").unlink()
     r = cli("save", str(directory), _name("shards"))
     assert r.status == 1 and "cannot read" in r.err and "00002" in r.err
+
+
+def _hf_directory(root: Path) -> Path:
+    """A Hugging Face model directory as ``save_pretrained`` leaves it: two shards, their
+    index, the config, generation config and tokenizer files, an empty file, a subfolder."""
+    st = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(11)
+    root.mkdir()
+    shards: dict[str, dict[str, np.ndarray[Any, Any]]] = {
+        "model-00001-of-00002.safetensors": {
+            "model.embed.weight": rng.standard_normal((300, 64)).astype(np.float32),
+            "model.norm.weight": rng.standard_normal(64).astype(np.float16),
+        },
+        "model-00002-of-00002.safetensors": {
+            "lm_head.weight": rng.standard_normal((300, 64)).astype(np.float32),
+        },
+    }
+    weight_map: dict[str, str] = {}
+    for filename, arrays in shards.items():
+        st.save_file(arrays, str(root / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(arrays, filename))
+    index = {"metadata": {"total_size": 2 * 300 * 64 * 4 + 64 * 2}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (root / "config.json").write_text('{"architectures": ["Tiny"], "hidden_size": 64}\n')
+    (root / "generation_config.json").write_text('{"max_new_tokens": 32}\n')
+    (root / "tokenizer.json").write_bytes(rng.bytes(300_000))  # several chunks of 64 KiB
+    (root / "special_tokens_map.json").write_text("")
+    (root / "extra").mkdir()
+    (root / "extra" / "notes.txt").write_text("fine-tuned on step 1200\n")
+    return root
+
+
+def _same_tree(a: Path, b: Path) -> None:
+    """``diff -r`` equal: the same files, byte for byte, and nothing else."""
+    proc = subprocess.run(["diff", "-r", str(a), str(b)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_an_empty_item_before_a_large_one_saves_every_byte(cli: Any, tmp_path: Path) -> None:
@@ -257,6 +294,61 @@ def test_an_empty_item_before_a_large_one_saves_every_byte(cli: Any, tmp_path: P
         assert np.array_equal(z["big"], big) and z["empty"].shape == (0,)
 
 
+def test_a_hugging_face_directory_comes_back_as_it_was(cli: Any, tmp_path: Path) -> None:
+    source = _hf_directory(tmp_path / "hf")
+    name = _name("hf")
+    r = cli("save", str(source) + "/", name, "--chunk-size", "64KiB")
+    assert r.status == 0, r.err
+
+    out = tmp_path / "out"
+    out.mkdir()
+    r = cli("restore", name, str(out / "hf") + "/")
+    assert r.status == 0, r.err
+    _same_tree(source, out / "hf")
+    # a name without a suffix, and an existing empty directory: a directory too
+    r = cli("restore", name, str(out / "plain"))
+    assert r.status == 0, r.err
+    _same_tree(source, out / "plain")
+    (out / "empty").mkdir()
+    r = cli("restore", name, str(out / "empty"))
+    assert r.status == 0, r.err
+    _same_tree(source, out / "empty")
+    # a directory with something in it: refused, untouched; --force replaces it
+    (out / "busy").mkdir()
+    (out / "busy" / "keep.txt").write_text("mine")
+    r = cli("restore", name, str(out / "busy"))
+    assert r.status == 1 and "not empty" in r.err and "--force" in r.err
+    assert [p.name for p in (out / "busy").iterdir()] == ["keep.txt"]
+    r = cli("restore", name, str(out / "busy"), "--force")
+    assert r.status == 0, r.err
+    _same_tree(source, out / "busy")
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+    # saved again from the restored tree: every chunk is already held
+    r = cli("save", str(out / "hf"), _name("hf-again"), "--chunk-size", "64KiB", "--json")
+    assert r.status == 0, r.err
+    assert json.loads(r.out)["uploaded"] == 0
+
+    # into one file: the tensors merged, and a note of the files left out
+    merged = tmp_path / "merged.safetensors"
+    r = cli("restore", name, str(merged))
+    assert r.status == 0, r.err
+    assert "config.json" in r.err and "directory restore" in r.err
+    from safetensors.numpy import load_file
+
+    assert set(load_file(str(merged))) == {
+        "model.embed.weight", "model.norm.weight", "lm_head.weight"}  # fmt: skip
+
+    # a checkpoint saved from one file, into a directory: says what to do instead
+    single = _name("single")
+    assert cli("save", str(merged), single).status == 0
+    r = cli("restore", single, str(out / "nope") + "/")
+    assert r.status == 1 and "not a directory of shards" in r.err
+    assert not (out / "nope").exists()
+    r = cli("restore", single, str(out / "nosuffix"))
+    assert r.status == 2 and "unknown file type" in r.err
+
+
 def test_format_flag_stdin_and_stdout(cluster: LocalCluster, tmp_path: Path) -> None:
     payload = np.random.default_rng(9).bytes(3 * MiB + 12345)
     name = _name("raw")
@@ -267,6 +359,9 @@ def test_format_flag_stdin_and_stdout(cluster: LocalCluster, tmp_path: Path) -> 
     proc = _child(cluster, "restore", name, "-", "--format", "raw")
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout == payload  # the report went to stderr, the data alone to stdout
+    proc = _child(cluster, "restore", name, "-")  # the format it was saved from: raw
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == payload
 
     # No extension: --format says it; without it, a usage error naming --format.
     arrays: dict[str, np.ndarray[Any, Any]] = {
@@ -288,14 +383,33 @@ def test_format_flag_stdin_and_stdout(cluster: LocalCluster, tmp_path: Path) -> 
 
     got = load_file(str(tmp_path / "out.safetensors"))
     assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+    proc = _child(cluster, "restore", name, "-")  # saved from safetensors: safetensors
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == (tmp_path / "out.safetensors").read_bytes()
     proc = _child(cluster, "restore", name, "-", "--format", "npz")
     assert proc.returncode == 0, proc.stderr.decode()
     (tmp_path / "out.npz").write_bytes(proc.stdout)
+    npz_name = _name("npz")
+    proc = _child(cluster, "save", str(tmp_path / "out.npz"), npz_name)
+    assert proc.returncode == 0, proc.stderr.decode()
+    proc = _child(cluster, "restore", npz_name, "-")  # saved from npz: npz
+    assert proc.returncode == 0, proc.stderr.decode()
+    (tmp_path / "again.npz").write_bytes(proc.stdout)
+    with np.load(tmp_path / "again.npz") as z:
+        assert all(np.array_equal(z[k], v) for k, v in arrays.items())
     with np.load(tmp_path / "out.npz") as z:
         assert all(np.array_equal(z[k], v) for k, v in arrays.items())
     # torch needs a seekable file; stdin holds raw bytes only.
     proc = _child(cluster, "restore", name, "-", "--format", "torch")
     assert proc.returncode == 2 and b"stdout" in proc.stderr
+    torch_file = tmp_path / "w.pt"
+    proc = _child(cluster, "restore", name, str(torch_file))
+    assert proc.returncode == 0, proc.stderr.decode()
+    torch_name = _name("pt")
+    proc = _child(cluster, "save", str(torch_file), torch_name)
+    assert proc.returncode == 0, proc.stderr.decode()
+    proc = _child(cluster, "restore", torch_name, "-")  # saved from torch: cannot, says so
+    assert proc.returncode == 2 and b"--format" in proc.stderr and proc.stdout == b""
     proc = _child(cluster, "save", "-", _name("x"), "--format", "npz", stdin=b"")
     assert proc.returncode == 2 and b"stdin" in proc.stderr
 
@@ -340,6 +454,9 @@ def test_rm_several_and_prefix(cli: Any, tmp_path: Path) -> None:
     assert r.status == 0 and r.out.strip() == f"deleted {names[3]}"
     r = cli("ls", prefix, "--json")
     assert json.loads(r.out) == {"checkpoints": []}
+    # A prefix matching nothing (now, or a typo) says so and fails: nothing was deleted.
+    r = cli("rm", "--prefix", prefix + "/")
+    assert r.status == 1 and "no checkpoint name starts with" in r.err and r.out == ""
     assert cli("rm").status == 2
     assert cli("rm", "--prefix", "").status == 2
 

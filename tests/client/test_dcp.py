@@ -488,3 +488,110 @@ def test_writer_and_reader_name_their_cluster_and_checkpoint_alike(
         cls("http://127.0.0.1:1", "../escape")
     with pytest.raises(ValueError, match="invalid checkpoint name"):
         one.reset("../escape")
+
+
+@pytest.fixture
+def cli(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> Any:
+    """The ``storaged`` command (its ``main``, in this process: torch is imported already)
+    against the module's cluster: ``cli(*args) -> (status, stdout, stderr)``."""
+    from storaged.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        status = main([*args, "--url", ",".join(cluster.urls), "--token", TOKEN, "--no-progress"])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err, err
+        return status, out, err
+
+    return run
+
+
+def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
+    cluster: LocalCluster, cli: Any, tmp_path: Path
+) -> None:
+    """Every value the DCP writer saved comes back: tensors as tensors, the rest (a step, a
+    learning rate, a tuple of betas, a name, a nested dict) in the safetensors metadata
+    (``storaged.values``) or as themselves in a .pt; an .npz takes the scalars and refuses
+    the rest in one line; a value the safe unpickler refuses is refused, saying why."""
+    from safetensors import safe_open
+
+    name = _name("values")
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    half = torch.ones(5, dtype=torch.bfloat16)
+    values = {"step": 1200, "lr": 0.25, "betas": (0.9, 0.999), "run": "exp-7"}
+    state = {"model": {"w": weight, "h": half}, **values, "extra": {"seen": [1, 2, 3]}}
+    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+    flat = {"model.w": weight, "model.h": half}
+    flat_values: dict[str, Any] = {**values, "extra.seen": [1, 2, 3]}
+
+    out = tmp_path / "out.safetensors"
+    status, _, err = cli("restore", name, str(out))
+    assert status == 0, err
+    with safe_open(str(out), framework="pt") as f:
+        assert set(f.keys()) == set(flat)
+        for key, want in flat.items():
+            _assert_same(f.get_tensor(key), want, key)
+        kept = json.loads(f.metadata()["storaged.values"])
+    # JSON has no tuples: the betas come back as a list
+    assert kept == {**flat_values, "betas": [0.9, 0.999]}
+
+    pt = tmp_path / "out.pt"
+    status, _, err = cli("restore", name, str(pt))
+    assert status == 0, err
+    loaded = torch.load(pt, weights_only=True)
+    assert set(loaded) == set(flat) | set(flat_values)
+    for key, want in flat.items():
+        _assert_same(loaded[key], want, key)
+    assert {k: loaded[k] for k in flat_values} == flat_values  # the tuple stays a tuple
+
+    # the safetensors saved again: its values are values of the new checkpoint
+    again = _name("again")
+    status, _, err = cli("save", str(out), again)
+    assert status == 0, err
+    pt_again = tmp_path / "again.pt"
+    status, _, err = cli("restore", again, str(pt_again))
+    assert status == 0, err
+    reloaded = torch.load(pt_again, weights_only=True)
+    assert {k: reloaded[k] for k in flat_values} == {**flat_values, "betas": [0.9, 0.999]}
+
+    # .npz: numbers and strings, not a list of two... it is an array; a dict is refused
+    status, _, err = cli("restore", name, str(tmp_path / "out.npz"))
+    assert status == 0, err
+    with np.load(tmp_path / "out.npz") as z:
+        assert int(z["step"]) == 1200 and str(z["run"]) == "exp-7"
+        assert z["betas"].tolist() == [0.9, 0.999]
+    nested = _name("nested")
+    dcp_save(
+        {"w": weight, "opts": {"a": (1, {"b": 2})}},
+        storage_writer=StoragedWriter(cluster.urls, nested, TOKEN),
+        no_dist=True,
+    )
+    status, _, err = cli("restore", nested, str(tmp_path / "nested.npz"))
+    assert status == 1 and "opts.a" in err and ".npz cannot hold" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "nested.npz").exists()
+
+    # raw cannot hold several items, nor values: one line, nothing written
+    status, _, err = cli("restore", name, str(tmp_path / "out.bin"), "--format", "raw")
+    assert status != 0 and "non-tensor values" in err and len(err.strip().splitlines()) == 1
+
+
+class _Opaque:
+    """A value only a full unpickler can rebuild."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+def test_storaged_restore_refuses_a_value_only_a_full_unpickler_reads(
+    cluster: LocalCluster, cli: Any, tmp_path: Path
+) -> None:
+    name = _name("opaque")
+    state = {"w": torch.zeros(3), "thing": _Opaque(3)}
+    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+    for out in ("x.safetensors", "x.pt"):
+        status, _, err = cli("restore", name, str(tmp_path / out))
+        assert status == 1, err
+        assert "thing" in err and "weights_only" in err and "StoragedReader" in err, err
+        assert len(err.strip().splitlines()) == 1
+        assert not (tmp_path / out).exists()
