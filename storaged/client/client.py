@@ -49,6 +49,7 @@ from storaged.client.errors import (
     Unavailable,
     decode_body,
     error_from_response,
+    foreign_answer,
     is_api_content_type,
     is_retryable,
 )
@@ -673,12 +674,12 @@ class Client:
         except ValueError as exc:
             if not is_api_content_type(content_type):
                 # a web page, etcd's plain text: another server answers at this URL
-                raise NotStoraged(
-                    message=f"{resp.url.origin()} answered HTTP {resp.status} "
-                    f"{(content_type or 'without a content type').split(';')[0]}, "
-                    "not storaged's JSON or msgpack: is it a storaged node?",
+                error = NotStoraged(
+                    message=f"{resp.url.origin()}: {foreign_answer(resp.status, content_type)}",
                     status=resp.status,
-                ) from None
+                )
+                error.foreign = foreign_answer(resp.status, content_type)
+                raise error from None
             raise ProtocolError(message=str(exc), status=resp.status) from exc
 
     async def _call(

@@ -23,7 +23,6 @@ from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
-    NotStoraged,
     StoragedError,
     Unauthorized,
     Unavailable,
@@ -77,8 +76,8 @@ def explain(error: BaseException, url: str = "") -> str:
             else ""
         )
         return f"the cluster{where} refused the request (HTTP 403): {error.message}{hint}"
-    if isinstance(error, NotStoraged):
-        return f"not a storaged node{where}: {error.message} (--url or STORAGED_URL name one)"
+    if isinstance(error, StoragedError) and error.foreign:
+        return f"not a storaged node{where}: {error.foreign} (--url or STORAGED_URL name one)"
     if isinstance(error, ConnectionFailed):
         return (
             f"cannot reach the cluster{where}: {error.message} "

@@ -47,6 +47,9 @@ class StoragedError(Exception):
         #: True when an earlier attempt of the same call may have reached the server
         #: before its answer was lost (so e.g. a 404 on DELETE may be our own doing).
         self.replayed = False
+        #: When the answer was not one of storaged's documents (a web page, etcd's plain
+        #: text: another server at the URL), what it was; empty otherwise.
+        self.foreign = ""
         super().__init__(self.code, self.message)
 
     def __str__(self) -> str:
@@ -199,8 +202,9 @@ class ProtocolError(StoragedError):
 
 
 class NotStoraged(ProtocolError):
-    """Another server answers at the URL (a web server, etcd): its answer is not one of
-    storaged's documents."""
+    """Another server answers at the URL (a web server, etcd) with a success that is not
+    one of storaged's documents (its errors keep the class of their status, with
+    ``foreign`` set)."""
 
     default_code = "not_storaged"
 
@@ -319,21 +323,24 @@ def error_from_response(
             code = decoded["error"]
         if isinstance(decoded.get("message"), str):
             message = decoded["message"]
-    if code is None and status not in (502, 503, 504) and not is_api_content_type(content_type):
-        # storaged answers every error with its document; a page of HTML, or etcd's
-        # "404 page not found", is another server (a proxy's 502-504 stay retryable)
-        return NotStoraged(
-            message=f"answered HTTP {status} "
-            f"{(content_type or 'without a content type').split(';')[0]}, not storaged's "
-            "JSON or msgpack: is it a storaged node?",
-            status=status,
-        )
     cls = _BY_CODE.get(code or "") or _BY_STATUS.get(status)
     if cls is None:
         cls = ServerError if status >= 500 else StoragedError
+    foreign = code is None and status not in (502, 503, 504)
     if code is None:
         code = cls.default_code if cls is not StoragedError else f"http_{status}"
-    return cls(code, message, status, body, retry_after=parse_retry_after(retry_after))
+    error = cls(code, message, status, body, retry_after=parse_retry_after(retry_after))
+    if foreign and not is_api_content_type(content_type):
+        # storaged answers every error with its document; a page of HTML, or etcd's
+        # "404 page not found", is another server (a proxy's 502-504 stay retryable)
+        error.foreign = foreign_answer(status, content_type)
+    return error
+
+
+def foreign_answer(status: int, content_type: str | None) -> str:
+    """What an answer that is not storaged's was, for ``StoragedError.foreign``."""
+    kind = (content_type or "no content type").split(";")[0].strip()
+    return f"it answered HTTP {status} {kind}, not storaged's JSON or msgpack"
 
 
 def is_retryable(error: BaseException) -> bool:

@@ -189,12 +189,21 @@ def test_torch_nested_round_trip(cli: Any, tmp_path: Path) -> None:
     assert torch.equal(got["model"]["w"], obj["model"]["w"])
     assert got["model"]["b"].dtype == torch.bfloat16
 
-    # Non-tensor values have no place in .safetensors: refused before anything is written.
+    # .safetensors: the tensors, and the non-tensor values as JSON in its metadata.
     dst = tmp_path / "back.safetensors"
     r = cli("restore", name, str(dst))
-    assert r.status == 1
-    assert "non-tensor values" in r.err and "epoch" in r.err
-    assert not dst.exists()
+    assert r.status == 0, r.err
+    from safetensors import safe_open
+
+    with safe_open(str(dst), framework="pt") as f:
+        assert torch.equal(f.get_tensor("model.w"), obj["model"]["w"])
+        values = json.loads(f.metadata()["storaged.values"])
+    assert values["epoch"] == 3 and values["name"] == "run-a"
+    # raw holds one item and no values: refused before anything is written
+    raw = tmp_path / "back.bin"
+    r = cli("restore", name, str(raw), "--format", "raw")
+    assert r.status == 1 and "non-tensor values" in r.err and "epoch" in r.err
+    assert not raw.exists()
 
 
 def test_save_wait_cold(cli: Any, tmp_path: Path) -> None:

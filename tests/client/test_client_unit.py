@@ -97,6 +97,9 @@ def test_unknown_codes_and_garbage_bodies_fall_back_to_the_status() -> None:
     assert type(err).__name__ == "Conflict" and err.code == "brand_new"
     err = error_from_response(404, b"<html>not here</html>", "text/html")
     assert type(err) is NotFound and err.code == "not_found" and "not here" in err.message
+    assert err.foreign == "it answered HTTP 404 text/html, not storaged's JSON or msgpack"
+    assert error_from_response(409, msgpack.packb({"error": "x"})).foreign == ""
+    assert error_from_response(502, b"<html>bad gateway</html>", "text/html").foreign == ""
     err = error_from_response(500, b"", None)
     assert type(err) is ServerError and err.code == "server_error"
     err = error_from_response(418, b"\xc1\xc1", "application/msgpack")

@@ -137,7 +137,7 @@ async def test_embedded_marks_reach_a_node_down_during_the_broadcast_and_survive
     await wait_until("n3 seen down", lambda: all(
         not cluster.node(i).membership.is_alive("n3") for i in range(3)))  # fmt: skip
     marked = await cluster.node(0).drain("n2")
-    assert marked == {"node": "n2", "state": "draining", "unreached": ["n3"]}
+    assert marked == {"node": "n2", "state": "draining", "was": "active", "unreached": ["n3"]}
     assert all(cluster.node(i).membership.is_draining("n2") for i in range(3))
     assert all(cluster.node(i).placement().view.draining == {"n2"} for i in range(3))
     # n3 comes back with no mark of its own, and learns it from its peers' heartbeats
