@@ -593,7 +593,9 @@ def _start(opts: Options, work: Path) -> _Cluster:
                             max_chunk=max(opts.chunk, 16 * MiB),
                             # Repair would move fragments around after the kill: the cold
                             # figure is meant to be the degraded read alone.
-                            settings={"repair_interval": 3600.0})  # fmt: skip
+                            settings={"repair_interval": 3600.0},
+                            # a run killed mid-way (a test's timeout) takes its nodes along
+                            die_with_parent=True)  # fmt: skip
     ids = {cluster.url(i): cluster.node_id(i) for i in range(cluster.nodes)}
     return _Cluster(cluster.urls, TOKEN, cluster, ids, ADMIN_TOKEN)
 

@@ -348,7 +348,9 @@ def _storaged_level(
             }
             cluster = start_cluster(root, opts.nodes, memory=opts.memory,
                                     max_chunk=max(opts.chunk, 16 * MiB),
-                                    settings=settings)  # fmt: skip
+                                    settings=settings,
+                                    # a run killed mid-way takes its nodes along
+                                    die_with_parent=True)  # fmt: skip
             pool_ready = None if opts.cold_pool else round(wait_prefaulted(cluster), 2)
             urls = cluster.urls
             token: str | None = TOKEN
