@@ -37,7 +37,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -762,6 +762,15 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
 # --------------------------------------------------------------------------- restore
 
 
+def _make_early(path: Path, make: Callable[[], None]) -> None:
+    """Make the temporary file or directory of a restore into ``path`` before any download:
+    one that cannot be made fails the command now, saying why."""
+    try:
+        make()
+    except OSError as exc:
+        raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 @contextlib.contextmanager
 def _replacing(path: Path, force: bool) -> Iterator[Path]:
     """A temporary path next to ``path``, renamed over it when the block succeeds."""
@@ -771,10 +780,7 @@ def _replacing(path: Path, force: bool) -> Iterator[Path]:
         raise CommandError(f"{path} is a directory")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
     try:
-        try:
-            tmp.touch()  # fail before any download when the file cannot be written
-        except OSError as exc:
-            raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+        _make_early(path, tmp.touch)
         yield tmp
         os.replace(tmp, path)
     finally:
@@ -848,10 +854,7 @@ def _replacing_dir(path: Path, force: bool) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
     try:
-        try:
-            tmp.mkdir()  # fail before any download when the directory cannot be made
-        except OSError as exc:
-            raise CommandError(f"cannot write {path}: {exc.strerror or exc}") from None
+        _make_early(path, tmp.mkdir)
         yield tmp
         if path.exists() or path.is_symlink():
             os.replace(path, old)
@@ -1019,15 +1022,21 @@ async def _write_blocks(
     counters: Counters,
     side_files: bool,
 ) -> None:
+    # A safetensors file has its values in its header already: they are not fetched again.
+    values = not (isinstance(writer, StreamWriter) and writer.has_header)
     blocks = restore_blocks(
-        client, manifest, holders, budget=DEFAULT_RESTORE_WINDOW, side_files=side_files
+        client,
+        manifest,
+        holders,
+        budget=DEFAULT_RESTORE_WINDOW,
+        side_files=side_files,
+        values=values,
     )
     try:
         async for block in blocks:
             if block.array is None:
-                if not isinstance(writer, StreamWriter) or not writer.has_header:
-                    writer.value(block.item, block.value)
-                continue  # a safetensors file has its values in its header already
+                writer.value(block.item, block.value)
+                continue
             if block.first:
                 await asyncio.to_thread(writer.begin, block.item)
             data = block.array.reshape(-1).view(np.uint8).data

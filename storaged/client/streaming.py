@@ -231,13 +231,16 @@ async def restore_blocks(
     *,
     budget: int = DEFAULT_RESTORE_WINDOW,
     side_files: bool = False,
+    values: bool = True,
 ) -> AsyncIterator[Block]:
     """Every item of ``manifest`` in order (``output_items``), as row blocks, fetched a
-    window ahead."""
+    window ahead; non-tensor values only with ``values``."""
     # (item, first row, end row, first block?, last block?), grouped into windows
     windows: list[list[tuple[OutputItem, int, int, bool, bool]]] = [[]]
     used = 0
     for item in output_items(manifest, side_files=side_files):
+        if not values and item.dtype in VALUE_DTYPES:
+            continue
         ranges = _blocks(item, budget) if item.dtype not in VALUE_DTYPES else [(0, 1)]
         rows = max(1, item.shape[0]) if item.shape else 1
         for index, (lo, hi) in enumerate(ranges):

@@ -585,3 +585,30 @@ def test_nodes_marks_a_gc_stall_with_its_cause(cluster_factory: ClusterFactory) 
     doc = json.loads(_nodes(cluster, "--json").stdout)
     gc = next(n["gc"] for n in doc["nodes"] if n["id"] == stalled)
     assert gc["stalled_since"] is not None and "paused" in gc["cause"]
+
+
+def test_a_saved_file_name_never_leaves_the_restored_directory(tmp_path: Path) -> None:
+    """A manifest naming a side file outside its directory (``file:../x``, absolute) is
+    refused before anything is written there."""
+    from storaged.client.formats import DirectoryWriter, FormatError
+
+    root = tmp_path / "out"
+    root.mkdir()
+    writer = DirectoryWriter(root, {"weight_map": {}}, [])
+    for rel in ("../evil.txt", "/etc/evil", "a/../../evil"):
+        with pytest.raises(FormatError, match="outside the directory"):
+            writer.begin(OutputItem(f"file:{rel}", "uint8", (1,)))
+    writer.abandon()
+    assert not (tmp_path / "evil.txt").exists() and list(root.iterdir()) == []
+
+
+def test_bad_values_metadata_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A .safetensors whose ``storaged.values`` is not a JSON object is not saved."""
+    from storaged.client.formats import FormatError, open_source
+
+    st = pytest.importorskip("safetensors.numpy")
+    for text, why in (("{not json", "is not JSON"), ("[1, 2]", "is not a JSON object")):
+        path = tmp_path / "v.safetensors"
+        st.save_file({"w": np.zeros(3, np.float32)}, str(path), metadata={"storaged.values": text})
+        with pytest.raises(FormatError, match=why):
+            open_source(str(path), "safetensors")
