@@ -1003,7 +1003,9 @@ async def _restore_streamed(
             got = await restore_checkpoint(
                 client, manifest, {item.key: None for item in value_items}, holders=holders
             )
-            decoded = {item.key: decode_value(item, got[item.key]) for item in value_items}
+            decoded = await asyncio.to_thread(
+                lambda: {item.key: decode_value(item, got[item.key]) for item in value_items}
+            )
             metadata[VALUES_METADATA_KEY] = values_metadata(decoded)
         header = safetensors_header(items, metadata or None)
         writer: StreamWriter | NpzWriter = StreamWriter(out, header)
@@ -1035,7 +1037,8 @@ async def _write_blocks(
     try:
         async for block in blocks:
             if block.array is None:
-                writer.value(block.item, block.value)
+                # decoding a DCP value unpickles it, and an npz member is a file write
+                await asyncio.to_thread(writer.value, block.item, block.value)
                 continue
             if block.first:
                 await asyncio.to_thread(writer.begin, block.item)
