@@ -735,8 +735,7 @@ async def _wait_repaired(urls: Sequence[str], name: str, limit: float) -> float:
                     cdoc = await resp.json() if resp.status == 200 else {}
                 live = [e for e in cdoc.get("nodes", []) if e.get("alive")]
                 repaired = bool(live) and all(
-                    not e.get("repair_backlog") and not e.get("misplaced_backlog")
-                    for e in live
+                    not e.get("repair_backlog") and not e.get("misplaced_backlog") for e in live
                 )
             calm = calm + 1 if repaired else 0
             if calm >= 2:
