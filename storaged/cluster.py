@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -799,6 +800,10 @@ def supervise(
         _stop_saying(cluster, say, forced=lambda: signals >= 2)
 
 
+#: what a node's log says when its stop waits for a full disk (node/pipeline/drain.py)
+_DRAIN_STUCK = re.compile(r"stop: (\d+ RAM-only chunk\(s\) cannot drain: .*)")
+
+
 def _stop_saying(
     cluster: LocalCluster,
     say: Callable[[str], None],
@@ -839,6 +844,11 @@ def _stop_saying(
         if now - last_said >= every:
             last_said = now
             say(f"storaged up: still waiting for {names} ({now - began:.0f} s): RAM to disk")
+            for i in left:
+                # A stop that waits for a full disk says so in its log (node/pipeline/drain.py)
+                stuck = [m for line in cluster.log_tail(i, 50) if (m := _DRAIN_STUCK.search(line))]
+                if stuck:
+                    say(f"storaged up: {cluster.node_id(i)}: {stuck[-1].group(1)}")
         time.sleep(0.1)
     if cluster.etcd is not None:
         if cluster.etcd.proc is not None and cluster.etcd.proc.poll() is None:

@@ -410,6 +410,13 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
             "capacity": space.get("capacity"),
             "chunks": None if count is None else int(count),
         }
+        if tier == "memory":
+            row[tier]["dirty"] = space.get("dirty")
+        else:
+            # E16: "full" (writes to it fail for room), "nearly_full" (5 % or less left)
+            row[tier]["state"] = str(space.get("state") or "ok")
+            for key in ("free", "full_since", "cause"):
+                row[tier][key] = space.get(key)
     for backlog in ("drain_backlog", "encode_backlog", "repair_backlog", "misplaced_backlog"):
         value = raw.get(backlog)
         if value is None and metrics is not None:
@@ -420,10 +427,44 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     return row
 
 
+#: how ``nodes`` marks a disk tier's state (E16)
+_MARKS = {"full": " FULL", "nearly_full": " NEARLY-FULL"}
+
+
 def _space(tier: Mapping[str, Any]) -> str:
     if tier["used"] is None:
         return "-"
-    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}"
+    mark = _MARKS.get(tier.get("state") or "ok", "")
+    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}{mark}"
+
+
+def _room_lines(row: Mapping[str, Any], now: float) -> list[str]:
+    """A line for each full or nearly full disk tier of ``row``'s node, saying why."""
+    lines = []
+    for tier in ("nvme", "cold"):
+        space = row[tier]
+        free = space.get("free")
+        left = "" if free is None else f" ({human_bytes(free)} free)"
+        if space.get("state") == "full":
+            since = space.get("full_since")
+            when = (
+                f" since {_clock(since)[11:]} ({now - since:.0f} s)"
+                if isinstance(since, int | float)
+                else ""
+            )
+            what = (
+                "its RAM fills with chunks that cannot drain; saves it would hold are "
+                "refused with nvme_full"
+                if tier == "nvme"
+                else "chunks whose fragments go there cannot become cold (cold_full)"
+            )
+            lines.append(
+                f"{row['id']}: {tier} FULL{when}{left}: {what}; free space there "
+                f"({space.get('cause') or 'no room'})"
+            )
+        elif space.get("state") == "nearly_full":
+            lines.append(f"{row['id']}: {tier} nearly full{left}")
+    return lines
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -503,6 +544,8 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     for row in rows:
+        for room in _room_lines(row, now):
+            print(room)
         gc = row["gc"] or {}
         since = gc.get("stalled_since")
         if isinstance(since, int | float):

@@ -39,12 +39,15 @@ from storaged.client.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
     ChunkNotFound,
+    ColdFull,
     ConnectionFailed,
     NotEnoughFragments,
     NotFound,
     NotStoraged,
+    NvmeFull,
     ProtocolError,
     StoragedError,
+    StorageFull,
     TooLarge,
     Unavailable,
     decode_body,
@@ -198,6 +201,24 @@ class CommitResult:
 
 
 @dataclass(frozen=True, slots=True)
+class FullTier:
+    """A node's full disk tier that keeps ``chunks`` of a checkpoint from a level (E16)."""
+
+    node: str
+    url: str
+    #: "nvme" (keeps them from nvme, and so from cold) or "cold" (from cold)
+    tier: str
+    chunks: int
+    full_since: float | None = None
+    cause: str | None = None
+
+    def describe(self) -> str:
+        since = "" if self.full_since is None else f" for {time.time() - self.full_since:.0f} s"
+        cause = f" ({self.cause})" if self.cause else ""
+        return f"{self.tier} tier full on node {self.node} ({self.url}){since}{cause}"
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointStatus:
     """``?status``: how many distinct chunks reached at least each level, and the overall one."""
 
@@ -208,9 +229,34 @@ class CheckpointStatus:
     cold: int
     #: Chunks no node holds any more, when the node reports it (None: not reported).
     lost: int | None = None
+    #: Full disk tiers that keep some of its chunks from nvme or cold (E16).
+    blocked: tuple[FullTier, ...] = ()
 
     def reached(self, level: str) -> bool:
         return state_at_least(self.state, level)
+
+    def blocked_from(self, level: str) -> list[FullTier]:
+        """The full tiers that keep it from ``level`` (a full nvme keeps it from cold too);
+        empty once it reached ``level``."""
+        if self.reached(level) or level == "memory":
+            return []
+        tiers = ("nvme",) if level == "nvme" else ("nvme", "cold")
+        return [b for b in self.blocked if b.tier in tiers]
+
+
+def blocked_error(name: str, status: CheckpointStatus, level: str) -> StorageFull | None:
+    """``NvmeFull`` (or ``ColdFull``) saying why checkpoint ``name`` cannot reach
+    ``level`` now, when full disk tiers keep it from it; None otherwise."""
+    blocked = status.blocked_from(level)
+    if not blocked:
+        return None
+    cls: type[StorageFull] = NvmeFull if any(b.tier == "nvme" for b in blocked) else ColdFull
+    why = "; ".join(f"{b.describe()}, {b.chunks} of its chunks wait for it" for b in blocked)
+    full = [{"node": b.node, "url": b.url, "tier": b.tier} for b in blocked]
+    return cls(
+        message=f"checkpoint {name} cannot reach {level} until disk space is freed: {why}",
+        body={"error": cls.default_code, "full": full},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +321,29 @@ class WaitTimeout(TimeoutError):
     def __init__(self, message: str, status: CheckpointStatus | None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class BlockedWatch:
+    """Follows the statuses of a wait for ``level``: ``check`` raises ``blocked_error``
+    once full disk tiers have kept the checkpoint from it for ``BLOCKED_FOR`` seconds of
+    polls in a row (a mark cleared at once, space freed meanwhile, does not fail a wait)."""
+
+    BLOCKED_FOR = 1.0
+
+    def __init__(self, name: str, level: str) -> None:
+        self.name, self.level = name, level
+        self._since: float | None = None
+
+    def check(self, status: CheckpointStatus) -> None:
+        error = blocked_error(self.name, status, self.level)
+        if error is None:
+            self._since = None
+            return
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since >= self.BLOCKED_FOR:
+            raise error
 
 
 # --------------------------------------------------------------------------- helpers
@@ -879,6 +948,9 @@ class Client:
             f"/v1/chunks/{chunk_id}",
             handle,
             candidates=[*placement, *others],
+            # A full node refuses at once (E16); another entry node may place the chunk on
+            # nodes with room. Each node is tried once: a full disk does not pass by waiting.
+            next_node_on=(NvmeFull,),
             body=lambda: _slices(view),
             headers={
                 "Content-Length": str(size),
@@ -1561,6 +1633,17 @@ class Client:
                     int(doc["nvme"]),
                     int(doc["cold"]),
                     None if doc.get("lost") is None else int(doc["lost"]),
+                    tuple(
+                        FullTier(
+                            str(b["node"]),
+                            str(b["url"]),
+                            str(b["tier"]),
+                            int(b["chunks"]),
+                            None if b.get("full_since") is None else float(b["full_since"]),
+                            None if b.get("cause") is None else str(b["cause"]),
+                        )
+                        for b in doc.get("blocked") or ()
+                    ),
                 )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed status: {exc!r}") from exc
@@ -1617,15 +1700,20 @@ class Client:
         # The issue's signature; asyncio.timeout around it would lose the last status.
         timeout: float = 60.0,
     ) -> CheckpointStatus:
-        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s."""
+        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s.
+
+        ``NvmeFull`` (or ``ColdFull``) instead, within a second or two, when a node's full
+        disk tier keeps it from ``state`` (extension E16): waiting would not help."""
         state_rank(state)
         deadline = time.monotonic() + timeout
         pause = 0.05
         last: CheckpointStatus | None = None
+        stuck = BlockedWatch(name, state)
         while True:
             last = await self.status(name)
             if last.reached(state):
                 return last
+            stuck.check(last)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeout(

@@ -489,7 +489,9 @@ class ShmPath:
     def _fallback(reply: dict[str, Any]) -> None:
         """A refusal: raise it if HTTP would be refused the same way, else None."""
         error = _error(reply)
-        if is_retryable(error) or error.code in ("chunk_not_found", "seal_refused", "internal"):
+        # nvme_full: this node's disk is full, another node (over HTTP) may take the chunk
+        fallback = ("chunk_not_found", "seal_refused", "internal", "nvme_full")
+        if is_retryable(error) or error.code in fallback:
             log.debug("shared-memory request refused (%s): using HTTP", error)
             return None
         raise error

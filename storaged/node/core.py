@@ -15,6 +15,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/scrub.py``       re-reads stored bytes
 ``referenced.py``           which chunks are referenced, from a fresh snapshot only
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
+``space.py``                whether the disk tiers have room: full and nearly-full marks
 ``rpc.py``                  the peer calls other nodes make on this one
 ==========================  ==========================================================
 
@@ -62,6 +63,7 @@ from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
 from storaged.node.referenced import ReferencedSet
 from storaged.node.rpc import DOC_METHODS, PeerRpc
+from storaged.node.space import DiskSpace
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
 from storaged.placement import Placement
@@ -74,6 +76,8 @@ log = logging.getLogger("storaged.node")
 
 #: chunk ids per chunk_info call
 _INFO_BATCH = 4096
+#: seconds between probes of the disk tiers' free space (node/space.py)
+_SPACE_INTERVAL = 1.0
 
 
 class Node:
@@ -104,6 +108,8 @@ class Node:
         self.state_log = state_log
         self.index = index
         self.fragments: dict[str, set[int]] = {}
+        #: full and nearly-full marks of the disk tiers, from their writes and a probe
+        self.space = DiskSpace({"nvme": nvme, "cold": cold})
         self.locks = ChunkLocks()
         #: chunks whose collection has been decided and is under way: held by no one
         self.collecting: set[str] = set()
@@ -249,6 +255,7 @@ class Node:
         self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
         self.spawn(self._prefault(), "prefault")
+        self.spawn(self._periodic(_SPACE_INTERVAL, self.space.refresh, jitter=False), "space")
         # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
         for cid, info in self.index.items():
             if info.state < COLD:
@@ -313,9 +320,11 @@ class Node:
         await self.cold.close()
         self.state_log.close()
 
-    async def _periodic(self, interval: float, job: Callable[[], Awaitable[Any]]) -> None:
+    async def _periodic(
+        self, interval: float, job: Callable[[], Awaitable[Any]], *, jitter: bool = True
+    ) -> None:
         # Jitter spreads the nodes' passes apart.
-        await asyncio.sleep(interval * random.uniform(0.5, 1.0))
+        await asyncio.sleep(interval * random.uniform(0.5, 1.0) if jitter else 0.0)
         while True:
             try:
                 await job()
@@ -327,7 +336,7 @@ class Node:
                 log.warning("background pass %s: %s", getattr(job, "__name__", job), exc)
             except Exception:
                 log.exception("background pass %s failed", getattr(job, "__name__", job))
-            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+            await asyncio.sleep(interval * (random.uniform(0.8, 1.2) if jitter else 1.0))
 
     # ---- placement -------------------------------------------------------------------------
     def placement(self) -> Placement:
@@ -468,11 +477,21 @@ class Node:
         info = self.index.get(chunk_id)
         return info is not None and info.state >= COLD
 
-    def usage(self) -> dict[str, dict[str, int]]:
-        out = {}
+    @property
+    def url(self) -> str:
+        """This node's advertised HTTP URL (what refusals name it by)."""
+        return self.config.node.url
+
+    def usage(self) -> dict[str, dict[str, Any]]:
+        """Per tier: used, capacity, count; for the disk tiers also their room marks
+        (``DiskSpace.mark``: state, free, full_since, cause)."""
+        out: dict[str, dict[str, Any]] = {}
         for tier in (self.memory, self.nvme, self.cold):
             u = tier.usage()
             out[tier.name] = {"used": u.used, "capacity": u.capacity, "count": u.count}
+        out["memory"]["dirty"] = self.memory.stats().dirty_bytes
+        for name in ("nvme", "cold"):
+            out[name].update(self.space.mark(name))
         return out
 
     def heartbeat(self) -> dict[str, Any]:
