@@ -373,6 +373,10 @@ class ShmPath:
                 reply, _ = await self._ask(
                     {"op": "seal", "lease": lease, "length": data.nbytes, "id": chunk_id}
                 )
+                if reply.get("error") == "seal_refused":
+                    # The node keeps a refused lease for its holder to fix or release: this
+                    # one falls back to HTTP, so its RAM is freed now, not when it disconnects.
+                    await self._ask({"op": "release", "lease": lease})
             except (WireError, OSError) as exc:
                 log.warning("shared-memory path to %s lost (%s): using HTTP", self.node_id, exc)
                 self.broken = True
