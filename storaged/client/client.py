@@ -349,6 +349,24 @@ class BlockedWatch:
 # --------------------------------------------------------------------------- helpers
 
 
+def _without_hidden_resends(session: aiohttp.ClientSession) -> None:
+    """Make ``session`` send each request once: ``_call`` counts and retries sends itself.
+
+    aiohttp resends a PUT or DELETE (and GET, HEAD: RFC 9112's idempotent methods) once,
+    unseen, when the connection closes before the answer. A DELETE the node carried out
+    before its answer was lost then comes back 404 to the call that deleted it, and
+    ``_call`` never learns that an attempt may have reached the node (``replayed``): the
+    caller is told "no such checkpoint" and keeps believing in one that is gone. aiohttp
+    has no public switch; its own ``test_utils`` sets this attribute, and
+    ``tests/client/test_client_cluster.py`` fails if the resend comes back."""
+    if not hasattr(session, "_retry_connection"):
+        raise RuntimeError(
+            "this aiohttp has no ClientSession._retry_connection: storaged's client cannot "
+            "turn off its hidden resends (see storaged/client/client.py)"
+        )
+    session._retry_connection = False
+
+
 def base_url(url: str) -> str:
     """A node's base URL as given (``http://host:port``, trailing ``/`` dropped); a bare
     ``host:port`` means ``http://host:port``. ``ValueError`` for one that names no host."""
@@ -590,11 +608,16 @@ class Client:
                 self._extra_headers = headers
             else:
                 self._session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
+                    # Idle connections go before a node's own 15 s keep-alive closes them:
+                    # a request on one the node is closing fails (it is not resent unseen).
+                    connector=aiohttp.TCPConnector(
+                        limit=self._max_concurrency + 8, keepalive_timeout=10.0
+                    ),
                     headers=headers,
                     timeout=self._timeout,
                     auto_decompress=False,
                 )
+            _without_hidden_resends(self._session)
         use_direct = self._owns_session if self._direct_reads is None else self._direct_reads
         if use_direct and self.direct is None:
             self.direct = DirectGets(
