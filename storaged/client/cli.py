@@ -57,6 +57,7 @@ from storaged.client.command import (
     urls_of,
     watch_durability,
 )
+from storaged.client.deadlines import Deadlines
 from storaged.client.errors import (
     CheckpointNotFound,
     Exists,
@@ -254,7 +255,11 @@ def _format_of(path: str, given: str | None) -> str:
 def _client(args: argparse.Namespace) -> Client:
     # A command fails at once where nothing listens (a typo, a stopped cluster), instead
     # of backing off as a job's client does across a node's restart.
-    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True)
+    try:
+        deadlines = Deadlines.from_env()
+    except ValueError as exc:  # names the variable
+        raise UsageError(str(exc)) from None
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True, deadlines=deadlines)
 
 
 # --------------------------------------------------------------------------- output

@@ -339,3 +339,17 @@ def test_deadlines_from_the_environment() -> None:
     with pytest.raises(ValueError, match="read_share"):
         Deadlines(read_share=2.0)
     assert Deadlines.from_env({}) == Deadlines()
+
+
+def test_a_bad_deadline_variable_is_one_line_and_changes_nothing() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "STORAGED_READ_DEADLINE": "-1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "storaged", "ls", "--url", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "STORAGED_READ_DEADLINE" in done.stderr and "Traceback" not in done.stderr
