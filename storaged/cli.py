@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -313,6 +314,9 @@ def _client_commands() -> list[Registrar]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Figures a command prints count from here, what a user's clock sees of the command
+    # (less only the interpreter's start).
+    began = time.perf_counter()
     parser = argparse.ArgumentParser(
         prog="storaged", description="A tiered checkpoint store for distributed training."
     )
@@ -326,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:  # a half-installed optional part must not stop `serve`
             print(f"storaged: some commands are unavailable: {exc}", file=sys.stderr)
     args = parser.parse_args(argv)
+    args.began = began
     result: int = args.func(args)
     return result
 

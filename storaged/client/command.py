@@ -5,7 +5,7 @@ into one line and a status by ``run_command``, ``run_async``, ``--url`` lists
 following a checkpoint's durability (``watch_durability``).
 
 Exit statuses a script may rely on: 0 success; 1 the command failed; 2 the command line is
-wrong; 3 ``nodes``: a node is down; 130 interrupted.
+wrong; 3 ``nodes``: a node is down or does not answer; 130 interrupted.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -73,6 +73,7 @@ from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
 
 log = logging.getLogger("storaged.node")
+T = TypeVar("T")
 
 #: chunk ids per chunk_info call
 _INFO_BATCH = 4096
@@ -367,8 +368,18 @@ class Node:
         args: dict[str, Any],
         body: bytes | bytearray | memoryview | None = None,
         timeout: float = 30.0,
+        *,
+        until_down: bool = False,
     ) -> tuple[dict[str, Any], bytes | memoryview | None]:
-        """``method`` on ``node_id`` (locally without a socket when it is this node)."""
+        """``method`` on ``node_id`` (locally without a socket when it is this node).
+
+        ``until_down``: for a question whose asker goes on without a node that does not
+        answer (a listing, a status, a plan): the call is abandoned (``PeerUnavailable``)
+        as soon as the membership holds ``node_id`` down, so that a hung node, which
+        accepts connections and never replies, costs a query about ``down_after``, not
+        ``timeout``."""
+        if until_down and node_id != self.id:
+            return await self._until_down(node_id, self.call(node_id, method, args, body, timeout))
         if node_id == self.id:
             reply, out = await self.rpc.call_local(method, args, memoryview(body) if body else None)
             return reply, (bytes(out) if isinstance(out, bytearray) else out)
@@ -390,6 +401,23 @@ class Node:
         except PeerUnavailable:
             self.membership.report_failure(node_id)
             raise
+
+    async def _until_down(self, node_id: str, call: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(call)
+        try:
+            # Checked as often as heartbeats come: no sooner can the verdict change.
+            step = max(0.05, self.config.heartbeat_interval)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=step)
+                if done:
+                    return task.result()
+                if not self.membership.is_alive(node_id):
+                    raise PeerUnavailable("timeout", f"{node_id} went down while asked")
+        finally:
+            if not task.done():
+                task.cancel()  # the peer client drops the connection
+                with contextlib.suppress(asyncio.CancelledError, PeerError):
+                    await task
 
     async def _ping(self, spec: NodeSpec) -> dict[str, Any]:
         reply, _ = await self.peers.call(self.config.dial_addr(spec), "ping", {}, timeout=2.0)
@@ -420,7 +448,11 @@ class Node:
         async def ask(node_id: str, batch: list[str]) -> None:
             try:
                 reply, _ = await self.call(
-                    node_id, "chunk_info", {"ids": batch, **args_extra}, timeout=timeout
+                    node_id,
+                    "chunk_info",
+                    {"ids": batch, **args_extra},
+                    timeout=timeout,
+                    until_down=True,
                 )
             except PeerError:
                 return
