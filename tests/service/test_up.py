@@ -56,11 +56,15 @@ def _env(**extra: str) -> dict[str, str]:
 class Up:
     """A running ``storaged up``; its output lines are collected by a thread as they come."""
 
-    def __init__(self, data: Path, port: int, *args: str, cwd: Path | None = None) -> None:
+    def __init__(
+        self, data: Path, port: int, *args: str, cwd: Path | None = None, flags: bool = True
+    ) -> None:
+        """``flags=False``: no --port, --peer-port, --memory (the cluster file's are kept)."""
         self.data = data
         self.port = port
         argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
-        argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
+        if flags:
+            argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
         self.proc = subprocess.Popen(
             [*argv, *args],
             stdout=subprocess.PIPE,
@@ -169,11 +173,13 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict[str, object]]:
 
 
 def _run_up(
-    data: Path, port: int, *args: str, cwd: Path | None = None
+    data: Path, port: int, *args: str, cwd: Path | None = None, flags: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """An ``up`` expected to refuse: it must end by itself."""
     argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
-    argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB", *args]
+    if flags:
+        argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
+    argv += args
     return subprocess.run(
         argv, capture_output=True, text=True, env=_env(), cwd=cwd or data.parent, timeout=150
     )
