@@ -435,6 +435,46 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_forces_it(
             os.kill(hung, signal.SIGKILL)
 
 
+def test_a_stop_held_by_a_full_disk_says_so_and_a_second_ctrl_c_ends_it(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    """nvme too small for what RAM holds: the save is acknowledged (three RAM copies), the
+    drain cannot write it, and Ctrl-C's stop says what it waits for and why, node by node,
+    instead of hanging silently; a second Ctrl-C ends it and says what may be lost."""
+    up = Up(tmp_path / "cluster", free_port_block(9), "--nvme", "1MiB")
+    ups.append(up)
+    up.started()
+    env = up.exported()
+    data = tmp_path / "in.bin"
+    data.write_bytes(os.urandom(6 << 20))
+    saved = _cli(env, "save", str(data), "full/one", "--format", "raw", "--chunk-size", "1MiB")
+    assert saved.returncode == 0, saved.stderr  # acknowledged in RAM, by design
+    waited = _cli(
+        env,
+        "save",
+        str(data),
+        "full/two",
+        "--format",
+        "raw",
+        "--chunk-size",
+        "1MiB",
+        "--wait",
+        "nvme",
+    )
+    assert waited.returncode == 1 and "nvme_full" in waited.stderr, waited.stderr
+    up.proc.send_signal(signal.SIGINT)
+    stopping = up.wait_for("storaged up: stopping 4 nodes")
+    waiting = up.wait_for("storaged up: still waiting for", timeout=60, after=stopping)
+    why = up.lines[up.wait_for("RAM-only chunk(s) cannot drain: nvme tier", 30, waiting)]
+    assert re.search(r"storaged up: n\d: \d+ RAM-only chunk\(s\) cannot drain", why), why
+    assert "full" in why, why
+    up.proc.send_signal(signal.SIGINT)  # the second Ctrl-C
+    killed = up.lines[up.wait_for("(a second Ctrl-C)", timeout=60, after=waiting)]
+    assert "lost unless another node has it on disk" in killed
+    up.wait_for("storaged up: stopped", after=stopping)
+    assert up.proc.wait(timeout=60) == 0
+
+
 def test_a_cluster_without_token_must_be_asked_for(tmp_path: Path, ups: list[Up]) -> None:
     data = tmp_path / "cluster"
     port = free_port_block(9)
