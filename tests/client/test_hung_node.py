@@ -353,3 +353,33 @@ def test_a_bad_deadline_variable_is_one_line_and_changes_nothing() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "STORAGED_READ_DEADLINE" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_save_just_after_a_node_hangs(cluster_factory: ClusterFactory, tmp_path: Path) -> None:
+    """A node SIGSTOPped just before a save, while its peers still call it alive: the
+    client's first (hedged) metadata call finds it slow and orders it last, so no chunk
+    PUT or commit waits out the 30 s read timeout there; the nodes stop calling it once
+    they call it down (``down_after``). The checkpoint comes back whole. (Writes are not
+    hedged: a node that hangs in the middle of a save still holds the PUTs already sent
+    to it; docs/OPERATIONS.md.)"""
+    cluster = cluster_factory(4, **LIVENESS)
+    rng = np.random.default_rng(11)
+    src = tmp_path / "in.npz"
+    np.savez(src, w=rng.standard_normal((6, 1 << 20), dtype=np.float32))  # 24 MiB
+    idle, baseline = _storaged(
+        cluster, "save", str(src), "hung/idle", "--chunk-size", "1MiB", "--no-progress"
+    )
+    assert idle.returncode == 0, idle.stderr
+    later = rng.standard_normal((6, 1 << 20), dtype=np.float32)  # new bytes: no dedup
+    np.savez(src, w=later)
+    with stopped(cluster, 0):
+        saved, took = _storaged(
+            cluster, "save", str(src), "hung/later", "--chunk-size", "1MiB", "--no-progress"
+        )
+        assert saved.returncode == 0, saved.stderr
+        _fast(took, baseline, "save")
+    out = tmp_path / "out.npz"
+    back, _ = _storaged(cluster, "restore", "hung/later", str(out), "--no-progress")
+    assert back.returncode == 0, back.stderr
+    with np.load(out) as z:
+        assert np.array_equal(z["w"], later)
