@@ -24,7 +24,6 @@ holding them).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
@@ -282,6 +281,8 @@ async def measure_live(url: str, token: str | None, size: int) -> tuple[float, f
     the ack, restores it with ``restore_checkpoint`` (from RAM, right after the save), and
     deletes the probe checkpoint.
     """
+    import asyncio
+
     import numpy as np
 
     from storaged.client import AsyncSaver, Client, restore_checkpoint
@@ -322,6 +323,8 @@ def gather_inputs(args: argparse.Namespace) -> Inputs:
     if args.model_bytes is not None and args.nodes is None:
         raise AdviceError("--model-bytes needs --nodes (the scale model's cluster size)")
     if args.url:
+        import asyncio  # here: ``storaged --version`` parses this command's options only
+
         try:
             stall, restored, ack = asyncio.run(measure_live(args.url, args.token, args.size))
         except Exception as exc:  # any client failure: reported, not a traceback

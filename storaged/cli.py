@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
-import logging
 import os
-import signal
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -50,6 +46,10 @@ class CannotListen(Exception):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run one node. A refusal to start is one line on stderr (``storaged serve: ...``)."""
+    # Here, not at the top: ``storaged --version`` and ``ls`` start without them.
+    import asyncio
+    import logging
+
     from storaged.datalock import DataDirLocked, lock_data_dir
 
     overrides = {
@@ -107,6 +107,8 @@ def _check_listen(config: Config) -> None:
     Before the node opens its tiers (which may take a while): a taken port is
     reported at once, in one line, rather than as a traceback after start-up.
     """
+    import socket
+
     for what, (host, port) in (("HTTP", config.node.http_addr), ("peer", config.node.peer_addr)):
         try:
             # SO_REUSEADDR (create_server's default), as the node's own listeners use:
@@ -125,6 +127,9 @@ def _check_listen(config: Config) -> None:
 
 
 async def _serve(config: Config) -> int:
+    import asyncio
+    import signal
+
     from storaged.node import Node
     from storaged.server import serve
 

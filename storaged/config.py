@@ -33,7 +33,6 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -329,6 +328,8 @@ def load_config(
     nodes: list[NodeSpec] = []
     env = os.environ if environ is None else environ
     if path is not None:
+        import tomllib  # here: the command line is parsed without it
+
         try:
             doc = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -1,8 +1,9 @@
 """What every client command of ``storaged`` runs on (the CLI's commands and ``storaged
 demo`` alike): exit statuses, expected failures (``CommandError``, ``UsageError``) turned
 into one line and a status by ``run_command``, ``run_async``, ``--url`` lists
-(``urls_of``), byte sizes for people (``human_bytes``), progress bars (``ByteProgress``) and
-following a checkpoint's durability (``watch_durability``).
+(``urls_of``), checkpoint names (``check_name``), the client of a command's options
+(``client_of``), byte sizes for people (``human_bytes``), progress bars (``ByteProgress``)
+and following a checkpoint's durability (``watch_durability``).
 
 Exit statuses a script may rely on: 0 success; 1 the command failed; 2 the command line is
 wrong; 3 ``nodes``: a node is down; 130 interrupted.
@@ -13,13 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TypeVar
 
-from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.client import CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.durability import STATES
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
@@ -27,8 +30,9 @@ from storaged.client.errors import (
     Unauthorized,
     Unavailable,
 )
-from storaged.client.formats import FormatError, UnknownFormat, clean_message
+from storaged.client.format_names import FormatError, UnknownFormat, clean_message
 from storaged.client.layout import LayoutError
+from storaged.ids import is_checkpoint_name
 
 T = TypeVar("T")
 
@@ -50,6 +54,26 @@ class CommandError(Exception):
 class UsageError(CommandError):
     def __init__(self, message: str) -> None:
         super().__init__(message, EXIT_USAGE)
+
+
+def check_name(name: str) -> None:
+    """``UsageError`` unless ``name`` is a checkpoint name (API.md's form)."""
+    if not is_checkpoint_name(name):
+        raise UsageError(
+            f"invalid checkpoint name {name!r}: up to four /-separated parts of letters, "
+            "digits, '.', '_' and '-', each starting with a letter or digit"
+        )
+
+
+def client_of(args: argparse.Namespace) -> Client:
+    """The client of a command's ``--url`` and ``--token``."""
+    # A command fails at once where nothing listens (a typo, a stopped cluster), instead
+    # of backing off as a job's client does across a node's restart.
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True)
+
+
+def print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
 
 
 def urls_of(value: str) -> list[str]:
