@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from storaged.config import ConfigError, parse_size
-from storaged.model import RESULT_KINDS, Assumptions, load_rates, project
 
 #: The state of a 405e9-parameter model at 16 bytes per parameter.
 DEFAULT_MODEL_BYTES = 405e9 * 16
@@ -184,6 +183,8 @@ def _pick(doc: Any, keys: tuple[str, ...], tier: str | None = None) -> Mapping[s
 def named_results(paths: Sequence[Path]) -> dict[str, Path]:
     """Result kind (``storaged.model.RESULT_KINDS``) -> file, from ``--results`` paths: a
     file whose name ends in ``<kind>.json``, or a directory holding such files."""
+    from storaged.model import RESULT_KINDS  # here: ``storaged ls`` registers advise only
+
     files: dict[str, Path] = {}
     for path in paths:
         if path.is_dir():
@@ -261,6 +262,8 @@ def from_model(
 ) -> tuple[float, str, float, str, float]:
     """The scale model's stall, restore (from ``tier``) and ack for ``nodes`` nodes, with the
     rates of the ``results`` files (documented defaults for what they do not measure)."""
+    from storaged.model import Assumptions, load_rates, project
+
     assumptions = Assumptions(model_bytes=model_bytes)
     phases = project(nodes, assumptions, load_rates(results, k=assumptions.k, n=assumptions.n))
     where = f"storaged.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"

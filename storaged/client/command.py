@@ -31,7 +31,6 @@ from storaged.client.errors import (
     Unavailable,
 )
 from storaged.client.format_names import FormatError, UnknownFormat, clean_message
-from storaged.client.layout import LayoutError
 from storaged.ids import is_checkpoint_name
 
 T = TypeVar("T")
@@ -112,6 +111,13 @@ def explain(error: BaseException, url: str = "") -> str:
     return str(error)
 
 
+def _is_layout_error(exc: BaseException) -> bool:
+    """``exc`` is a ``storaged.client.layout.LayoutError``. Looked up, not imported: only a
+    command that loaded the layout can have raised one, and ``ls`` starts without it."""
+    layout = sys.modules.get("storaged.client.layout")
+    return layout is not None and isinstance(exc, layout.LayoutError)
+
+
 def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
     """Run ``body`` and turn expected failures into a message and an exit status."""
     command = getattr(args, "command", None) or "storaged"
@@ -127,10 +133,12 @@ def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
         return fail(str(exc), exc.status)
     except UnknownFormat as exc:
         return fail(str(exc), EXIT_USAGE)
-    except (LayoutError, FormatError) as exc:  # a checkpoint or file this client cannot lay out
-        return fail(str(exc))
     except (StoragedError, WaitTimeout) as exc:
         return fail(explain(exc, getattr(args, "url", None) or ""))
+    except ValueError as exc:  # a checkpoint or file this client cannot lay out
+        if not (isinstance(exc, FormatError) or _is_layout_error(exc)):
+            raise
+        return fail(str(exc))
     except KeyboardInterrupt:
         print(f"storaged {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -36,6 +36,8 @@ HEAVY = (
     "erasure",
     "tqdm",
     "storaged.client.formats",
+    "storaged.client.layout",
+    "storaged.model",
     "storaged.client.checkpoint",
     "storaged.client.streaming",
     "storaged.client.file_commands",
