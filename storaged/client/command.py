@@ -6,7 +6,7 @@ into one line and a status by ``run_command``, ``run_async``, ``--url`` lists
 and following a checkpoint's durability (``watch_durability``).
 
 Exit statuses a script may rely on: 0 success; 1 the command failed; 2 the command line is
-wrong; 3 ``nodes``: a node is down; 130 interrupted.
+wrong; 3 ``nodes``: a node is down or does not answer; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TypeVar
 
-from storaged.client.client import CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.client import BlockedWatch, CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.deadlines import Deadlines
 from storaged.client.durability import STATES
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
     StoragedError,
+    StorageFull,
     Unauthorized,
     Unavailable,
 )
@@ -68,7 +70,11 @@ def client_of(args: argparse.Namespace) -> Client:
     """The client of a command's ``--url`` and ``--token``."""
     # A command fails at once where nothing listens (a typo, a stopped cluster), instead
     # of backing off as a job's client does across a node's restart.
-    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True)
+    try:
+        deadlines = Deadlines.from_env()
+    except ValueError as exc:  # names the variable
+        raise UsageError(str(exc)) from None
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True, deadlines=deadlines)
 
 
 def print_json(doc: Any) -> None:
@@ -263,7 +269,8 @@ async def watch_durability(
     """Poll ``status`` until ``name`` reaches ``level``, emitting a line when the counts change.
 
     Lines come at most every ``quiet_for`` seconds, except when a level is completed.
-    ``WaitTimeout`` after ``timeout`` seconds. Times are counted from ``began``
+    ``WaitTimeout`` after ``timeout`` seconds; ``NvmeFull``/``ColdFull`` within a second or
+    two once a node's full disk tier keeps it from ``level``. Times are counted from ``began``
     (a ``time.perf_counter()`` value; default now).
     """
     start = time.perf_counter() if began is None else began
@@ -271,6 +278,7 @@ async def watch_durability(
     seen: tuple[int, int, int, str] | None = None
     last_line = 0.0
     result: Durability | None = None
+    stuck = BlockedWatch(name, level)
     while True:
         status = await client.status(name)
         now = time.perf_counter()
@@ -291,6 +299,11 @@ async def watch_durability(
             seen, last_line = counts, now
         if status.reached(level):
             return result
+        try:
+            stuck.check(status)
+        except StorageFull as exc:
+            exc.message += f" (it is committed; `storaged status {name}` follows it)"
+            raise
         if now >= deadline:
             raise WaitTimeout(
                 f"checkpoint {name} is {status.state} after {timeout:.0f} s, waiting for {level} "
