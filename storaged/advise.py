@@ -24,7 +24,6 @@ holding them).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
@@ -38,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from storaged.config import ConfigError, parse_size
-from storaged.model import RESULT_KINDS, Assumptions, load_rates, project
 
 #: The state of a 405e9-parameter model at 16 bytes per parameter.
 DEFAULT_MODEL_BYTES = 405e9 * 16
@@ -185,6 +183,8 @@ def _pick(doc: Any, keys: tuple[str, ...], tier: str | None = None) -> Mapping[s
 def named_results(paths: Sequence[Path]) -> dict[str, Path]:
     """Result kind (``storaged.model.RESULT_KINDS``) -> file, from ``--results`` paths: a
     file whose name ends in ``<kind>.json``, or a directory holding such files."""
+    from storaged.model import RESULT_KINDS  # here: ``storaged ls`` registers advise only
+
     files: dict[str, Path] = {}
     for path in paths:
         if path.is_dir():
@@ -262,6 +262,8 @@ def from_model(
 ) -> tuple[float, str, float, str, float]:
     """The scale model's stall, restore (from ``tier``) and ack for ``nodes`` nodes, with the
     rates of the ``results`` files (documented defaults for what they do not measure)."""
+    from storaged.model import Assumptions, load_rates, project
+
     assumptions = Assumptions(model_bytes=model_bytes)
     phases = project(nodes, assumptions, load_rates(results, k=assumptions.k, n=assumptions.n))
     where = f"storaged.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"
@@ -282,6 +284,8 @@ async def measure_live(url: str, token: str | None, size: int) -> tuple[float, f
     the ack, restores it with ``restore_checkpoint`` (from RAM, right after the save), and
     deletes the probe checkpoint.
     """
+    import asyncio
+
     import numpy as np
 
     from storaged.client import AsyncSaver, Client, restore_checkpoint
@@ -322,6 +326,8 @@ def gather_inputs(args: argparse.Namespace) -> Inputs:
     if args.model_bytes is not None and args.nodes is None:
         raise AdviceError("--model-bytes needs --nodes (the scale model's cluster size)")
     if args.url:
+        import asyncio  # here: ``storaged --version`` parses this command's options only
+
         try:
             stall, restored, ack = asyncio.run(measure_live(args.url, args.token, args.size))
         except Exception as exc:  # any client failure: reported, not a traceback

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import errno
-import logging
 import os
-import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +47,10 @@ class CannotListen(Exception):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run one node. A refusal to start is one line on stderr (``storaged serve: ...``)."""
+    # Here, not at the top: ``storaged --version`` and ``ls`` start without them.
+    import asyncio
+    import logging
+
     from storaged.datalock import DataDirLocked, lock_data_dir
 
     overrides = {
@@ -108,6 +108,8 @@ def _check_listen(config: Config) -> None:
     Before the node opens its tiers (which may take a while): a taken port is
     reported at once, in one line, rather than as a traceback after start-up.
     """
+    import socket
+
     for what, (host, port) in (("HTTP", config.node.http_addr), ("peer", config.node.peer_addr)):
         try:
             # SO_REUSEADDR (create_server's default), as the node's own listeners use:
@@ -126,6 +128,9 @@ def _check_listen(config: Config) -> None:
 
 
 async def _serve(config: Config) -> int:
+    import asyncio
+    import signal
+
     from storaged.node import Node
     from storaged.server import serve
 
@@ -330,6 +335,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _check_etcd_ports(port: int, path: Path, *, given: bool) -> None:
     """``ClusterError`` if the local etcd's client or peer port is taken: ``up`` does not
     move etcd elsewhere on its own (nodes joined by hand know its address)."""
+    import socket  # here, as in cmd_serve: ``storaged ls`` starts without it
+
     from storaged.cluster import ClusterError
 
     for what, taken in (("port", port), ("peer port", port + 1)):

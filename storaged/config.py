@@ -35,7 +35,6 @@ import dataclasses
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -386,6 +385,8 @@ def load_config(
     """The configuration of node ``node_id``: cluster file, then environment, then overrides."""
     doc: dict[str, Any] | None = None
     if path is not None:
+        import tomllib  # here: the command line is parsed without it
+
         try:
             doc = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
 import secrets
 import shutil
 import signal
@@ -55,42 +54,6 @@ GiB: Final = 1 << 30
 _BLOCK_BYTES: Final = 8 * MiB
 #: Relative uneven shares of the ranks (rotated per tensor, so each tensor splits differently).
 _SHARES: Final = (1.3, 0.7, 1.1, 0.9)
-
-
-def add_demo_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: Sequence[argparse.ArgumentParser],
-) -> None:
-    """Add ``demo``; ``parents`` give it the shared options (progress bars)."""
-    p = sub.add_parser(
-        "demo",
-        parents=list(parents),
-        help="save a synthetic multi-rank checkpoint, watch it drain, kill a node, restore",
-        description="Save a synthetic checkpoint from 4 ranks with AsyncSaver, follow it "
-        "memory -> nvme -> cold, kill a node, restore onto 2 ranks and check every byte.",
-    )
-    p.add_argument(
-        "--url",
-        default=None,
-        help="use this cluster (node URLs, comma-separated) instead of starting one",
-    )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("STORAGED_TOKEN") or None,
-        help="client token for --url (default $STORAGED_TOKEN)",
-    )
-    p.add_argument("--size", default="2GiB", help="checkpoint size (default %(default)s)")
-    p.add_argument("--ranks", type=int, default=4, help="ranks that save (default 4)")
-    p.add_argument("--restore-ranks", type=int, default=2, help="ranks that restore (default 2)")
-    p.add_argument("--nodes", type=int, default=4, help="nodes of the local cluster")
-    p.add_argument("--kill", type=int, default=1, help="index of the node to kill (default 1)")
-    p.add_argument(
-        "--no-kill", action="store_true", help="restore with every node up (for comparison)"
-    )
-    p.add_argument("--data", default=None, help="parent of the temporary data dir")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to reach cold")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoint (with --url)")
-    p.set_defaults(func=cmd_demo)
 
 
 # --------------------------------------------------------------------------- the model

@@ -25,17 +25,15 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypeVar
 from urllib.parse import quote, urlsplit
 
 import aiohttp
 import msgpack
-import numpy as np
 
-from erasure import HEADER_SIZE, Codec, InvalidParameters, make_codec
 from storaged.client.deadlines import Bandwidth, Deadlines, SlowNodes
-from storaged.client.degraded import Decoded, decode_cold
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
+from storaged.client.durability import STATES, state_at_least, state_rank
 from storaged.client.errors import (
     BadName,
     BadRange,
@@ -66,6 +64,14 @@ from storaged.placement import rendezvous_order
 from storaged.shmwire import WireError
 from tiers.base import ByteRange
 
+if TYPE_CHECKING:
+    # Imported where used: a command that only asks the cluster (``storaged ls``) starts
+    # without numpy and the codecs (tests/client/test_cli_start.py).
+    import numpy as np
+
+    from erasure import Codec
+    from storaged.client.degraded import Decoded
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -73,28 +79,12 @@ T = TypeVar("T")
 #: What ``put_chunk`` accepts without copying.
 BytesLike = bytes | bytearray | memoryview
 #: What ``get_chunk`` can read into: any C-contiguous writable buffer.
-WritableBuffer = bytearray | memoryview | np.ndarray[Any, Any]
-
-#: Durability levels, weakest first.
-STATES: Final = ("memory", "nvme", "cold")
+WritableBuffer: TypeAlias = "bytearray | memoryview | np.ndarray[Any, Any]"
 
 MSGPACK: Final = "application/msgpack"
 # Bodies are streamed to the socket in slices this big: the transport buffers (copies)
 # only what the kernel does not take at once, and memory stays bounded per request.
 _SEND_SLICE = 1 << 20
-
-
-def state_rank(state: str) -> int:
-    """Position of a durability level in ``STATES``; ``ValueError`` for anything else."""
-    try:
-        return STATES.index(state)
-    except ValueError:
-        raise ValueError(f"unknown durability level {state!r}; expected one of {STATES}") from None
-
-
-def state_at_least(state: str, level: str) -> bool:
-    """True when ``state`` is ``level`` or further along ``memory < nvme < cold``."""
-    return state_rank(state) >= state_rank(level)
 
 
 # --------------------------------------------------------------------------- documents
@@ -460,7 +450,8 @@ def _header_lines(headers: Mapping[str, str]) -> str:
 
 def writable_view(out: WritableBuffer) -> memoryview:
     """A flat, writable byte view of ``out``; ``TypeError`` if it is read-only or strided."""
-    view = out.data if isinstance(out, np.ndarray) else memoryview(out)
+    # An ndarray's buffer without importing numpy (``storaged ls`` starts without it).
+    view = memoryview(out) if isinstance(out, bytearray | memoryview) else out.data
     if view.readonly:
         raise TypeError("output buffer is read-only")
     if not view.c_contiguous:
@@ -1581,6 +1572,8 @@ class Client:
         erasure = self.cluster.erasure
         if erasure is None:
             return None
+        from erasure import InvalidParameters, make_codec
+
         codec = self._codec
         if codec is None or (codec.name, codec.k, codec.n) != (erasure.codec, erasure.k, erasure.n):
             try:
@@ -1675,6 +1668,8 @@ class Client:
         sources: Mapping[int, Sequence[str]],
         out: memoryview | None,
     ) -> Decoded:
+        from storaged.client.degraded import decode_cold
+
         async def fetch(index: int) -> memoryview:
             return await self._get_fragment(chunk_id, index, sources[index])
 
@@ -1688,6 +1683,8 @@ class Client:
         """Fragment ``index`` of a chunk, whole and unchecked (the codec checks it), from one
         of ``nodes`` (extension E12); ``FragmentNotFound``/``ConnectionFailed`` when none
         gives it after a try or two each (another index will do as well)."""
+        from erasure import HEADER_SIZE
+
         path = f"/v1/chunks/{chunk_id}/fragments/{index}"
         # A fragment is at most a k-th of a chunk (rounded up) plus its header.
         limit = self.cluster.max_chunk_size + HEADER_SIZE

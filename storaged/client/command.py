@@ -1,8 +1,9 @@
 """What every client command of ``storaged`` runs on (the CLI's commands and ``storaged
 demo`` alike): exit statuses, expected failures (``CommandError``, ``UsageError``) turned
 into one line and a status by ``run_command``, ``run_async``, ``--url`` lists
-(``urls_of``), byte sizes for people (``human_bytes``), progress bars (``ByteProgress``) and
-following a checkpoint's durability (``watch_durability``).
+(``urls_of``), checkpoint names (``check_name``), the client of a command's options
+(``client_of``), byte sizes for people (``human_bytes``), progress bars (``ByteProgress``)
+and following a checkpoint's durability (``watch_durability``).
 
 Exit statuses a script may rely on: 0 success; 1 the command failed; 2 the command line is
 wrong; 3 ``nodes``: a node is down or does not answer; 130 interrupted.
@@ -13,20 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TypeVar
 
-from storaged.client.client import (
-    STATES,
-    BlockedWatch,
-    CheckpointStatus,
-    Client,
-    WaitTimeout,
-    base_url,
-)
+from storaged.client.client import BlockedWatch, CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.deadlines import Deadlines
+from storaged.client.durability import STATES
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
@@ -35,8 +32,8 @@ from storaged.client.errors import (
     Unauthorized,
     Unavailable,
 )
-from storaged.client.formats import FormatError, UnknownFormat, clean_message
-from storaged.client.layout import LayoutError
+from storaged.client.format_names import FormatError, UnknownFormat, clean_message
+from storaged.ids import is_checkpoint_name
 
 T = TypeVar("T")
 
@@ -58,6 +55,30 @@ class CommandError(Exception):
 class UsageError(CommandError):
     def __init__(self, message: str) -> None:
         super().__init__(message, EXIT_USAGE)
+
+
+def check_name(name: str) -> None:
+    """``UsageError`` unless ``name`` is a checkpoint name (API.md's form)."""
+    if not is_checkpoint_name(name):
+        raise UsageError(
+            f"invalid checkpoint name {name!r}: up to four /-separated parts of letters, "
+            "digits, '.', '_' and '-', each starting with a letter or digit"
+        )
+
+
+def client_of(args: argparse.Namespace) -> Client:
+    """The client of a command's ``--url`` and ``--token``."""
+    # A command fails at once where nothing listens (a typo, a stopped cluster), instead
+    # of backing off as a job's client does across a node's restart.
+    try:
+        deadlines = Deadlines.from_env()
+    except ValueError as exc:  # names the variable
+        raise UsageError(str(exc)) from None
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True, deadlines=deadlines)
+
+
+def print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
 
 
 def urls_of(value: str) -> list[str]:
@@ -96,6 +117,13 @@ def explain(error: BaseException, url: str = "") -> str:
     return str(error)
 
 
+def _is_layout_error(exc: BaseException) -> bool:
+    """``exc`` is a ``storaged.client.layout.LayoutError``. Looked up, not imported: only a
+    command that loaded the layout can have raised one, and ``ls`` starts without it."""
+    layout = sys.modules.get("storaged.client.layout")
+    return layout is not None and isinstance(exc, layout.LayoutError)
+
+
 def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
     """Run ``body`` and turn expected failures into a message and an exit status."""
     command = getattr(args, "command", None) or "storaged"
@@ -111,10 +139,12 @@ def run_command(args: argparse.Namespace, body: Callable[[], None]) -> int:
         return fail(str(exc), exc.status)
     except UnknownFormat as exc:
         return fail(str(exc), EXIT_USAGE)
-    except (LayoutError, FormatError) as exc:  # a checkpoint or file this client cannot lay out
-        return fail(str(exc))
     except (StoragedError, WaitTimeout) as exc:
         return fail(explain(exc, getattr(args, "url", None) or ""))
+    except ValueError as exc:  # a checkpoint or file this client cannot lay out
+        if not (isinstance(exc, FormatError) or _is_layout_error(exc)):
+            raise
+        return fail(str(exc))
     except KeyboardInterrupt:
         print(f"storaged {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -23,11 +23,13 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from storaged.ids import is_chunk_id
+
+if TYPE_CHECKING:
+    # Imported where used: ``storaged ls`` parses no manifest and starts without numpy.
+    import numpy as np
 
 FORMAT: Final = 1
 #: dtype of an item holding one msgpack-encoded non-array value.
@@ -186,6 +188,8 @@ def run_starts(outer: Shape, rel_offsets: Shape, inner: Shape, k: int) -> np.nda
 
     ``inner`` lies at ``rel_offsets`` in ``outer``; runs come in row-major order.
     """
+    import numpy as np
+
     strides = row_major_strides(outer)
     base = sum(o * s for o, s in zip(rel_offsets, strides, strict=True))
     starts = np.array([base], dtype=np.int64)
@@ -274,6 +278,8 @@ def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dty
     """
     if name in VALUE_DTYPES:
         return None
+    import numpy as np
+
     if dtype_map is not None and name in dtype_map:
         mapped: np.dtype[Any] = np.dtype(dtype_map[name])
         return mapped
@@ -922,6 +928,8 @@ def _staged_tile(
     coalesce_gap: int,
     staged_index: int,
 ) -> StagedCopy:
+    import numpy as np
+
     k = run_dim(source_shape, tile.shape)
     run_bytes = tile.shape[k] * _volume(source_shape[k + 1 :]) * itemsize
     starts = run_starts(source_shape, tile.offsets, tile.shape, k) * itemsize

@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgpack
-import numpy as np
 
 from storaged.client.errors import (
     BadRange,
@@ -150,6 +149,8 @@ def _copy(dst: memoryview, src: memoryview) -> None:
     if src.nbytes <= _INLINE_COPY_BYTES:
         dst[:] = src
     else:
+        import numpy as np  # only here: ``storaged ls`` starts without numpy
+
         np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
 
 

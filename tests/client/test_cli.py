@@ -69,6 +69,7 @@ def _name(tag: str) -> str:
 # --------------------------------------------------------------------------- round trips
 
 
+@pytest.mark.quick
 def test_npz_round_trip(cli: Any, tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     arrays: dict[str, np.ndarray[Any, Any]] = {
@@ -221,6 +222,7 @@ def test_save_wait_cold(cli: Any, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- ls / status / rm
 
 
+@pytest.mark.quick
 def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     src = tmp_path / "a.npz"
     np.savez(src, x=np.arange(1000, dtype=np.float64))

@@ -590,7 +590,8 @@ def test_nodes_marks_a_gc_stall_with_its_cause(cluster_factory: ClusterFactory) 
 def test_a_saved_file_name_never_leaves_the_restored_directory(tmp_path: Path) -> None:
     """A manifest naming a side file outside its directory (``file:../x``, absolute) is
     refused before anything is written there."""
-    from storaged.client.formats import DirectoryWriter, FormatError
+    from storaged.client.format_names import FormatError
+    from storaged.client.formats import DirectoryWriter
 
     root = tmp_path / "out"
     root.mkdir()
@@ -604,7 +605,8 @@ def test_a_saved_file_name_never_leaves_the_restored_directory(tmp_path: Path) -
 
 def test_bad_values_metadata_is_refused_in_one_line(tmp_path: Path) -> None:
     """A .safetensors whose ``storaged.values`` is not a JSON object is not saved."""
-    from storaged.client.formats import FormatError, open_source
+    from storaged.client.format_names import FormatError
+    from storaged.client.formats import open_source
 
     st = pytest.importorskip("safetensors.numpy")
     for text, why in (("{not json", "is not JSON"), ("[1, 2]", "is not a JSON object")):

@@ -176,7 +176,10 @@ async def restore_on(
 # --------------------------------------------------------------------------- the plain cases
 
 
-@pytest.mark.parametrize(("saved_on", "restored_on"), [(1, 3), (3, 2), (4, 4), (5, 1)])
+@pytest.mark.parametrize(
+    ("saved_on", "restored_on"),
+    [(1, 3), pytest.param(3, 2, marks=pytest.mark.quick), (4, 4), (5, 1)],
+)
 async def test_save_n_restore_m(cluster: LocalCluster, saved_on: int, restored_on: int) -> None:
     name = f"nm/{saved_on}-to-{restored_on}"
     m = model()

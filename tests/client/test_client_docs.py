@@ -1,15 +1,21 @@
-"""docs/CLIENT.md runs as written: its Python blocks, in order, against a real cluster."""
+"""docs/CLIENT.md runs as written: its Python blocks, in order, against a real cluster, and
+its multi-rank DCP example (docs/examples/dcp_torchrun.py, quoted there verbatim) under
+torchrun with two ranks."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from storaged.client import Client, restore_checkpoint
 from storaged.cluster import LocalCluster
 from tests.conftest import TOKEN
 
@@ -17,6 +23,9 @@ pytestmark = pytest.mark.timeout(300)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "CLIENT.md"
+TORCHRUN_EXAMPLE = REPO / "docs" / "examples" / "dcp_torchrun.py"
+#: what torch prints for a DCP save or load without a process group (or with ``no_dist``)
+NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 
 def python_blocks(text: str) -> list[str]:
@@ -63,3 +72,80 @@ def test_client_doc_examples_run(cluster: LocalCluster, tmp_path: Path) -> None:
     assert re.search(r"committed \d+ chunks, 256\d+ bytes", out), out
     assert "state nvme" in out or "state cold" in out
     assert out.count("training stalled") == 3
+    # The single-process DCP form runs in a process group of one: torch does not warn.
+    assert NO_DIST_WARNING not in proc.stderr, proc.stderr
+
+
+def test_the_no_dist_warning_is_what_the_doc_avoids(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The control: ``no_dist=True`` does print the warning the single-process form avoids
+    (if a torch release drops it, this fails and the doc's advice can go)."""
+    pytest.importorskip("torch")
+    code = (
+        "import os, torch, torch.distributed.checkpoint as dcp\n"
+        "from storaged.dcp import StoragedWriter\n"
+        "url = os.environ['STORAGED_URL'].split(',')\n"
+        "w = StoragedWriter(url, 'docs/no-dist-control', os.environ['STORAGED_TOKEN'])\n"
+        "dcp.save({'x': torch.ones(3)}, storage_writer=w, no_dist=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONASYNCIODEBUG": "",
+           "STORAGED_URL": ",".join(cluster.urls), "STORAGED_TOKEN": TOKEN}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert NO_DIST_WARNING in proc.stderr
+
+
+def test_the_torchrun_example_is_quoted_verbatim() -> None:
+    text = DOC.read_text()
+    quoted = re.search(
+        r"^```python file=docs/examples/dcp_torchrun.py\n(.*?)^```$",
+        text,
+        flags=re.DOTALL | re.MULTILINE,
+    )
+    assert quoted is not None, "docs/CLIENT.md does not quote docs/examples/dcp_torchrun.py"
+    assert quoted.group(1) == TORCHRUN_EXAMPLE.read_text()
+    assert "torchrun --standalone --nproc-per-node 2 docs/examples/dcp_torchrun.py" in text
+
+
+@pytest.mark.torch
+def test_the_torchrun_example_runs_on_two_ranks(cluster: LocalCluster, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    name = f"docs/torchrun-{os.getpid()}-{tmp_path.name[-12:]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PYTHONASYNCIODEBUG": "",
+        "STORAGED_URL": ",".join(cluster.urls),
+        "STORAGED_TOKEN": TOKEN,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",  # gloo's own sockets stay on the loopback
+    }
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*argv, str(TORCHRUN_EXAMPLE), name],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: saved rows, loaded columns and the whole weight: ok" in (
+            proc.stdout
+        ), proc.stdout + proc.stderr
+    assert NO_DIST_WARNING not in proc.stderr
+
+    # One checkpoint with both ranks' shards: the numpy client reads it whole, on one process.
+    async def read_back() -> dict[str, Any]:
+        async with Client(cluster.urls, token=TOKEN) as client:
+            manifest = await client.get_manifest(name)
+            ranks = {shard["rank"] for shard in manifest["shards"]}
+            assert ranks == {0, 1}, manifest
+            return await restore_checkpoint(client, name)
+
+    back = asyncio.run(read_back())
+    want = np.arange(48, dtype=np.float32).reshape(8, 6)
+    assert np.array_equal(back["weight"], want)
+    assert np.allclose(back["bias"], np.linspace(-1.0, 1.0, 6, dtype=np.float32))

@@ -32,9 +32,9 @@ from storaged.client.client import (
     Holder,
     WaitTimeout,
     range_header,
-    state_at_least,
     writable_view,
 )
+from storaged.client.durability import state_at_least
 from storaged.client.errors import (
     BadManifest,
     BadRange,

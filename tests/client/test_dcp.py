@@ -139,6 +139,7 @@ def _upload_result(result: Any) -> ConcurrentFuture[Any]:
 # ---------------------------------------------------------------------- single process
 
 
+@pytest.mark.quick
 def test_round_trip_several_dtypes(cluster: LocalCluster) -> None:
     name = _name("mixed")
     state = _mixed_state()

@@ -171,6 +171,7 @@ class CodecConformance:
         for subset in [(0, 1, 2, 3, 4), (3, 4, 5, 6, 7), (0, 2, 4, 6, 7)]:
             assert codec.decode(chunk_id, [blobs[i] for i in subset]) == data
 
+    @pytest.mark.quick
     def test_decode_accepts_every_input_form(self) -> None:
         data = random_bytes(5000, 2)
         codec = self.codec(3, 5)

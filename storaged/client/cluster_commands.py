@@ -1,0 +1,459 @@
+"""``storaged ls``, ``status``, ``nodes``, ``drain`` and ``rm``: the commands that ask or
+tell the cluster and move no checkpoint data.
+
+They import the HTTP client, not numpy nor the formats (``storaged.client.cli`` imports
+this module only when one of them runs; tests/client/test_cli_start.py holds that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import re
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from storaged.client.client import CheckpointStatus
+from storaged.client.command import (
+    EXIT_NODE_DOWN,
+    CommandError,
+    UsageError,
+    check_name,
+    client_of,
+    human_bytes,
+    print_json,
+    run_async,
+    run_command,
+)
+from storaged.client.durability import STATES
+from storaged.client.errors import CheckpointNotFound
+
+__all__ = ["cmd_drain", "cmd_ls", "cmd_nodes", "cmd_rm", "cmd_status"]
+
+
+def _clock(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# --------------------------------------------------------------------------- ls / status
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    def body() -> None:
+        async def main() -> None:
+            async with client_of(args) as client:
+                listed = await client.list(args.prefix)
+            if args.json:
+                doc = {
+                    "checkpoints": [
+                        {"name": c.name, "created": c.created, "bytes": c.bytes, "state": c.state}
+                        for c in listed
+                    ]
+                }
+                print_json(doc)
+                return
+            if not listed:
+                return
+            width = max(len("NAME"), *(len(c.name) for c in listed))
+            print(f"{'NAME':<{width}}  {'STATE':<6}  {'SIZE':>11}  CREATED")
+            for c in listed:
+                size = human_bytes(c.bytes)
+                print(f"{c.name:<{width}}  {c.state:<6}  {size:>11}  {_clock(c.created)}")
+
+        run_async(main)
+
+    return run_command(args, body)
+
+
+def _copies_now(chunks: list[str], plan: Mapping[str, list[Any]]) -> dict[str, int]:
+    """Per tier, how many of ``chunks`` a live node holds there now (from ``?plan``, which
+    names each live holder once, by its fastest tier), and how many no live node holds."""
+    now = {"memory": 0, "hot": 0, "cold": 0, "unavailable": 0}
+    for chunk in chunks:
+        tiers = {holder.tier for holder in plan.get(chunk, [])}
+        now["memory"] += "memory" in tiers
+        now["hot"] += bool(tiers & {"memory", "nvme"})
+        now["cold"] += "cold" in tiers
+        now["unavailable"] += not tiers
+    return now
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    def body() -> None:
+        check_name(args.name)
+
+        async def main() -> tuple[CheckpointStatus, dict[str, int]]:
+            async with client_of(args) as client:
+                try:
+                    status, plan = await asyncio.gather(
+                        client.status(args.name), client.plan(args.name)
+                    )
+                except CheckpointNotFound:
+                    raise CommandError(f"no checkpoint named {args.name}") from None
+            return status, _copies_now(list(plan), plan)
+
+        status, now = run_async(main)
+        doc: dict[str, Any] = {
+            "name": args.name,
+            "state": status.state,
+            "chunks": status.chunks,
+            # how many chunks reached at least each level (they never go back)
+            "memory": status.memory,
+            "nvme": status.nvme,
+            "cold": status.cold,
+            # where copies are now, on live nodes
+            "now": now,
+        }
+        if status.lost is not None:
+            doc["lost"] = status.lost
+        if args.json:
+            print_json(doc)
+            return
+        n = status.chunks
+        print(f"name    {args.name}")
+        print(f"state   {status.state} (every chunk reached at least this level)")
+        print(f"chunks  {n}")
+        print(f"reached memory {status.memory}/{n}  nvme {status.nvme}/{n}  cold {status.cold}/{n}")
+        print(
+            f"now     in RAM {now['memory']}/{n}  in RAM or on nvme {now['hot']}/{n}  "
+            f"fragments {now['cold']}/{n}  on no live node {now['unavailable']}/{n}"
+        )
+        if status.lost is not None:
+            print(f"lost    {status.lost}")
+
+    return run_command(args, body)
+
+
+# --------------------------------------------------------------------------- nodes
+
+_METRIC = re.compile(r'^(storaged_\w+)(?:\{tier="(\w+)"\})? ([0-9.eE+-]+|NaN)$')
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    """The gauges ``nodes`` shows, as ``name`` or ``name:tier`` -> value."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        found = _METRIC.match(line)
+        if found:
+            name, tier, value = found.groups()
+            out[f"{name}:{tier}" if tier else name] = float(value)
+    return out
+
+
+async def _node_metrics(url: str, token: str | None, within: float) -> dict[str, float] | None:
+    """A node's ``/metrics`` gauges; None when it does not answer within ``within`` s."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = aiohttp.ClientTimeout(total=within)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(f"{url}/metrics", headers=headers) as resp,
+        ):
+            if resp.status != 200:
+                return None
+            return _parse_metrics(await resp.text())
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+
+
+def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> dict[str, Any]:
+    """A node's figures: ``/v1/cluster``'s, else its ``/metrics``'; None where neither has one."""
+    alive = bool(raw.get("alive"))
+    row: dict[str, Any] = {"id": raw.get("id"), "url": raw.get("url"), "alive": alive}
+    # Alive to its peers' heartbeats for a while yet, a hung node answers nobody.
+    row["answering"] = metrics is not None if alive else False
+    row["state"] = str(raw.get("state") or "active")
+    since = raw.get("down_since") if not alive else raw.get("up_since")
+    row["since"] = since if isinstance(since, int | float) else None
+    # A drain's own start, not the node's: how long the evacuation has been going on.
+    drain = raw.get("draining_since")
+    row["draining_since"] = drain if isinstance(drain, int | float) else None
+    for tier in STATES:
+        given = raw.get(tier)
+        space: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
+        count = space.get("count")
+        if count is None and metrics is not None:
+            count = metrics.get(f"storaged_tier_chunks:{tier}")
+        row[tier] = {
+            "used": space.get("used"),
+            "capacity": space.get("capacity"),
+            "chunks": None if count is None else int(count),
+        }
+        if tier == "memory":
+            row[tier]["dirty"] = space.get("dirty")
+        else:
+            # E16: "full" (writes to it fail for room), "nearly_full" (5 % or less left)
+            row[tier]["state"] = str(space.get("state") or "ok")
+            for key in ("free", "full_since", "cause"):
+                row[tier][key] = space.get(key)
+    for backlog in ("drain_backlog", "encode_backlog", "repair_backlog", "misplaced_backlog"):
+        value = raw.get(backlog)
+        if value is None and metrics is not None:
+            value = metrics.get(f"storaged_{backlog}")
+        row[backlog] = None if value is None else int(value)
+    gc = raw.get("gc")
+    row["gc"] = dict(gc) if isinstance(gc, Mapping) else None
+    return row
+
+
+#: how ``nodes`` marks a disk tier's state (E16)
+_MARKS = {"full": " FULL", "nearly_full": " NEARLY-FULL"}
+
+
+def _space(tier: Mapping[str, Any]) -> str:
+    if tier["used"] is None:
+        return "-"
+    mark = _MARKS.get(tier.get("state") or "ok", "")
+    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}{mark}"
+
+
+def _room_lines(row: Mapping[str, Any], now: float) -> list[str]:
+    """A line for each full or nearly full disk tier of ``row``'s node, saying why."""
+    lines = []
+    for tier in ("nvme", "cold"):
+        space = row[tier]
+        free = space.get("free")
+        left = "" if free is None else f" ({human_bytes(free)} free)"
+        if space.get("state") == "full":
+            since = space.get("full_since")
+            when = (
+                f" since {_clock(since)[11:]} ({now - since:.0f} s)"
+                if isinstance(since, int | float)
+                else ""
+            )
+            what = (
+                "its RAM fills with chunks that cannot drain; saves it would hold are "
+                "refused with nvme_full"
+                if tier == "nvme"
+                else "chunks whose fragments go there cannot become cold (cold_full)"
+            )
+            lines.append(
+                f"{row['id']}: {tier} FULL{when}{left}: {what}; free space there "
+                f"({space.get('cause') or 'no room'})"
+            )
+        elif space.get("state") == "nearly_full":
+            lines.append(f"{row['id']}: {tier} nearly full{left}")
+    return lines
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    def body() -> None:
+        async def main() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            async with client_of(args) as client:
+                doc = await client.cluster_document()
+                # A node that missed the deadline of a request of this command is hung
+                # or overloaded: not asked again (its /metrics would only wait as long).
+                slow = set(client.slow_nodes())
+                within = 2 * client.deadlines.metadata
+            raw_nodes = [n for n in doc.get("nodes", []) if isinstance(n, Mapping)]
+            # Only alive nodes are asked: a dead one would cost a timeout and say nothing.
+            metrics = await asyncio.gather(
+                *(
+                    _node_metrics(str(n.get("url")), args.token, within)
+                    if n.get("alive") and n.get("id") not in slow
+                    else asyncio.sleep(0, None)
+                    for n in raw_nodes
+                )
+            )
+            return doc, [_node_row(n, m) for n, m in zip(raw_nodes, metrics, strict=True)]
+
+        doc, rows = run_async(main)
+        down = [row["id"] for row in rows if not row["alive"]]
+        silent = [row["id"] for row in rows if row["alive"] and not row["answering"]]
+        if args.json:
+            print_json(
+                {
+                    "nodes": rows,
+                    "down": down,
+                    "not_answering": silent,
+                    "replication": doc.get("replication"),
+                    "erasure": doc.get("erasure"),
+                    "max_chunk_size": doc.get("max_chunk_size"),
+                }
+            )
+        else:
+            _print_nodes(rows)
+        problems = []
+        if down:
+            problems.append(f"{len(down)} of {len(rows)} nodes down: {', '.join(map(str, down))}")
+        if silent:
+            problems.append(
+                f"{len(silent)} of {len(rows)} nodes alive to their peers but not answering: "
+                f"{', '.join(map(str, silent))}"
+            )
+        if problems:
+            raise CommandError("; ".join(problems), EXIT_NODE_DOWN)
+
+    return run_command(args, body)
+
+
+def _print_nodes(rows: list[dict[str, Any]]) -> None:
+    now = time.time()
+    header = "NODE STATE MEMORY NVME COLD CHUNKS_m/n/c DRAIN ENCODE LACKING MISPLACED GC URL"
+    table = [[name.replace("_", " ") for name in header.split()]]
+    for row in rows:
+        state = "alive" if row["alive"] else "DOWN"
+        if row["since"] is not None and not (row["alive"] and row["draining_since"]):
+            state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
+        if row["alive"] and not row["answering"]:
+            state += ", NOT ANSWERING"
+        if row["state"] != "active":
+            state += f", {row['state']}"
+            if row["draining_since"] is not None:
+                since = row["draining_since"]
+                state += f" since {_clock(since)[11:]} ({now - since:.0f} s)"
+        counts = [row[t]["chunks"] for t in STATES]
+        table.append(
+            [
+                str(row["id"]),
+                state,
+                *(_space(row[t]) for t in STATES),
+                "/".join("-" if c is None else str(c) for c in counts),
+                *(
+                    "-" if row[b] is None else str(row[b])
+                    for b in (
+                        "drain_backlog",
+                        "encode_backlog",
+                        "repair_backlog",
+                        "misplaced_backlog",
+                    )
+                ),
+                _gc_cell(row["gc"]),
+                str(row["url"]),
+            ]
+        )
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+    for row in rows:
+        for room in _room_lines(row, now):
+            print(room)
+        gc = row["gc"] or {}
+        since = gc.get("stalled_since")
+        if isinstance(since, int | float):
+            print(
+                f"{row['id']}: GC stalled since {_clock(since)[11:]} ({now - since:.0f} s), "
+                f"nothing is freed meanwhile: {gc.get('cause')}"
+            )
+
+
+def _gc_cell(gc: Mapping[str, Any] | None) -> str:
+    """``ok``, ``STALLED`` (no complete pass for longer than the grace), or ``-``."""
+    if not gc:
+        return "-"
+    return "STALLED" if gc.get("stalled_since") is not None else "ok"
+
+
+# --------------------------------------------------------------------------- drain
+
+
+def _drain_line(doc: Mapping[str, Any]) -> str:
+    verdict = (
+        "can leave: everything it holds is safely elsewhere"
+        if doc.get("can_leave")
+        else "cannot leave yet"
+    )
+    return (
+        f"{doc.get('node')}: {doc.get('state')}, {doc.get('chunks')} chunks "
+        f"({doc.get('chunks_pending')} not yet elsewhere), {doc.get('fragments')} fragments "
+        f"({doc.get('fragments_pending')} not yet elsewhere): {verdict}"
+    )
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    def body() -> None:
+        if args.cancel and args.wait:
+            raise UsageError("--wait waits for a drain: it does not go with --cancel")
+        if args.timeout <= 0 or args.interval <= 0:
+            raise UsageError("--timeout and --interval must be positive")
+
+        async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+            async with client_of(args) as client:
+                marked = await client.drain(
+                    args.node, cancel=args.cancel, admin_token=args.admin_token
+                )
+                if marked.get("was") == marked.get("state") and not args.json:
+                    print(
+                        f"{args.node} was not draining: nothing to cancel"
+                        if args.cancel
+                        else f"{args.node} was already draining",
+                        file=sys.stderr,
+                    )
+                if marked.get("unreached") and not args.json:
+                    print(
+                        f"not told now (they learn it from their peers once back): "
+                        f"{', '.join(map(str, marked['unreached']))}",
+                        file=sys.stderr,
+                    )
+                deadline = time.monotonic() + args.timeout
+                while True:
+                    doc = await client.drain_progress(args.node, admin_token=args.admin_token)
+                    if not args.json:
+                        print(_drain_line(doc), file=sys.stderr if args.wait else sys.stdout)
+                    if not args.wait or doc.get("can_leave"):
+                        return marked, doc
+                    if time.monotonic() + args.interval > deadline:
+                        raise CommandError(
+                            f"{args.node} cannot leave yet after {args.timeout:.0f} s: "
+                            f"{doc.get('chunks_pending')} chunks and "
+                            f"{doc.get('fragments_pending')} fragments not yet safely elsewhere"
+                        )
+                    await asyncio.sleep(args.interval)
+
+        marked, doc = run_async(main)
+        if args.json:
+            print_json({**doc, "unreached": marked.get("unreached", [])})
+        elif args.wait:
+            print(f"{args.node} can leave: nothing it holds is under-replicated without it")
+
+    return run_command(args, body)
+
+
+# --------------------------------------------------------------------------- rm
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    def body() -> None:
+        if not args.names and args.prefix is None:
+            raise UsageError("name the checkpoints to delete, or give --prefix")
+        if args.prefix is not None and not args.prefix:
+            raise UsageError("--prefix must not be empty (it would delete every checkpoint)")
+        for name in args.names:
+            check_name(name)
+
+        async def main() -> tuple[list[str], list[str]]:
+            deleted: list[str] = []
+            missing: list[str] = []
+            async with client_of(args) as client:
+                names = list(dict.fromkeys(args.names))
+                if args.prefix is not None:
+                    listed = [c.name for c in await client.list(args.prefix)]
+                    if not listed:
+                        raise CommandError(f"no checkpoint name starts with {args.prefix!r}")
+                    names += [name for name in listed if name not in names]
+                for name in names:
+                    try:
+                        await client.delete(name)
+                    except CheckpointNotFound:
+                        missing.append(name)
+                    else:
+                        deleted.append(name)
+                        if not args.json:
+                            print(f"deleted {name}", flush=True)
+            return deleted, missing
+
+        deleted, missing = run_async(main)
+        if args.json:
+            print_json({"deleted": deleted, "missing": missing})
+        if missing:
+            raise CommandError(
+                f"no checkpoint named {', '.join(missing)}"
+                + (f" ({len(deleted)} others deleted)" if deleted else "")
+            )
+
+    return run_command(args, body)
