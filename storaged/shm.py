@@ -67,15 +67,24 @@ _MAX_INFLIGHT = 64
 def socket_path(data_dir: Path) -> Path:
     """Where the node listens: ``shm/node.sock`` in its data directory, or, when that path
     is too long for a Unix socket (108 bytes), a private directory under the temp dir
-    named after the data directory."""
+    named after the data directory (under ``/tmp`` when ``TMPDIR`` is itself too deep:
+    a node must not fail to start over the length of a path)."""
     path = data_dir / "shm" / "node.sock"
-    if len(os.fsencode(path)) < 100:
+    if _fits(path):
         return path
     import hashlib
     import tempfile
 
     tag = hashlib.blake2b(os.fsencode(data_dir.resolve()), digest_size=8).hexdigest()
-    return Path(tempfile.gettempdir()) / f"storaged-{os.getuid()}" / tag / "node.sock"
+    for top in (tempfile.gettempdir(), "/tmp"):
+        path = Path(top) / f"storaged-{os.getuid()}" / tag / "node.sock"
+        if _fits(path):
+            return path
+    return path  # the bind names the length in its error
+
+
+def _fits(path: Path) -> bool:
+    return len(os.fsencode(path)) < 100
 
 
 class ShmListener:

@@ -12,7 +12,9 @@ import contextlib
 import mmap
 import os
 import socket
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -75,6 +77,36 @@ def _unsealed_memfd(nbytes: int) -> int:
     os.ftruncate(fd, nbytes)
     os.posix_fallocate(fd, 0, nbytes)
     return fd
+
+
+async def test_a_node_deep_in_the_tree_under_a_deep_tmpdir_still_listens(
+    inproc: InprocFactory, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A Unix socket path holds 108 bytes. A data directory too deep for its own
+    ``shm/node.sock`` falls back to the temp dir; a ``TMPDIR`` too deep as well (pytest's
+    own under xdist was: the node exited with ``AF_UNIX path too long``) falls back to
+    ``/tmp``. The node listens and a client says hello either way."""
+    deep = tmp_path.joinpath(*["a-directory-deep-in-the-tree"] * 5)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = socket_path(deep / "node-data")
+    assert len(os.fsencode(path)) < 100 and path.is_relative_to("/tmp"), path
+    assert path != socket_path(deep / "other-node-data")  # one per data directory
+    cluster = await inproc.start(3)
+    listener = ShmListener(cluster.node(0), path, http_error)
+    await listener.start()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    reader = FrameReader(sock, accept_fds=True)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, str(listener.path))
+        await send_frame(sock, {"op": "hello", "token": TOKEN})
+        async with asyncio.timeout(30):
+            assert (await reader.read()).get("ok") is True
+    finally:
+        reader.close()
+        sock.close()
+        await listener.close()
 
 
 @pytest.mark.parametrize("resize", [48 * MiB, 4096], ids=["grown", "shrunk"])
