@@ -18,6 +18,7 @@ from storaged.client.checkpoint import (
 )
 from storaged.client.client import (
     STATES,
+    CheckpointCosts,
     CheckpointInfo,
     CheckpointStatus,
     Client,
@@ -27,6 +28,7 @@ from storaged.client.client import (
     Holder,
     NodeInfo,
     PutResult,
+    TierCost,
     WaitTimeout,
     state_at_least,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "BadRange",
     "BadRequest",
     "ByteRange",
+    "CheckpointCosts",
     "CheckpointInfo",
     "CheckpointNotFound",
     "CheckpointStatus",
@@ -112,6 +115,7 @@ __all__ = [
     "StagingBuffer",
     "StateDict",
     "StoragedError",
+    "TierCost",
     "TooLarge",
     "Unavailable",
     "WaitTimeout",

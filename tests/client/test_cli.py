@@ -14,6 +14,7 @@ import http.server
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,8 @@ from storaged.cli import main
 from storaged.client.command import ByteProgress, run_async
 from storaged.cluster import LocalCluster, free_port_block
 from storaged.demo import build_model, shares
-from tests.conftest import TOKEN
+from tests.client.helpers import client_for
+from tests.conftest import ADMIN_TOKEN, TOKEN
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -232,7 +234,8 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     r = cli("ls", prefix)
     assert r.status == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "SIZE", "CREATED"]
+    header = ["NAME", "STATE", "SIZE", "SHARED", "RAM", "NVME", "COLD", "STORED", "CREATED"]
+    assert lines[0].split() == header
     assert [line.split()[0] for line in lines[1:]] == sorted(names)
     assert all(line.split()[1] in ("memory", "nvme", "cold") for line in lines[1:])
 
@@ -241,6 +244,13 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     doc = json.loads(r.out)
     assert [c["name"] for c in doc["checkpoints"]] == sorted(names)
     assert all(c["bytes"] == 8000 for c in doc["checkpoints"])
+    # the same file twice: each shares its one chunk with the other
+    assert all(c["costs"]["shared"] == 8000 for c in doc["checkpoints"])
+    r = cli("ls", prefix, "--no-costs")
+    assert r.out.splitlines()[0].split() == ["NAME", "STATE", "SIZE", "CREATED"]
+    assert (
+        "costs" not in json.loads(cli("ls", prefix, "--json", "--no-costs").out)["checkpoints"][0]
+    )
     assert all(isinstance(c["created"], float) for c in doc["checkpoints"])
 
     r = cli("status", names[0], "--json")
@@ -258,6 +268,95 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     assert [c["name"] for c in json.loads(r.out)["checkpoints"]] == [names[1]]
     r = cli("ls", prefix + "-nothing-here")
     assert r.status == 0 and r.out == ""
+
+
+def _ls_rows(out: str) -> dict[str, dict[str, str]]:
+    """``ls`` text output as {name: {column: cell}}; cells are two or more spaces apart."""
+    lines = out.splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    return {
+        cells[0]: dict(zip(header, cells, strict=True))
+        for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:])
+    }
+
+
+def test_ls_shows_what_each_checkpoint_costs(
+    cli: Any, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Two checkpoints with a tensor in common each show exactly the bytes of the chunks
+    both name as shared; one with nothing in common shows 0. Once one is cold and evicted
+    from RAM and nvme, its RAM and NVME columns fall to 0 and what it stores is its
+    fragments: n of ceil(size / k) bytes per chunk."""
+    rng = np.random.default_rng(21)
+    frozen = rng.standard_normal(3 * 2**18).astype(np.float32)  # 3 MiB: three 1 MiB chunks
+    prefix = _name("costs")
+    contents = {
+        "a": {"frozen": frozen, "head": rng.standard_normal(2**18).astype(np.float32)},
+        "b": {"frozen": frozen, "head": rng.standard_normal(2**18).astype(np.float32)},
+        "c": {"alone": rng.standard_normal(2**18 + 5).astype(np.float32)},
+    }
+    for tag, arrays in contents.items():
+        np.savez(tmp_path / f"{tag}.npz", **arrays)  # type: ignore[arg-type]
+        wait = ["--wait", "cold", "--timeout", "120"] if tag == "a" else []
+        r = cli(
+            "save", str(tmp_path / f"{tag}.npz"), f"{prefix}/{tag}", "--chunk-size", "1MiB", *wait
+        )
+        assert r.status == 0, r.err
+
+    async def facts() -> tuple[dict[str, dict[str, int]], int, int]:
+        async with client_for(cluster) as client:
+            chunks = {}
+            for tag in contents:
+                manifest = await client.get_manifest(f"{prefix}/{tag}")
+                chunks[tag] = {c: n for s in manifest["shards"] for c, n in s["chunks"]}
+            erasure = client.cluster.erasure
+            assert erasure is not None
+            return chunks, erasure.k, erasure.n
+
+    chunks, k, n = run_async(facts)
+    both = set(chunks["a"]) & set(chunks["b"])
+    shared = sum(chunks["a"][c] for c in both)
+    assert len(both) == 3 and shared == frozen.nbytes  # what the test means to set up
+
+    def listed() -> dict[str, Any]:
+        r = cli("ls", prefix + "/", "--json")
+        assert r.status == 0, r.err
+        return {c["name"].rsplit("/", 1)[1]: c for c in json.loads(r.out)["checkpoints"]}
+
+    doc = listed()
+    for tag in ("a", "b"):
+        assert doc[tag]["costs"]["shared"] == shared, doc[tag]
+        assert doc[tag]["costs"]["shared_chunks"] == 3
+    assert doc["c"]["costs"]["shared"] == 0 and doc["c"]["costs"]["shared_chunks"] == 0
+    # sharing counts every checkpoint, not only those listed
+    alone = json.loads(cli("ls", f"{prefix}/a", "--json").out)["checkpoints"]
+    assert [c["costs"]["shared"] for c in alone] == [shared]
+    a = doc["a"]["costs"]
+    assert doc["a"]["state"] == "cold" and a["chunks"] == len(chunks["a"]) and a["lost"] == 0
+    fragments = sum(n * -(-size // k) for size in chunks["a"].values())
+    assert a["cold"] == {
+        "chunks": len(chunks["a"]),
+        "bytes": doc["a"]["bytes"],
+        "stored": fragments,
+    }
+    assert a["memory"]["bytes"] + a["nvme"]["bytes"] > 0  # hot copies still there
+    assert a["stored"] == a["memory"]["stored"] + a["nvme"]["stored"] + fragments
+    rows = _ls_rows(cli("ls", prefix + "/").out)
+    assert rows[f"{prefix}/c"]["SHARED"] == "0 B"
+    assert rows[f"{prefix}/a"]["SHARED"] == "3.00 MiB" == rows[f"{prefix}/b"]["SHARED"]
+
+    async def evict() -> None:
+        async with client_for(cluster) as client:
+            await client.evict(f"{prefix}/a", "nvme", admin_token=ADMIN_TOKEN)
+
+    run_async(evict)
+    a = listed()["a"]["costs"]
+    assert a["memory"] == {"chunks": 0, "bytes": 0, "stored": 0}, a
+    assert a["nvme"] == {"chunks": 0, "bytes": 0, "stored": 0}, a
+    assert a["cold"]["chunks"] == len(chunks["a"]) and a["stored"] == fragments
+    row = _ls_rows(cli("ls", prefix + "/").out)[f"{prefix}/a"]
+    assert row["RAM"] == row["NVME"] == "0 B" and row["STATE"] == "cold"
+    assert row["COLD"] == "4.00 MiB"
 
 
 # --------------------------------------------------------------------------- failures

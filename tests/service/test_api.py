@@ -247,6 +247,11 @@ async def test_commit_get_list_status_plan_delete(api: Api, cluster: LocalCluste
     entry = listing.doc["checkpoints"][1]
     assert entry["bytes"] == sum(map(len, chunks)) and entry["created"] == manifest["created"]
     assert entry["state"] in ("memory", "nvme", "cold")
+    # States only move forward: the listed one is never ahead of a status asked after it
+    # (the listing once judged records without their chunk lists: "cold" from the commit on).
+    after = await api.request("GET", "/v1/checkpoints/job1/step-000100?status")
+    forward = ["memory", "nvme", "cold"]
+    assert forward.index(entry["state"]) <= forward.index(after.doc["state"]), (entry, after.doc)
 
     status = await api.wait_state("job1/step-000100", "cold", timeout=90)
     assert status["chunks"] == 4 and status["memory"] == status["nvme"] == status["cold"] == 4
