@@ -712,8 +712,9 @@ async def _make_cold_only(urls: Sequence[str], name: str) -> tuple[int, int]:
 
 async def _wait_repaired(urls: Sequence[str], name: str, limit: float) -> float:
     """Seconds until checkpoint ``name`` has every chunk's ``n`` fragments again on the live
-    nodes (``?status``: ``under_replicated`` and ``lost`` both 0, extension E7), twice in a
-    row: P4 times the restore, not the repair of the dead node's fragments beside it.
+    nodes (``?status``: ``under_replicated`` and ``lost`` both 0, extension E7) and no live
+    node has repair or rebalance work left (``/v1/cluster`` backlogs 0), twice in a row: P4
+    times the restore, not the repair or the moves of the dead node's fragments beside it.
     ``TimeoutError`` after ``limit`` seconds."""
     import aiohttp
 
@@ -726,6 +727,16 @@ async def _wait_repaired(urls: Sequence[str], name: str, limit: float) -> float:
             async with session.get(url) as resp:
                 doc = await resp.json() if resp.status == 200 else {}
             repaired = doc.get("under_replicated") == 0 and doc.get("lost") == 0
+            if repaired:
+                # Placement changed with the death: the live nodes also move fragments to
+                # where the new membership puts them (rebalance, paced). Those moves read,
+                # send and write fragments, so a restore timed beside them measures them too.
+                async with session.get(f"{urls[calm % len(urls)]}/v1/cluster") as resp:
+                    cdoc = await resp.json() if resp.status == 200 else {}
+                live = [e for e in cdoc.get("nodes", []) if e.get("alive")]
+                repaired = bool(live) and all(
+                    not e.get("repair_backlog") and not e.get("misplaced_backlog") for e in live
+                )
             calm = calm + 1 if repaired else 0
             if calm >= 2:
                 return time.monotonic() - started

@@ -189,7 +189,7 @@ class EmbeddedCatalogue(Catalogue):
         async def ask(node_id: str) -> None:
             nonlocal answered, best
             try:
-                reply, _ = await node.call(node_id, "catalog_get", {"name": name})
+                reply, _ = await node.call(node_id, "catalog_get", {"name": name}, until_down=True)
             except PeerError:
                 return
             answered += 1
@@ -213,7 +213,9 @@ class EmbeddedCatalogue(Catalogue):
         merged: dict[str, CatalogRecord] = {}
         replies = await asyncio.gather(
             *(
-                node.call(n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks})
+                node.call(
+                    n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks}, until_down=True
+                )
                 for n in alive
             ),
             return_exceptions=True,

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,16 +151,24 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Start N nodes on 127.0.0.1, report success once each of them serves, "
         "and supervise them until Ctrl-C: a node that exits is reported with the tail of its "
         "log and restarted. A new cluster gets a random client token unless --token or "
-        "--insecure, and a random admin token (drain, evict) unless --insecure; an existing "
-        "cluster file keeps its tokens and cluster secret (one without an admin token gets "
-        "one). With "
+        "--insecure, and a random admin token (drain, evict) unless --insecure. An existing "
+        "cluster file (DIR/cluster.toml) is the operator's: up keeps everything in it (its "
+        "tokens and cluster secret, its nodes and ports, its settings, hand edits and "
+        "comments; one without an admin token gets one), and a flag given overrides the "
+        "file's value, saying so in one line; a flag not given changes nothing. With "
         "--coordinator etcd, a local etcd member (Debian's etcd-server) holds membership and "
-        "the catalogue: it is started first and stopped last.",
+        "the catalogue: it is started first and stopped last, on a port kept in the file.",
     )
-    p.add_argument("--nodes", type=int, default=4)
+    # No defaults here: a flag not given leaves the cluster file's value (the defaults
+    # of a new file are in storaged/cluster_file.py).
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (new file: 4)")
     p.add_argument("--data", default=None, help="data directory (default: user state dir)")
-    p.add_argument("--port", type=int, default=7400, help="HTTP port of n0 (n<i>: port+i)")
-    p.add_argument("--peer-port", type=int, default=0, help="peer port of n0 (default port+1000)")
+    p.add_argument(
+        "--port", type=int, default=None, help="HTTP port of n0, n<i>: port+i (new file: 7400)"
+    )
+    p.add_argument(
+        "--peer-port", type=int, default=None, help="peer port of n0 (new file: port+1000)"
+    )
     p.add_argument(
         "--token",
         default=os.environ.get("STORAGED_TOKEN", ""),
@@ -183,14 +192,28 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--no-restart", action="store_true", help="report a node that exits, do not restart it"
     )
-    p.add_argument("--memory", default="2GiB", help="RAM tier capacity per node")
-    p.add_argument("--replication", type=int, default=3)
+    p.add_argument("--memory", default=None, help="RAM tier capacity per node (new file: 2GiB)")
+    p.add_argument("--nvme", default=None, help="disk tier capacity per node (new file: 100GiB)")
+    p.add_argument(
+        "--cold", default=None, help="erasure-coded tier capacity per node (new file: 100GiB)"
+    )
+    p.add_argument(
+        "--replication", type=int, default=None, help="RAM copies per chunk (new file: 3)"
+    )
     p.add_argument(
         "--coordinator",
         choices=("embedded", "etcd"),
-        default="embedded",
+        default=None,
         help="where membership and the catalogue live: embedded (the cluster file and the "
-        "nodes) or etcd (one local etcd member on free ports, data under --data/etcd)",
+        "nodes; the default for a new file) or etcd (one local etcd member, data under "
+        "DATA/etcd); an existing file keeps its own",
+    )
+    p.add_argument(
+        "--etcd-port",
+        type=int,
+        default=None,
+        help="client port of the local etcd (its peer port: the next one); by default one "
+        "is drawn free once and kept in the cluster file",
     )
     p.set_defaults(func=cmd_up)
 
@@ -201,50 +224,82 @@ def cmd_up(args: argparse.Namespace) -> int:
     import shlex
 
     from storaged.cluster import ClusterError, LocalCluster, supervise
+    from storaged.cluster_file import ClusterFileError, UpFlags, plan
 
     if args.insecure and args.token:
         print("storaged up: --insecure and --token exclude each other", file=sys.stderr)
         return EXIT_CONFIG
     data = (Path(args.data) if args.data else _state_dir()).absolute()
-    etcd = None
-    if args.coordinator == "etcd":
-        try:
-            etcd = _local_etcd(data)
-        except ClusterError as exc:
-            print(f"storaged up: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
-    cluster = LocalCluster(
+    flags = UpFlags(
         nodes=args.nodes,
-        data=data,
         port=args.port,
         peer_port=args.peer_port,
-        token=args.token,
+        memory=args.memory,
+        nvme=args.nvme,
+        cold=args.cold,
         replication=args.replication,
-        settings={"tiers": {"memory_capacity": args.memory}},
+        coordinator=args.coordinator,
+        etcd_port=args.etcd_port,
+    )
+    try:
+        file = plan(data / "cluster.toml", flags)
+        layout = file.layout
+        etcd = None
+        if layout.etcd_port is not None:
+            etcd = _local_etcd(data)
+            etcd.client_port, etcd.peer_port = layout.etcd_port, layout.etcd_port + 1
+    except ClusterFileError as exc:
+        print(f"storaged up: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ClusterError as exc:
+        print(f"storaged up: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    cluster = LocalCluster(
+        nodes=layout.nodes,
+        data=data,
+        port=layout.port,
+        peer_port=layout.peer_port,
+        token=args.token,
+        https=layout.https,
         die_with_parent=True,
         replace_token=args.replace_token,
         new_secret=args.new_secret,
         etcd=etcd,
     )
     try:
-        auth = cluster.read_auth()
+        cluster.check_not_running()
+        auth = file.auth() if file.before is not None else None
         has_token = auth is not None and ("token" in auth or "token_env" in auth)
         if args.insecure and has_token and not args.replace_token:
             raise ClusterError(
-                f"{cluster.config_path} has a client token; --insecure drops it only with "
-                "--replace-token"
+                f"{file.path} has a client token; --insecure drops it only with --replace-token"
             )
         if not (args.insecure or args.token or has_token):
             if auth is not None:
                 raise ClusterError(
-                    f"{cluster.config_path} has no client token: give one with --token, or "
-                    "run it without with --insecure"
+                    f"{file.path} has no client token: give one with --token, or run it "
+                    "without with --insecure"
                 )
             cluster.token = secrets.token_urlsafe(24)
         if not args.insecure:
             # Draining a node, evicting a tier: the admin endpoints need their own token
-            # (a file that has one keeps it; write_config says which).
+            # (a file that has one keeps it; keep_auth says which).
             cluster.admin_token = secrets.token_urlsafe(24)
+        file.set_auth(cluster.keep_auth(file.auth()))
+        file.check(cluster.node_environ())
+        if etcd is not None:
+            _check_etcd_ports(etcd.client_port, file.path, given=args.etcd_port is not None)
+    except ClusterFileError as exc:
+        print(f"storaged up: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ClusterError as exc:
+        print(f"storaged up: {exc}", file=sys.stderr)
+        return 1
+    for line in file.said:
+        print(line, flush=True)
+    try:
+        file.write()
+        cluster.config_written = True
         cluster.start()
     except ClusterError as exc:
         cluster.stop()
@@ -254,7 +309,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print("storaged up: interrupted", file=sys.stderr)
         return 130
-    print(f"storaged: {args.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
+    print(f"storaged: {layout.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
     for i, url in enumerate(cluster.urls):
         print(f"  {cluster.node_id(i)}  {url}", flush=True)
     if etcd is not None:
@@ -270,6 +325,27 @@ def cmd_up(args: argparse.Namespace) -> int:
     restarts = "a node that exits is reported" + ("" if args.no_restart else " and restarted")
     print(f"Ctrl-C stops them; {restarts}.", flush=True)
     return supervise(cluster, restart=not args.no_restart)
+
+
+def _check_etcd_ports(port: int, path: Path, *, given: bool) -> None:
+    """``ClusterError`` if the local etcd's client or peer port is taken: ``up`` does not
+    move etcd elsewhere on its own (nodes joined by hand know its address)."""
+    from storaged.cluster import ClusterError
+
+    for what, taken in (("port", port), ("peer port", port + 1)):
+        try:
+            # SO_REUSEADDR, as etcd's own listeners: a previous run's TIME_WAIT is no owner.
+            probe = socket.create_server(("127.0.0.1", taken))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ClusterError(f"cannot listen on 127.0.0.1:{taken} for etcd: {exc}") from None
+            source = f"--etcd-port {port}" if given else f"[up] etcd_port = {port} in {path}"
+            raise ClusterError(
+                f"etcd's {what} {taken} ({source}) is taken by another process: stop it, or "
+                "move etcd with --etcd-port PORT (kept in the file from then on; nodes joined "
+                "by hand must then be given the new etcd URL)"
+            ) from None
+        probe.close()
 
 
 def _local_etcd(data: Path) -> LocalEtcd:
@@ -313,6 +389,9 @@ def _client_commands() -> list[Registrar]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Figures a command prints count from here, what a user's clock sees of the command
+    # (less only the interpreter's start).
+    began = time.perf_counter()
     parser = argparse.ArgumentParser(
         prog="storaged", description="A tiered checkpoint store for distributed training."
     )
@@ -326,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:  # a half-installed optional part must not stop `serve`
             print(f"storaged: some commands are unavailable: {exc}", file=sys.stderr)
     args = parser.parse_args(argv)
+    args.began = began
     result: int = args.func(args)
     return result
 

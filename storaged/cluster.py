@@ -23,6 +23,7 @@ import functools
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import tomli_w
+import tomlkit
 
 from storaged.datalock import DataDirLocked, check_free
 
@@ -131,6 +132,9 @@ class LocalCluster:
     #: the module the node processes run (``python -m MODULE serve ...``): another module
     #: taking ``storaged serve``'s arguments runs a variant node (a benchmark's baseline)
     node_module: str = "storaged"
+    #: the cluster file is written already and ``keep_auth`` was called for it: ``start``
+    #: leaves it as it is (``storaged up`` keeps the operator's, storaged/cluster_file.py)
+    config_written: bool = False
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: where each node's log stood when it was last started: its exit cause is after that
     _log_starts: dict[int, int] = field(default_factory=dict)
@@ -194,8 +198,7 @@ class LocalCluster:
         gets ``token`` if one is given.
         """
         self.data.mkdir(parents=True, exist_ok=True)
-        auth = self._auth(self.read_auth() or {})
-        self._auth_env_names = {str(v) for k, v in auth.items() if k.endswith("_env")}
+        auth = self.keep_auth(self.read_auth() or {})
         k, n = default_erasure(self.nodes)
         doc: dict[str, Any] = {
             "replication": self.replication,
@@ -221,7 +224,9 @@ class LocalCluster:
         _write_private(self.config_path, doc)
         return self.config_path
 
-    def _auth(self, old: Mapping[str, Any]) -> dict[str, Any]:
+    def keep_auth(self, old: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``[auth]`` table to write in place of ``old`` (see ``write_config``); sets
+        ``token`` and ``admin_token`` to the ones the nodes will check."""
         # The file's admin token is kept as it is; one is added only where there is none.
         auth: dict[str, Any] = {k: v for k, v in old.items() if k.startswith("admin_token")}
         if auth:
@@ -249,12 +254,15 @@ class LocalCluster:
             self.token = kept
         elif self.token:
             auth["token"] = self.token
+        self._auth_env_names = {str(v) for k, v in auth.items() if k.endswith("_env")}
         return auth
 
     # ---- processes ----------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> None:
+        """Start etcd (if any) and the nodes; return once they serve and see each other."""
         self.check_not_running()
-        self.write_config()
+        if not self.config_written:
+            self.write_config()
         if self.etcd is not None:
             self.etcd.start(avoid=self._ports())
             self.etcd.wait_healthy(timeout=timeout)
@@ -264,11 +272,13 @@ class LocalCluster:
         self.wait_converged(timeout=timeout)
 
     def wait_converged(self, timeout: float = 60.0) -> None:
-        """Wait until every running node sees exactly the running nodes as alive.
+        """Wait until every running node sees, of this cluster's nodes, exactly the running
+        ones as alive (members joined by hand, on etcd, are not this cluster's to count).
 
         Right after start-up a node may still count a peer that was not listening yet as
         down; a write then would find too few replicas.
         """
+        ours = {self.node_id(i) for i in range(self.nodes)}
         running = {self.node_id(i) for i in range(self.nodes) if self.alive(i)}
         deadline = time.monotonic() + timeout
         pending = set(running)
@@ -288,7 +298,7 @@ class LocalCluster:
                         doc = json.loads(resp.read())
                 except (urllib.error.URLError, OSError, ValueError):
                     continue
-                seen = {n["id"] for n in doc["nodes"] if n["alive"]}
+                seen = {n["id"] for n in doc["nodes"] if n["alive"]} & ours
                 if seen == running:
                     pending.discard(node)
             if pending and time.monotonic() > deadline:
@@ -313,6 +323,12 @@ class LocalCluster:
             return True
         return not self.clean_env and name not in ("STORAGED_TOKEN", "STORAGED_CLUSTER_SECRET")
 
+    def node_environ(self) -> dict[str, str]:
+        """The environment a node process gets (before its PYTHONPATH)."""
+        env = {name: value for name, value in os.environ.items() if self._inherits(name)}
+        env.update(self.env)
+        return env
+
     def check_not_running(self) -> None:
         """``ClusterError`` if a node process runs on a node directory under ``data``."""
         for node_dir in sorted(self.data.glob("n*")):
@@ -330,8 +346,7 @@ class LocalCluster:
         if self.coordinator_url:
             cmd += ["--coordinator", self.coordinator_url, "--url", self.url(i)]
             cmd += ["--peer", f"127.0.0.1:{self.peer_port + i}", "--data", str(node_dir)]
-        env = {name: value for name, value in os.environ.items() if self._inherits(name)}
-        env.update(self.env)
+        env = self.node_environ()
         root = _package_root()
         if root is not None:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
@@ -521,13 +536,8 @@ class LocalEtcd:
         """Start the member (from its data directory if it ran before); ports not in
         ``avoid`` (the nodes' ports) are drawn at the first start."""
         if not self.client_port:
-            for _ in range(50):
-                base = free_port_block(2)
-                if not {base, base + 1} & (avoid or set()):
-                    break
-            else:
-                raise ClusterError("no free ports for etcd apart from the nodes' ports")
-            self.client_port, self.peer_port = base, base + 1
+            self.client_port = choose_etcd_port(avoid or set())
+            self.peer_port = self.client_port + 1
         self.data.mkdir(parents=True, exist_ok=True)
         peer = f"http://127.0.0.1:{self.peer_port}"
         client = f"http://127.0.0.1:{self.client_port}"
@@ -618,6 +628,16 @@ class LocalEtcd:
             proc.wait(timeout=10)
 
 
+def choose_etcd_port(avoid: set[int]) -> int:
+    """A free client port for a local etcd member whose peer port is the next one, neither
+    in ``avoid`` (the nodes' ports)."""
+    for _ in range(50):
+        base = free_port_block(2)
+        if not {base, base + 1} & avoid:
+            return base
+    raise ClusterError("no free ports for etcd apart from the nodes' ports")
+
+
 def _how_it_ended(code: int | None) -> str:
     if code is None:
         return "is not running"
@@ -654,7 +674,11 @@ def _term_with_parent() -> None:
 
 
 def _write_private(path: Path, doc: Mapping[str, Any]) -> None:
-    """Write ``doc`` as TOML to ``path`` with mode 0600, replacing any old file at once.
+    write_private(path, tomlkit.dumps(dict(doc)).encode())
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` with mode 0600, replacing any old file at once.
 
     A new file with its own mode, renamed over the old one: opening an existing
     0644 file with mode 0600 would keep 0644.
@@ -664,7 +688,7 @@ def _write_private(path: Path, doc: Mapping[str, Any]) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)  # a leftover temp file keeps its mode otherwise
-            tomli_w.dump(dict(doc), f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -799,6 +823,10 @@ def supervise(
         _stop_saying(cluster, say, forced=lambda: signals >= 2)
 
 
+#: what a node's log says when its stop waits for a full disk (node/pipeline/drain.py)
+_DRAIN_STUCK = re.compile(r"stop: (\d+ RAM-only chunk\(s\) cannot drain: .*)")
+
+
 def _stop_saying(
     cluster: LocalCluster,
     say: Callable[[str], None],
@@ -839,6 +867,11 @@ def _stop_saying(
         if now - last_said >= every:
             last_said = now
             say(f"storaged up: still waiting for {names} ({now - began:.0f} s): RAM to disk")
+            for i in left:
+                # A stop that waits for a full disk says so in its log (node/pipeline/drain.py)
+                stuck = [m for line in cluster.log_tail(i, 50) if (m := _DRAIN_STUCK.search(line))]
+                if stuck:
+                    say(f"storaged up: {cluster.node_id(i)}: {stuck[-1].group(1)}")
         time.sleep(0.1)
     if cluster.etcd is not None:
         if cluster.etcd.proc is not None and cluster.etcd.proc.poll() is None:

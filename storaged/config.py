@@ -25,6 +25,8 @@ Cluster file::
     url = "http://127.0.0.1:7400"
     peer = "127.0.0.1:8400"       # the peer (replication) protocol's address
     data = "/var/lib/storaged/n0" # nvme/, cold/, catalog/ live under it
+    [up]                          # read by `storaged up` alone (storaged/cluster_file.py)
+    etcd_port = 23790
 """
 
 from __future__ import annotations
@@ -296,25 +298,82 @@ def _coerce(name: str, raw: object) -> Any:
         raise ConfigError(f"{name}: cannot use {raw!r}: {exc}") from exc
 
 
-def _flatten_file(doc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+#: tables whose keys are settings (``[tiers] memory_capacity`` is ``memory_capacity``)
+_TABLES = ("erasure", "tiers", "auth", "tls", "timeouts")
+#: what a node ignores: its own list, and ``storaged up``'s table (storaged/cluster_file.py)
+_NOT_SETTINGS = ("nodes", "up")
+_NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False}  # key: required
+
+
+def _file_entries(doc: Mapping[str, Any]) -> list[tuple[str, str, object]]:
+    """Every setting of a cluster file as (where it is written, its setting name, value):
+    ``("[tiers] memory_capacity", "memory_capacity", "2GiB")``."""
+    out: list[tuple[str, str, object]] = []
     for key, value in doc.items():
-        if key in ("erasure", "tiers", "auth", "tls", "timeouts") and isinstance(value, dict):
+        if key in _TABLES and isinstance(value, dict):
             for sub, subval in value.items():
                 name = str(sub)
                 if key == "tls":
                     name = {"cert": "tls_cert", "key": "tls_key"}.get(name, name)
-                out[name] = subval
-        elif key != "nodes":
-            out[key] = value
+                out.append((f"[{key}] {sub}", name, subval))
+        elif key not in _NOT_SETTINGS:
+            out.append((str(key), str(key), value))
+    return out
+
+
+def _is_setting(name: str) -> bool:
+    return name in _SCALARS or name in ("token_env", "admin_token_env", "cluster_secret_env")
+
+
+def _flatten_file(doc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    unknown = []
+    for where, name, value in _file_entries(doc):
+        out[name] = value
+        if not _is_setting(name):
+            unknown.append(where)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in the cluster file: {', '.join(unknown)}")
     for secret in ("token", "admin_token", "cluster_secret"):
         env_name = out.pop(f"{secret}_env", None)
         if env_name and not out.get(secret):
             out[secret] = env.get(str(env_name), "")
-    unknown = sorted(set(out) - set(_SCALARS))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) in the cluster file: {', '.join(unknown)}")
     return out
+
+
+def check_file_document(doc: Mapping[str, Any]) -> None:
+    """``ConfigError`` naming the first key of a parsed cluster file that is unknown or
+    holds a value its setting cannot take (``[tiers] memory_capacity: not a size: ...``).
+
+    Only what each key says alone: whether the settings fit together (replication
+    against the number of nodes, say) is ``Config.validate``'s.
+    """
+    for where, name, value in _file_entries(doc):
+        if not _is_setting(name):
+            raise ConfigError(f"unknown key {where}")
+        if isinstance(value, dict | list):
+            raise ConfigError(f"{where}: a table or list where a value belongs")
+        if name.endswith("_env") and not isinstance(value, str):
+            raise ConfigError(f"{where}: write the name of an environment variable")
+        if name in _SCALARS:
+            try:
+                _coerce(name, value)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {str(exc).removeprefix(f'{name}: ')}") from None
+    nodes = doc.get("nodes", [])
+    if not isinstance(nodes, list):
+        raise ConfigError("nodes: write [[nodes]] tables")
+    for i, entry in enumerate(nodes):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"[[nodes]] entry {i + 1}: not a table")
+        for key in entry:
+            if key not in _NODE_KEYS:
+                raise ConfigError(f"[[nodes]] entry {i + 1}: unknown key {key}")
+        for key, required in _NODE_KEYS.items():
+            if key in entry and not isinstance(entry[key], str):
+                raise ConfigError(f"[[nodes]] entry {i + 1}: {key} must be a string")
+            if required and key not in entry:
+                raise ConfigError(f"[[nodes]] entry {i + 1}: no {key}")
 
 
 def load_config(
@@ -325,14 +384,27 @@ def load_config(
     environ: Mapping[str, str] | None = None,
 ) -> Config:
     """The configuration of node ``node_id``: cluster file, then environment, then overrides."""
-    values: dict[str, Any] = {}
-    nodes: list[NodeSpec] = []
-    env = os.environ if environ is None else environ
+    doc: dict[str, Any] | None = None
     if path is not None:
         try:
             doc = tomllib.loads(Path(path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read cluster file {path}: {exc}") from exc
+    return config_from_document(doc, node_id, overrides=overrides, environ=environ)
+
+
+def config_from_document(
+    doc: Mapping[str, Any] | None,
+    node_id: str | None,
+    *,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """``load_config`` of a cluster file already parsed (None: no file)."""
+    values: dict[str, Any] = {}
+    nodes: list[NodeSpec] = []
+    env = os.environ if environ is None else environ
+    if doc is not None:
         values.update(_flatten_file(doc, env))
         for entry in doc.get("nodes", []):
             try:
@@ -364,4 +436,13 @@ def config_field_names() -> list[str]:
     return sorted(_SCALARS)
 
 
-__all__ = ["Config", "ConfigError", "NodeSpec", "config_field_names", "load_config", "parse_size"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "NodeSpec",
+    "check_file_document",
+    "config_field_names",
+    "config_from_document",
+    "load_config",
+    "parse_size",
+]

@@ -48,6 +48,12 @@ class Unavailable(StoragedError):
     """Not now: too few nodes, full memory, stopping; retry after ``retry_after``."""
 
 
+class InsufficientStorage(StoragedError):
+    """A disk tier is full (``nvme_full``, ``cold_full``): what the request needs cannot be
+    kept until space is freed or nodes are added. Not backpressure: waiting does not
+    clear it, an operator does (docs/API.md E16)."""
+
+
 class ApiError(Exception):
     """An HTTP-layer error the client sees as ``{"error": code, "message": ..., **extra}``."""
 

@@ -28,6 +28,7 @@ from storaged.errors import (
     ApiError,
     BadInput,
     Conflict,
+    InsufficientStorage,
     NotFound,
     StoragedError,
     TooLarge,
@@ -158,6 +159,8 @@ _DOMAIN_STATUS: tuple[tuple[type[StoragedError], int], ...] = (
     (Conflict, 409),
     (TooLarge, 413),
     (Unavailable, 503),
+    # 507 and not 503: a full disk is not backpressure that passes with a retry (E16)
+    (InsufficientStorage, 507),
 )
 
 
@@ -567,7 +570,7 @@ async def delete_checkpoint(request: web.Request) -> web.Response:
 async def list_checkpoints(request: web.Request) -> web.Response:
     node = request.app[NODE]
     prefix = request.query.get("prefix", "")
-    costs = "costs" in request.query  # extension E16
+    costs = "costs" in request.query  # extension E17
     records = await node.list_checkpoints(prefix)
     listing = None
     if records and (costs or "nostate" not in request.query):
@@ -609,6 +612,13 @@ async def cluster(request: web.Request) -> web.Response:
                 "capacity": u.get("capacity", 0),
                 "count": u.get("count", 0),
             }
+            # Room marks (E16): RAM's undrained bytes; each disk tier's state (ok,
+            # nearly_full, full), free bytes, and since when and why it is full.
+            if tier == "memory":
+                entry[tier]["dirty"] = u.get("dirty")
+            else:
+                entry[tier].update({k: u.get(k) for k in ("free", "full_since", "cause")})
+                entry[tier]["state"] = u.get("state", "ok")
         # As of the node's last heartbeat (its own figures for this node).
         entry["down_since"] = node.membership.down_since(spec.id)
         entry["draining_since"] = node.membership.draining_since(spec.id)

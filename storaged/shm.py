@@ -50,7 +50,7 @@ from storaged.errors import (
 )
 from storaged.ids import chunk_id_and_crc32c, is_chunk_id
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
-from tiers import ChunkNotFound, TierFull
+from tiers import ChunkNotFound
 from tiers.memory import SealRefused, SharedSegment
 
 if TYPE_CHECKING:
@@ -293,10 +293,10 @@ class _Connection:
         # waits for the lease too.
         node.writes.inflight += 1
         try:
-            try:
-                seg = await node.memory.lease_shared(size, timeout=node.config.put_wait)
-            except TierFull as exc:
-                raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+            # memory_full, or nvme_full when RAM waits for a full disk (as a PUT's)
+            seg = await node.writes.room(
+                size, lambda wait: node.memory.lease_shared(size, timeout=wait)
+            )
             lease = next(self.listener._lease_ids)
             self._add_lease(lease, seg)
         finally:

@@ -58,6 +58,7 @@ from storaged.client.command import (
     urls_of,
     watch_durability,
 )
+from storaged.client.deadlines import Deadlines
 from storaged.client.errors import (
     CheckpointNotFound,
     Exists,
@@ -265,10 +266,28 @@ def _format_of(path: str, given: str | None) -> str:
 def _client(args: argparse.Namespace) -> Client:
     # A command fails at once where nothing listens (a typo, a stopped cluster), instead
     # of backing off as a job's client does across a node's restart.
-    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True)
+    try:
+        deadlines = Deadlines.from_env()
+    except ValueError as exc:  # names the variable
+        raise UsageError(str(exc)) from None
+    return Client(urls_of(args.url), token=args.token, refused_fails_fast=True, deadlines=deadlines)
 
 
 # --------------------------------------------------------------------------- output
+
+
+def _since_start(args: argparse.Namespace) -> float:
+    """Seconds since the command started (``storaged.cli.main``; now, if called otherwise):
+    the wall time a user sees, connecting, asking for the plan and waiting out a hung node
+    included."""
+    began = getattr(args, "began", None)
+    return time.perf_counter() - began if isinstance(began, float) else 0.0
+
+
+def _times(wall: float, transfer: float, size: int) -> str:
+    """``3.4 s (transfer 0.5 s, 2.40 GB/s)``: wall time, and the bytes' own time beside it."""
+    wall = max(wall, transfer)
+    return f"{wall:.1f} s (transfer {transfer:.1f} s, {size / max(transfer, 1e-9) / 1e9:.2f} GB/s)"
 
 
 def _print_json(doc: Any) -> None:
@@ -405,10 +424,10 @@ def _parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-async def _node_metrics(url: str, token: str | None) -> dict[str, float] | None:
-    """A node's ``/metrics`` gauges; None when it does not answer within a few seconds."""
+async def _node_metrics(url: str, token: str | None, within: float) -> dict[str, float] | None:
+    """A node's ``/metrics`` gauges; None when it does not answer within ``within`` s."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    timeout = aiohttp.ClientTimeout(total=5.0)
+    timeout = aiohttp.ClientTimeout(total=within)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
@@ -425,6 +444,8 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     """A node's figures: ``/v1/cluster``'s, else its ``/metrics``'; None where neither has one."""
     alive = bool(raw.get("alive"))
     row: dict[str, Any] = {"id": raw.get("id"), "url": raw.get("url"), "alive": alive}
+    # Alive to its peers' heartbeats for a while yet, a hung node answers nobody.
+    row["answering"] = metrics is not None if alive else False
     row["state"] = str(raw.get("state") or "active")
     since = raw.get("down_since") if not alive else raw.get("up_since")
     row["since"] = since if isinstance(since, int | float) else None
@@ -442,6 +463,13 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
             "capacity": space.get("capacity"),
             "chunks": None if count is None else int(count),
         }
+        if tier == "memory":
+            row[tier]["dirty"] = space.get("dirty")
+        else:
+            # E16: "full" (writes to it fail for room), "nearly_full" (5 % or less left)
+            row[tier]["state"] = str(space.get("state") or "ok")
+            for key in ("free", "full_since", "cause"):
+                row[tier][key] = space.get(key)
     for backlog in ("drain_backlog", "encode_backlog", "repair_backlog", "misplaced_backlog"):
         value = raw.get(backlog)
         if value is None and metrics is not None:
@@ -452,10 +480,44 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     return row
 
 
+#: how ``nodes`` marks a disk tier's state (E16)
+_MARKS = {"full": " FULL", "nearly_full": " NEARLY-FULL"}
+
+
 def _space(tier: Mapping[str, Any]) -> str:
     if tier["used"] is None:
         return "-"
-    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}"
+    mark = _MARKS.get(tier.get("state") or "ok", "")
+    return f"{human_bytes(tier['used'])}/{human_bytes(tier['capacity'] or 0)}{mark}"
+
+
+def _room_lines(row: Mapping[str, Any], now: float) -> list[str]:
+    """A line for each full or nearly full disk tier of ``row``'s node, saying why."""
+    lines = []
+    for tier in ("nvme", "cold"):
+        space = row[tier]
+        free = space.get("free")
+        left = "" if free is None else f" ({human_bytes(free)} free)"
+        if space.get("state") == "full":
+            since = space.get("full_since")
+            when = (
+                f" since {_clock(since)[11:]} ({now - since:.0f} s)"
+                if isinstance(since, int | float)
+                else ""
+            )
+            what = (
+                "its RAM fills with chunks that cannot drain; saves it would hold are "
+                "refused with nvme_full"
+                if tier == "nvme"
+                else "chunks whose fragments go there cannot become cold (cold_full)"
+            )
+            lines.append(
+                f"{row['id']}: {tier} FULL{when}{left}: {what}; free space there "
+                f"({space.get('cause') or 'no room'})"
+            )
+        elif space.get("state") == "nearly_full":
+            lines.append(f"{row['id']}: {tier} nearly full{left}")
+    return lines
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -463,12 +525,16 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         async def main() -> tuple[dict[str, Any], list[dict[str, Any]]]:
             async with _client(args) as client:
                 doc = await client.cluster_document()
+                # A node that missed the deadline of a request of this command is hung
+                # or overloaded: not asked again (its /metrics would only wait as long).
+                slow = set(client.slow_nodes())
+                within = 2 * client.deadlines.metadata
             raw_nodes = [n for n in doc.get("nodes", []) if isinstance(n, Mapping)]
             # Only alive nodes are asked: a dead one would cost a timeout and say nothing.
             metrics = await asyncio.gather(
                 *(
-                    _node_metrics(str(n.get("url")), args.token)
-                    if n.get("alive")
+                    _node_metrics(str(n.get("url")), args.token, within)
+                    if n.get("alive") and n.get("id") not in slow
                     else asyncio.sleep(0, None)
                     for n in raw_nodes
                 )
@@ -477,11 +543,13 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
         doc, rows = run_async(main)
         down = [row["id"] for row in rows if not row["alive"]]
+        silent = [row["id"] for row in rows if row["alive"] and not row["answering"]]
         if args.json:
             _print_json(
                 {
                     "nodes": rows,
                     "down": down,
+                    "not_answering": silent,
                     "replication": doc.get("replication"),
                     "erasure": doc.get("erasure"),
                     "max_chunk_size": doc.get("max_chunk_size"),
@@ -489,11 +557,16 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             )
         else:
             _print_nodes(rows)
+        problems = []
         if down:
-            raise CommandError(
-                f"{len(down)} of {len(rows)} nodes down: {', '.join(map(str, down))}",
-                EXIT_NODE_DOWN,
+            problems.append(f"{len(down)} of {len(rows)} nodes down: {', '.join(map(str, down))}")
+        if silent:
+            problems.append(
+                f"{len(silent)} of {len(rows)} nodes alive to their peers but not answering: "
+                f"{', '.join(map(str, silent))}"
             )
+        if problems:
+            raise CommandError("; ".join(problems), EXIT_NODE_DOWN)
 
     return run_command(args, body)
 
@@ -506,6 +579,8 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
         state = "alive" if row["alive"] else "DOWN"
         if row["since"] is not None and not (row["alive"] and row["draining_since"]):
             state += f" since {_clock(row['since'])[11:]} ({now - row['since']:.0f} s)"
+        if row["alive"] and not row["answering"]:
+            state += ", NOT ANSWERING"
         if row["state"] != "active":
             state += f", {row['state']}"
             if row["draining_since"] is not None:
@@ -535,6 +610,8 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
     for row in rows:
+        for room in _room_lines(row, now):
+            print(room)
         gc = row["gc"] or {}
         since = gc.get("stalled_since")
         if isinstance(since, int | float):
@@ -758,6 +835,7 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
         except Exists:
             raise CommandError(_exists(name)) from None
         took = time.perf_counter() - began
+        wall = _since_start(args)
         size = counters.read
         report: dict[str, Any] = {
             "name": name,
@@ -766,14 +844,14 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
             "chunks": result.chunks,
             "uploaded": stats.chunks_uploaded,
             "already_held": stats.chunks_skipped,
-            "seconds": round(took, 3),
+            "seconds": round(wall, 3),
+            "transfer_seconds": round(took, 3),
         }
         if not args.json:
             print(
                 f"saved {name}: {items} items, {human_bytes(result.bytes)} in "
                 f"{result.chunks} chunks ({stats.chunks_uploaded} uploaded, "
-                f"{stats.chunks_skipped} already held) in {took:.1f} s "
-                f"({size / max(took, 1e-9) / 1e9:.2f} GB/s)",
+                f"{stats.chunks_skipped} already held) in {_times(wall, took, size)}",
                 flush=True,
             )
         if args.wait != "memory":
@@ -982,6 +1060,7 @@ async def _restore(
             if tmp is not None:
                 out.close()
         took = time.perf_counter() - began
+    wall = _since_start(args)
     files = [k.removeprefix(FILE_PREFIX) for k in skipped if k.startswith(FILE_PREFIX)]
     if files:
         shown = ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
@@ -1003,7 +1082,8 @@ async def _restore(
         "file": args.file,
         "items": len(items),
         "bytes": need,
-        "seconds": round(took, 3),
+        "seconds": round(wall, 3),
+        "transfer_seconds": round(took, 3),
     }
     where = sys.stderr if tmp is None else sys.stdout  # stdout carries the data
     if args.json:
@@ -1011,7 +1091,7 @@ async def _restore(
     else:
         print(
             f"restored {name} into {args.file}: {len(items)} items, {human_bytes(need)} in "
-            f"{took:.1f} s ({need / max(took, 1e-9) / 1e9:.2f} GB/s)",
+            f"{_times(wall, took, need)}",
             file=where,
         )
 

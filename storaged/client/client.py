@@ -15,6 +15,8 @@ import asyncio
 import builtins
 import collections
 import contextlib
+import contextvars
+import functools
 import itertools
 import logging
 import os
@@ -23,7 +25,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, TypeVar
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -31,6 +33,7 @@ import msgpack
 import numpy as np
 
 from erasure import HEADER_SIZE, Codec, InvalidParameters, make_codec
+from storaged.client.deadlines import Bandwidth, Deadlines, SlowNodes
 from storaged.client.degraded import Decoded, decode_cold
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
 from storaged.client.errors import (
@@ -39,12 +42,15 @@ from storaged.client.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
     ChunkNotFound,
+    ColdFull,
     ConnectionFailed,
     NotEnoughFragments,
     NotFound,
     NotStoraged,
+    NvmeFull,
     ProtocolError,
     StoragedError,
+    StorageFull,
     TooLarge,
     Unavailable,
     decode_body,
@@ -198,6 +204,24 @@ class CommitResult:
 
 
 @dataclass(frozen=True, slots=True)
+class FullTier:
+    """A node's full disk tier that keeps ``chunks`` of a checkpoint from a level (E16)."""
+
+    node: str
+    url: str
+    #: "nvme" (keeps them from nvme, and so from cold) or "cold" (from cold)
+    tier: str
+    chunks: int
+    full_since: float | None = None
+    cause: str | None = None
+
+    def describe(self) -> str:
+        since = "" if self.full_since is None else f" for {time.time() - self.full_since:.0f} s"
+        cause = f" ({self.cause})" if self.cause else ""
+        return f"{self.tier} tier full on node {self.node} ({self.url}){since}{cause}"
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointStatus:
     """``?status``: how many distinct chunks reached at least each level, and the overall one."""
 
@@ -208,9 +232,34 @@ class CheckpointStatus:
     cold: int
     #: Chunks no node holds any more, when the node reports it (None: not reported).
     lost: int | None = None
+    #: Full disk tiers that keep some of its chunks from nvme or cold (E16).
+    blocked: tuple[FullTier, ...] = ()
 
     def reached(self, level: str) -> bool:
         return state_at_least(self.state, level)
+
+    def blocked_from(self, level: str) -> list[FullTier]:
+        """The full tiers that keep it from ``level`` (a full nvme keeps it from cold too);
+        empty once it reached ``level``."""
+        if self.reached(level) or level == "memory":
+            return []
+        tiers = ("nvme",) if level == "nvme" else ("nvme", "cold")
+        return [b for b in self.blocked if b.tier in tiers]
+
+
+def blocked_error(name: str, status: CheckpointStatus, level: str) -> StorageFull | None:
+    """``NvmeFull`` (or ``ColdFull``) saying why checkpoint ``name`` cannot reach
+    ``level`` now, when full disk tiers keep it from it; None otherwise."""
+    blocked = status.blocked_from(level)
+    if not blocked:
+        return None
+    cls: type[StorageFull] = NvmeFull if any(b.tier == "nvme" for b in blocked) else ColdFull
+    why = "; ".join(f"{b.describe()}, {b.chunks} of its chunks wait for it" for b in blocked)
+    full = [{"node": b.node, "url": b.url, "tier": b.tier} for b in blocked]
+    return cls(
+        message=f"checkpoint {name} cannot reach {level} until disk space is freed: {why}",
+        body={"error": cls.default_code, "full": full},
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +279,7 @@ class TierCost:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointCosts:
-    """What a checkpoint costs (extension E16, ``list(costs=True)``): its distinct chunks,
+    """What a checkpoint costs (extension E17, ``list(costs=True)``): its distinct chunks,
     the bytes of those another checkpoint names too (``shared``), where its chunks are now,
     and ``stored``, the bytes all tiers hold for it; ``lost``: chunks no live node holds."""
 
@@ -263,7 +312,7 @@ class CheckpointInfo:
     created: float
     bytes: int
     state: str
-    #: With ``Client.list(costs=True)`` (extension E16); else None.
+    #: With ``Client.list(costs=True)`` (extension E17); else None.
     costs: CheckpointCosts | None = None
 
 
@@ -309,10 +358,36 @@ class ClientStats:
     shm_bytes_uploaded: int = 0
     shm_chunks_downloaded: int = 0
     shm_bytes_downloaded: int = 0
+    #: Requests sent to another node too because one missed its deadline (hedges).
+    hedges: int = 0
+    #: Of the logical requests that were hedged, those a later attempt answered first.
+    hedge_wins: int = 0
 
     def reset(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One attempt of a logical request (``Client._call``)."""
+
+    node: str
+    started: float
+    #: may write into the caller's buffer (no other attempt that may was running)
+    owns_out: bool
+    #: started while another attempt still ran (a hedge or a failover beside a laggard)
+    hedge: bool
+
+
+# Set in each attempt's own task: False when another attempt of the same request may be
+# writing into the caller's buffer, so this one must read into a buffer of its own.
+_OWNS_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("owns_out", default=True)
+
+
+def owns_out() -> bool:
+    """In an attempt of ``Client._call``: whether it may write into the caller's buffer."""
+    return _OWNS_OUT.get()
 
 
 class WaitTimeout(TimeoutError):
@@ -323,7 +398,48 @@ class WaitTimeout(TimeoutError):
         self.status = status
 
 
+class BlockedWatch:
+    """Follows the statuses of a wait for ``level``: ``check`` raises ``blocked_error``
+    once full disk tiers have kept the checkpoint from it for ``BLOCKED_FOR`` seconds of
+    polls in a row (a mark cleared at once, space freed meanwhile, does not fail a wait)."""
+
+    BLOCKED_FOR = 1.0
+
+    def __init__(self, name: str, level: str) -> None:
+        self.name, self.level = name, level
+        self._since: float | None = None
+
+    def check(self, status: CheckpointStatus) -> None:
+        error = blocked_error(self.name, status, self.level)
+        if error is None:
+            self._since = None
+            return
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since >= self.BLOCKED_FOR:
+            raise error
+
+
 # --------------------------------------------------------------------------- helpers
+
+
+def _without_hidden_resends(session: aiohttp.ClientSession) -> None:
+    """Make ``session`` send each request once: ``_call`` counts and retries sends itself.
+
+    aiohttp resends a PUT or DELETE (and GET, HEAD: RFC 9112's idempotent methods) once,
+    unseen, when the connection closes before the answer. A DELETE the node carried out
+    before its answer was lost then comes back 404 to the call that deleted it, and
+    ``_call`` never learns that an attempt may have reached the node (``replayed``): the
+    caller is told "no such checkpoint" and keeps believing in one that is gone. aiohttp
+    has no public switch; its own ``test_utils`` sets this attribute, and
+    ``tests/client/test_client_cluster.py`` fails if the resend comes back."""
+    if not hasattr(session, "_retry_connection"):
+        raise RuntimeError(
+            "this aiohttp has no ClientSession._retry_connection: storaged's client cannot "
+            "turn off its hidden resends (see storaged/client/client.py)"
+        )
+    session._retry_connection = False
 
 
 def base_url(url: str) -> str:
@@ -463,6 +579,12 @@ class Client:
     (``storaged.client.shm``) when one of the URLs is such a node. ``None`` (the
     default) and ``True`` use it where it applies, unless ``STORAGED_SHM=0``; ``False``
     keeps to HTTP. Whatever that path cannot do goes the HTTP way.
+
+    ``deadlines`` (``storaged.client.deadlines``): how long a read-only request waits
+    for one node before it is sent to the next as well (a hung node accepts connections
+    and never answers); default ``Deadlines.from_env()``, the ``STORAGED_*_DEADLINE``
+    variables over the defaults. ``read_timeout`` stays the bound of a request no other
+    node can answer.
     """
 
     def __init__(
@@ -483,6 +605,7 @@ class Client:
         decode_cache_bytes: int = 128 << 20,
         shm: bool | None = None,
         refused_fails_fast: bool = False,
+        deadlines: Deadlines | None = None,
     ) -> None:
         seeds = [urls] if isinstance(urls, str) else list(urls)
         if not seeds:
@@ -493,6 +616,11 @@ class Client:
         self._refused_fails_fast = refused_fails_fast
         self._token = token
         self._retry = retry or RetryPolicy()
+        self._deadlines = deadlines if deadlines is not None else Deadlines.from_env()
+        #: the bandwidth chunk reads have had so far: their deadlines follow from it
+        self.bandwidth = Bandwidth(self._deadlines)
+        #: nodes that missed a deadline: asked last
+        self._slow = SlowNodes(self._deadlines.slow_for)
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout, connect=connect_timeout, sock_read=read_timeout
         )
@@ -567,11 +695,18 @@ class Client:
                 self._extra_headers = headers
             else:
                 self._session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
+                    # Idle connections go before a node's own 15 s keep-alive closes them:
+                    # a request on one the node is closing fails (it is not resent unseen).
+                    # A hedge holds a connection beside the attempt it races.
+                    connector=aiohttp.TCPConnector(
+                        limit=self._max_concurrency * (1 + self._deadlines.max_hedges) + 8,
+                        keepalive_timeout=10.0,
+                    ),
                     headers=headers,
                     timeout=self._timeout,
                     auto_decompress=False,
                 )
+            _without_hidden_resends(self._session)
         use_direct = self._owns_session if self._direct_reads is None else self._direct_reads
         if use_direct and self.direct is None:
             self.direct = DirectGets(
@@ -595,7 +730,13 @@ class Client:
         node_id, path = picked
         try:
             self.shm = await ShmPath.connect(
-                node_id, path, self._token, self._max_concurrency, self._request_timeout
+                node_id,
+                path,
+                self._token,
+                self._max_concurrency,
+                self._request_timeout,
+                # A mapping is an answer of a few bytes: a metadata deadline.
+                read_within=2 * self._deadlines.metadata,
             )
         except (OSError, WireError, TimeoutError, StoragedError) as exc:
             log.warning("shared-memory path to %s not available (%s): using HTTP", node_id, exc)
@@ -624,6 +765,14 @@ class Client:
         if self._cluster is None:
             raise RuntimeError("client is not open")
         return self._cluster
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines
+
+    def slow_nodes(self) -> builtins.list[str]:
+        """Nodes that missed a deadline lately (asked after the others)."""
+        return self._slow.nodes()
 
     @property
     def max_chunk_size(self) -> int:
@@ -742,6 +891,9 @@ class Client:
         direct: Callable[[str], Awaitable[T]] | None = None,
         max_attempts: int | None = None,
         background: bool = False,
+        hedge_after: float | Literal["metadata"] | None = "metadata",
+        accept: Callable[[T], Awaitable[None]] | None = None,
+        observe: Callable[[T, float], None] | None = None,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -759,16 +911,45 @@ class Client:
         made through aiohttp after all. ``max_attempts`` caps the retry policy's.
         ``background`` attempts count in ``stats.background_requests`` only (not in
         ``requests``, ``failovers`` or ``retries``: those describe the caller's requests).
+
+        Hedging (``storaged.client.deadlines``): an attempt still unanswered
+        ``hedge_after`` seconds after it started marks its node slow (ordered last from
+        then on) and the request goes to the next candidate too, at most
+        ``Deadlines.max_hedges`` times; the first good answer is taken and the other
+        attempts are cancelled (their connections closed) before this returns.
+        ``"metadata"`` (the default) is ``Deadlines.metadata`` for GET and HEAD and no
+        hedging for other methods; None never hedges (writes). In a raced request each
+        answer goes through ``accept`` (which raises a ``StoragedError`` to refuse it)
+        before it is taken. An attempt that started while another still runs sees
+        ``owns_out()`` False: it must not write into a buffer the other may be writing.
+        ``observe`` gets the answer taken and the seconds its attempt took.
         """
         session = self._session
         if session is None:
             raise RuntimeError("client is not open")
         now = time.monotonic()
         given = list(candidates) if candidates is not None else self._any_nodes()
-        order = [n for n in given if not self._suspected(n, now)]
-        order += [n for n in given if self._suspected(n, now)]
+        slow = self._slow
+        interchangeable = set(given[:balance])
+
+        def arranged() -> tuple[list[str], int]:
+            """The candidates, fine ones first, then suspected, then slow ones; and the
+            interchangeable head left at the front."""
+            now = time.monotonic()
+            fine = [n for n in given if n not in slow and not self._suspected(n, now)]
+            suspected = [n for n in given if n not in slow and self._suspected(n, now)]
+            order = [*fine, *suspected, *(n for n in given if n in slow)]
+            return order, len(interchangeable & set(fine))
+
+        order, balance = arranged()
         if not order:
             raise Unavailable(message="no node to send the request to")
+        deadline: float | None
+        if hedge_after == "metadata":
+            deadline = self._deadlines.metadata if method in ("GET", "HEAD") else None
+        else:
+            deadline = hedge_after
+        max_hedges = self._deadlines.max_hedges if deadline is not None else 0
         started = now
         attempts = 0
         position = 0
@@ -777,94 +958,201 @@ class Client:
         replayed = False
         refused_by: list[StoragedError] = []
         limit = self._retry.max_attempts if max_attempts is None else max_attempts
-        while True:
-            node = order[position % len(order)]
-            attempts += 1
-            if background:
-                self.stats.background_requests += 1
-            else:
-                self.stats.requests += 1
+        running: dict[asyncio.Future[T], _Attempt] = {}
+        hedges = 0
+        start_next = True
+        retry_at: float | None = None
+        #: to raise once the attempts still running have failed too
+        final: StoragedError | None = None
+
+        async def attempt(node: str, owns: bool) -> T:
+            _OWNS_OUT.set(owns)  # this task's context only
+            self._inflight[node] = self._inflight.get(node, 0) + 1
             try:
-                async with self._request_slots:
-                    if position == 0 and balance > 1:
-                        # Rotate, then a stable sort by load: equally loaded holders take
-                        # turns instead of the first one always winning the tie.
-                        shift = next(self._rotation) % balance
-                        head = [*order[shift:balance], *order[:shift]]
-                        head.sort(key=lambda n: self._inflight.get(n, 0))
-                        order[:balance] = head
-                        node = order[0]
-                    self._inflight[node] = self._inflight.get(node, 0) + 1
+                if direct is not None:
                     try:
-                        if direct is not None:
-                            try:
-                                return await direct(node)
-                            except NotHandled:
-                                pass
-                        async with session.request(
-                            method,
-                            self._url(node, path_query),
-                            data=body() if body is not None else None,
-                            headers={**self._extra_headers, **(headers or {})}
-                            if self._extra_headers
-                            else headers,
-                        ) as resp:
-                            if resp.status >= 400:
-                                raise error_from_response(
-                                    resp.status,
-                                    await resp.read(),
-                                    resp.headers.get("Content-Type"),
-                                    resp.headers.get("Retry-After"),
-                                )
-                            return await handle(resp)
-                    finally:
-                        self._inflight[node] -= 1
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                error: StoragedError = ConnectionFailed(
-                    message=f"{method} {path_query} on {node}: {type(exc).__name__}: {exc}"
+                        return await direct(node)
+                    except NotHandled:
+                        pass
+                async with session.request(
+                    method,
+                    self._url(node, path_query),
+                    data=body() if body is not None else None,
+                    headers={**self._extra_headers, **(headers or {})}
+                    if self._extra_headers
+                    else headers,
+                ) as resp:
+                    if resp.status >= 400:
+                        raise error_from_response(
+                            resp.status,
+                            await resp.read(),
+                            resp.headers.get("Content-Type"),
+                            resp.headers.get("Retry-After"),
+                        )
+                    return await handle(resp)
+            finally:
+                self._inflight[node] -= 1
+
+        def fail(error: StoragedError) -> None:
+            """Raise ``error`` now, or once the attempts still running have failed too."""
+            nonlocal final
+            if not running:
+                raise self._mark(error, replayed) from error.__cause__
+            final = error
+
+        try:
+            while True:
+                if start_next and final is None and len(running) <= max_hedges:
+                    start_next = False
+                    slot = not running
+                    if slot:
+                        if retry_at is not None:
+                            await asyncio.sleep(max(0.0, retry_at - time.monotonic()))
+                            retry_at = None
+                            lost_in_a_row = 0
+                        await self._request_slots.acquire()
+                        if attempts == 0:
+                            # Waiting for the slot, other requests may have found a node
+                            # slow or gone: the order is made now, not when this was asked.
+                            order, balance = arranged()
+                    try:
+                        if position == 0 and balance > 1 and not running:
+                            # Rotate, then a stable sort by load: equally loaded holders take
+                            # turns instead of the first one always winning the tie.
+                            shift = next(self._rotation) % balance
+                            head = [*order[shift:balance], *order[:shift]]
+                            head.sort(key=lambda n: self._inflight.get(n, 0))
+                            order[:balance] = head
+                        busy = {a.node for a in running.values()}
+                        for _ in range(len(order)):
+                            if order[position % len(order)] not in busy:
+                                break
+                            position += 1
+                        node = order[position % len(order)]
+                        owns = not any(a.owns_out for a in running.values())
+                        task = asyncio.ensure_future(attempt(node, owns))
+                    except BaseException:
+                        if slot:
+                            self._request_slots.release()
+                        raise
+                    if slot:
+                        task.add_done_callback(lambda _: self._request_slots.release())
+                    running[task] = _Attempt(node, time.monotonic(), owns, not slot)
+                    attempts += 1
+                    if background:
+                        self.stats.background_requests += 1
+                    else:
+                        self.stats.requests += 1
+                if not running:
+                    assert final is not None
+                    raise self._mark(final, replayed) from final.__cause__
+                timeout: float | None = None
+                if (
+                    deadline is not None
+                    and hedges < max_hedges
+                    and final is None
+                    and len({a.node for a in running.values()}) < len(order)
+                ):
+                    newest = max(a.started for a in running.values())
+                    timeout = max(0.0, newest + deadline - time.monotonic())
+                done, _ = await asyncio.wait(
+                    running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
                 )
-                error.__cause__ = exc
-                self._suspect(node)
-                replayed = replayed or method != "GET"
-                lost_in_a_row += 1
-                refused_in_a_row = refused_in_a_row + 1 if _refused(exc) else 0
-                position += 1
-                if not background:
-                    self.stats.failovers += 1
-                if self._refused_fails_fast and refused_in_a_row >= len(order):
-                    # nothing listens at any of them (a command's typo, a stopped cluster):
-                    # say so now rather than after the backoff of a node's restart
-                    raise self._mark(error, replayed) from None
-                if lost_in_a_row < len(order) and self._may_retry(attempts, started, limit):
-                    continue  # an untried node remains: no reason to wait
-            except StoragedError as exc:
-                error = exc
-                lost_in_a_row = refused_in_a_row = 0
-                if method != "GET" and exc.status == 503:
-                    # A refused write may have been partly carried out (a delete's tombstone
-                    # on some nodes): what a retry answers may reflect this attempt.
-                    replayed = True
-                if isinstance(exc, next_node_on):
-                    refused_by.append(exc)
+                if not done:
+                    assert deadline is not None
+                    late = time.monotonic() - deadline
+                    for each in running.values():
+                        if each.started <= late and each.node not in slow:
+                            log.info(
+                                "%s %s: no answer from %s in %.1f s, asking another node too",
+                                method,
+                                path_query,
+                                each.node,
+                                deadline,
+                            )
+                            slow.mark(each.node)
+                    hedges += 1
+                    if not background:
+                        self.stats.hedges += 1
                     position += 1
-                    if len(refused_by) < len(order):
+                    start_next = True
+                    continue
+                finished = next(iter(done))  # the others that are done come next round
+                this = running.pop(finished)
+                node = this.node
+                try:
+                    result = finished.result()
+                    if accept is not None and (hedges or running):
+                        await accept(result)
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    error: StoragedError = ConnectionFailed(
+                        message=f"{method} {path_query} on {node}: {type(exc).__name__}: {exc}"
+                    )
+                    error.__cause__ = exc
+                    self._suspect(node)
+                    replayed = replayed or method != "GET"
+                    lost_in_a_row += 1
+                    refused_in_a_row = refused_in_a_row + 1 if _refused(exc) else 0
+                    position += 1
+                    if not background:
+                        self.stats.failovers += 1
+                    if self._refused_fails_fast and refused_in_a_row >= len(order):
+                        # nothing listens at any of them (a command's typo, a stopped
+                        # cluster): say so now rather than after the backoff of a restart
+                        fail(error)
                         continue
-                    raise self._mark(exc, replayed) from None
-                if not is_retryable(exc):
-                    raise self._mark(exc, replayed) from None
-                if exc.status in (502, 504):
-                    position += 1  # a proxy failure: another entry node may fare better
-            if not self._may_retry(attempts, started, limit):
-                if refused_by and isinstance(error, ConnectionFailed):
-                    # Some nodes answered "not here" and the others were unreachable: the
-                    # answer we got is more telling than the lost connection.
-                    raise self._mark(refused_by[-1], replayed) from None
-                raise self._mark(error, replayed)
-            if not background:
-                self.stats.retries += 1
-            retry_after = error.retry_after if isinstance(error, StoragedError) else None
-            await asyncio.sleep(self._retry.delay(attempts, retry_after, self._rng))
-            lost_in_a_row = 0
+                    if lost_in_a_row < len(order) and self._may_retry(attempts, started, limit):
+                        start_next = True  # an untried node remains: no need to wait
+                        continue
+                except StoragedError as exc:
+                    error = exc
+                    lost_in_a_row = refused_in_a_row = 0
+                    if method != "GET" and exc.status == 503:
+                        # A refused write may have been partly carried out (a delete's
+                        # tombstone on some nodes): what a retry answers may reflect it.
+                        replayed = True
+                    if isinstance(exc, ChecksumMismatch):
+                        slow.mark(node)  # wrong bytes: ask it last from now on
+                    if isinstance(exc, next_node_on):
+                        refused_by.append(exc)
+                        position += 1
+                        if len(refused_by) < len(order):
+                            start_next = True
+                            continue
+                        fail(exc)
+                        continue
+                    if not is_retryable(exc):
+                        raise self._mark(exc, replayed) from None
+                    if exc.status in (502, 504):
+                        position += 1  # a proxy failure: another entry node may fare better
+                else:
+                    if hedges and this.hedge:
+                        self.stats.hedge_wins += not background
+                    if observe is not None:
+                        observe(result, time.monotonic() - this.started)
+                    return result
+                if not self._may_retry(attempts, started, limit):
+                    if refused_by and isinstance(error, ConnectionFailed):
+                        # Some nodes answered "not here" and the others were unreachable:
+                        # the answer we got is more telling than the lost connection.
+                        fail(refused_by[-1])
+                    else:
+                        fail(error)
+                    continue
+                if running:
+                    continue  # an attempt still runs: it may yet answer
+                if not background:
+                    self.stats.retries += 1
+                retry_after = error.retry_after if isinstance(error, StoragedError) else None
+                retry_at = time.monotonic() + self._retry.delay(attempts, retry_after, self._rng)
+                start_next = True
+        finally:
+            for pending in running:
+                pending.cancel()
+            if running:
+                # Cancelled attempts close their connections and stop writing into any
+                # buffer before the caller may reuse it.
+                await asyncio.gather(*running, return_exceptions=True)
 
     def _may_retry(self, attempts: int, started: float, limit: int) -> bool:
         return attempts < limit and time.monotonic() - started < self._retry.deadline
@@ -925,6 +1213,9 @@ class Client:
             f"/v1/chunks/{chunk_id}",
             handle,
             candidates=[*placement, *others],
+            # A full node refuses at once (E16); another entry node may place the chunk on
+            # nodes with room. Each node is tried once: a full disk does not pass by waiting.
+            next_node_on=(NvmeFull,),
             body=lambda: _slices(view),
             headers={
                 "Content-Length": str(size),
@@ -957,6 +1248,8 @@ class Client:
                 handle,
                 body=body,
                 headers={"Content-Type": MSGPACK},
+                # A question, though a POST: asking a second node changes nothing.
+                hedge_after=self._deadlines.metadata,
             )
         return missing
 
@@ -1218,9 +1511,10 @@ class Client:
             expected = (
                 want if want is not None else (length - to_skip if length is not None else None)
             )
-            return await checked(await self._read_body(resp, target, expected, to_skip, whole))
+            dest = target if owns_out() else None  # a hedge reads into a buffer of its own
+            return await checked(await self._read_body(resp, dest, expected, to_skip, whole))
 
-        def plan_body(head: ResponseHead) -> BodyPlan:
+        def plan_body(dest: memoryview | None, head: ResponseHead) -> BodyPlan:
             # The same decisions as handle() and _read_body, made before any body byte.
             whole = ranged and head.status == 200
             to_skip = skip if whole else 0
@@ -1234,11 +1528,11 @@ class Client:
             if body < expected:
                 short = max(body, 0)
                 raise ProtocolError(message=f"response of {short} bytes, expected {expected}")
-            if target is None:
+            if dest is None:
                 return BodyPlan(memoryview(bytearray(expected)), to_skip)
-            if len(target) < expected:
-                raise ValueError(f"output buffer of {len(target)} bytes < {expected} to read")
-            return BodyPlan(target[:expected], to_skip)
+            if len(dest) < expected:
+                raise ValueError(f"output buffer of {len(dest)} bytes < {expected} to read")
+            return BodyPlan(dest[:expected], to_skip)
 
         path = f"/v1/chunks/{chunk_id}"
         direct = self.direct
@@ -1248,7 +1542,18 @@ class Client:
         )
 
         async def direct_get(node: str) -> memoryview:
-            return await checked(await self._direct_get(node, path, plan_body, extra_lines))
+            # Decided here, in the attempt's task: the head is parsed in a socket callback.
+            plan = functools.partial(plan_body, target if owns_out() else None)
+            return await checked(await self._direct_get(node, path, plan, extra_lines))
+
+        async def verified(view: memoryview) -> None:
+            # A raced read: whichever answer comes first is checked before it is taken.
+            if not verify and not ranged and await chunk_id_of_async(view) != chunk_id:
+                raise ChecksumMismatch(message=f"chunk {chunk_id} read back with other bytes")
+
+        size_hint = want if want is not None else len(target) if target is not None else None
+        if size_hint is None:
+            size_hint = self.cluster.max_chunk_size
 
         degraded: NotEnoughFragments | None = None
         sources = self._fragment_sources(holders)
@@ -1279,14 +1584,25 @@ class Client:
                 next_node_on=(NotFound, ProtocolError, ChecksumMismatch),
                 balance=balance,
                 direct=direct_get if direct is not None else None,
+                hedge_after=self.bandwidth.deadline(size_hint),
+                accept=verified,
+                observe=self._observe_read,
             )
         except NotFound:
             if degraded is not None:
                 raise degraded from None
             raise
+        if target is not None and view.obj is not target.obj:
+            # A hedge answered first, into its own buffer; the attempt that wrote into
+            # ``target`` is cancelled by now. Deliberate copy, on this path only.
+            target[: len(view)] = view
+            view = target[: len(view)]
         self.stats.chunks_downloaded += 1
         self.stats.bytes_downloaded += len(view)
         return view
+
+    def _observe_read(self, view: memoryview, seconds: float) -> None:
+        self.bandwidth.observe(len(view), seconds)
 
     # ------------------------------------------------------------------ degraded reads
 
@@ -1421,6 +1737,7 @@ class Client:
         path = f"/v1/chunks/{chunk_id}/fragments/{index}"
         # A fragment is at most a k-th of a chunk (rounded up) plus its header.
         limit = self.cluster.max_chunk_size + HEADER_SIZE
+        erasure = self.cluster.erasure
 
         def sized(length: int | None) -> int:
             if length is None or length > limit:
@@ -1448,6 +1765,8 @@ class Client:
             direct=direct_get if direct is not None else None,
             # Another index serves as well as this one: no long retries of a dead holder.
             max_attempts=2 * len(nodes),
+            hedge_after=self.bandwidth.deadline(limit // (erasure.k if erasure else 1)),
+            observe=self._observe_read,
         )
 
     @staticmethod
@@ -1607,6 +1926,17 @@ class Client:
                     int(doc["nvme"]),
                     int(doc["cold"]),
                     None if doc.get("lost") is None else int(doc["lost"]),
+                    tuple(
+                        FullTier(
+                            str(b["node"]),
+                            str(b["url"]),
+                            str(b["tier"]),
+                            int(b["chunks"]),
+                            None if b.get("full_since") is None else float(b["full_since"]),
+                            None if b.get("cause") is None else str(b["cause"]),
+                        )
+                        for b in doc.get("blocked") or ()
+                    ),
                 )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed status: {exc!r}") from exc
@@ -1663,15 +1993,20 @@ class Client:
         # The issue's signature; asyncio.timeout around it would lose the last status.
         timeout: float = 60.0,
     ) -> CheckpointStatus:
-        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s."""
+        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s.
+
+        ``NvmeFull`` (or ``ColdFull``) instead, within a second or two, when a node's full
+        disk tier keeps it from ``state`` (extension E16): waiting would not help."""
         state_rank(state)
         deadline = time.monotonic() + timeout
         pause = 0.05
         last: CheckpointStatus | None = None
+        stuck = BlockedWatch(name, state)
         while True:
             last = await self.status(name)
             if last.reached(state):
                 return last
+            stuck.check(last)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeout(

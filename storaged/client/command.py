@@ -5,7 +5,7 @@ into one line and a status by ``run_command``, ``run_async``, ``--url`` lists
 following a checkpoint's durability (``watch_durability``).
 
 Exit statuses a script may rely on: 0 success; 1 the command failed; 2 the command line is
-wrong; 3 ``nodes``: a node is down; 130 interrupted.
+wrong; 3 ``nodes``: a node is down or does not answer; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -19,11 +19,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TypeVar
 
-from storaged.client.client import STATES, CheckpointStatus, Client, WaitTimeout, base_url
+from storaged.client.client import (
+    STATES,
+    BlockedWatch,
+    CheckpointStatus,
+    Client,
+    WaitTimeout,
+    base_url,
+)
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
     StoragedError,
+    StorageFull,
     Unauthorized,
     Unavailable,
 )
@@ -231,7 +239,8 @@ async def watch_durability(
     """Poll ``status`` until ``name`` reaches ``level``, emitting a line when the counts change.
 
     Lines come at most every ``quiet_for`` seconds, except when a level is completed.
-    ``WaitTimeout`` after ``timeout`` seconds. Times are counted from ``began``
+    ``WaitTimeout`` after ``timeout`` seconds; ``NvmeFull``/``ColdFull`` within a second or
+    two once a node's full disk tier keeps it from ``level``. Times are counted from ``began``
     (a ``time.perf_counter()`` value; default now).
     """
     start = time.perf_counter() if began is None else began
@@ -239,6 +248,7 @@ async def watch_durability(
     seen: tuple[int, int, int, str] | None = None
     last_line = 0.0
     result: Durability | None = None
+    stuck = BlockedWatch(name, level)
     while True:
         status = await client.status(name)
         now = time.perf_counter()
@@ -259,6 +269,11 @@ async def watch_durability(
             seen, last_line = counts, now
         if status.reached(level):
             return result
+        try:
+            stuck.check(status)
+        except StorageFull as exc:
+            exc.message += f" (it is committed; `storaged status {name}` follows it)"
+            raise
         if now >= deadline:
             raise WaitTimeout(
                 f"checkpoint {name} is {status.state} after {timeout:.0f} s, waiting for {level} "

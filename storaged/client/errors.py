@@ -189,6 +189,38 @@ class MemoryFull(Unavailable):
     default_code = "memory_full"
 
 
+class StorageFull(StoragedError):
+    """A 507 (extension E16): a node's disk tier is full, so the cluster cannot keep what
+    the request needs until space is freed or nodes are added. Not retried after a pause
+    (waiting does not clear it); a chunk PUT tries each other node once, since another
+    entry node may place the chunk on nodes with room. ``full`` names the full tiers:
+    ``[{"node", "url", "tier"}, ...]``."""
+
+    default_code = "storage_full"
+
+    @property
+    def full(self) -> list[dict[str, str]]:
+        value = self.body.get("full")
+        if not isinstance(value, list):
+            return []
+        return [
+            {str(k): str(v) for k, v in entry.items()} for entry in value if isinstance(entry, dict)
+        ]
+
+
+class NvmeFull(StorageFull):
+    """A node's nvme tier is full: its RAM holds chunks that cannot drain, so it takes no
+    new copies (a PUT), or a checkpoint cannot reach ``nvme`` (``Client.wait``)."""
+
+    default_code = "nvme_full"
+
+
+class ColdFull(StorageFull):
+    """A node's cold tier is full: a checkpoint cannot reach ``cold`` (``Client.wait``)."""
+
+    default_code = "cold_full"
+
+
 class ConnectionFailed(Unavailable):
     """No response: connection refused or reset, or the request timed out."""
 
@@ -236,6 +268,9 @@ _BY_CODE: dict[str, type[StoragedError]] = {
         Unavailable,
         InsufficientReplicas,
         MemoryFull,
+        StorageFull,
+        NvmeFull,
+        ColdFull,
     )
 }
 
@@ -252,6 +287,7 @@ _BY_STATUS: dict[int, type[StoragedError]] = {
     502: Unavailable,
     503: Unavailable,
     504: Unavailable,
+    507: StorageFull,
 }
 
 

@@ -249,9 +249,11 @@ class ShmPath:
         reader: FrameReader,
         limit: int,
         timeout: float,
+        read_within: float | None = None,
     ) -> None:
         self.node_id = node_id
         self._timeout = timeout
+        self._read_within = timeout if read_within is None else read_within
         self._sock = sock
         self._reader = reader
         self._rids = itertools.count(1)
@@ -266,16 +268,26 @@ class ShmPath:
 
     @classmethod
     async def connect(
-        cls, node_id: str, path: str, token: str | None, limit: int, timeout: float = 120.0
+        cls,
+        node_id: str,
+        path: str,
+        token: str | None,
+        limit: int,
+        timeout: float = 120.0,
+        read_within: float | None = None,
     ) -> ShmPath:
         """Connect and authenticate; ``OSError``/``WireError``/``StoragedError`` on failure.
         ``limit`` requests at once, each answered within ``timeout`` seconds or the path
-        is given up (a node that stopped answering: a paused process, say)."""
+        is given up (a node that stopped answering: a paused process, say); a read (the
+        node's answer to "map this chunk", no bytes copied) and the handshake within
+        ``read_within`` seconds, when given (a hung node accepts the connection and never
+        answers: HTTP to the other holders serves meanwhile)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         reader = FrameReader(sock, accept_fds=True)
+        handshake = _CONNECT_TIMEOUT if read_within is None else min(_CONNECT_TIMEOUT, read_within)
         try:
-            async with asyncio.timeout(_CONNECT_TIMEOUT):
+            async with asyncio.timeout(handshake):
                 await asyncio.get_running_loop().sock_connect(sock, path)
                 await send_frame(sock, {"op": "hello", "token": token or ""})
                 answer = await reader.read()
@@ -287,7 +299,7 @@ class ShmPath:
             reader.close()
             sock.close()
             raise _error(answer)
-        return cls(node_id, sock, reader, limit, timeout)
+        return cls(node_id, sock, reader, limit, timeout, read_within)
 
     async def close(self) -> None:
         self.broken = True
@@ -327,8 +339,12 @@ class ShmPath:
             self.broken = True
             self._fail_waiting(exc)
 
-    async def _ask(self, doc: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-        """One request and its reply (and the descriptor it carries, ours to close)."""
+    async def _ask(
+        self, doc: dict[str, Any], within: float | None = None
+    ) -> tuple[dict[str, Any], int | None]:
+        """One request and its reply (and the descriptor it carries, ours to close), within
+        ``within`` seconds (default: the path's ``timeout``)."""
+        limit = self._timeout if within is None else within
         if self.broken:
             raise WireError("the shared-memory connection is lost")
         rid = next(self._rids)
@@ -337,7 +353,7 @@ class ShmPath:
         )
         self._waiting[rid] = fut
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(limit):
                 async with self._send_lock:
                     await send_frame(self._sock, {**doc, "rid": rid})
                 return await asyncio.shield(fut)
@@ -345,7 +361,7 @@ class ShmPath:
             # The node may still carry the request out (a PUT is idempotent); hanging up
             # frees what this connection leased.
             self._give_up()
-            raise WireError(f"no answer within {self._timeout} s") from None
+            raise WireError(f"no answer within {limit} s") from None
         except asyncio.CancelledError:
             # The reply may still come with a descriptor: close it then.
             fut.add_done_callback(_close_fd)
@@ -373,6 +389,10 @@ class ShmPath:
                 reply, _ = await self._ask(
                     {"op": "seal", "lease": lease, "length": data.nbytes, "id": chunk_id}
                 )
+                if reply.get("error") == "seal_refused":
+                    # The node keeps a refused lease for its holder to fix or release: this
+                    # one falls back to HTTP, so its RAM is freed now, not when it disconnects.
+                    await self._ask({"op": "release", "lease": lease})
             except (WireError, OSError) as exc:
                 log.warning("shared-memory path to %s lost (%s): using HTTP", self.node_id, exc)
                 self.broken = True
@@ -427,7 +447,7 @@ class ShmPath:
     async def _map(self, chunk_id: str) -> _Mapped | None:
         """Ask the node for the chunk, map it and check it; None: not in the node's RAM."""
         async with self._slots:
-            reply, fd = await self._ask({"op": "read", "id": chunk_id})
+            reply, fd = await self._ask({"op": "read", "id": chunk_id}, self._read_within)
         if fd is None:
             return None
         try:
@@ -489,7 +509,9 @@ class ShmPath:
     def _fallback(reply: dict[str, Any]) -> None:
         """A refusal: raise it if HTTP would be refused the same way, else None."""
         error = _error(reply)
-        if is_retryable(error) or error.code in ("chunk_not_found", "seal_refused", "internal"):
+        # nvme_full: this node's disk is full, another node (over HTTP) may take the chunk
+        fallback = ("chunk_not_found", "seal_refused", "internal", "nvme_full")
+        if is_retryable(error) or error.code in fallback:
             log.debug("shared-memory request refused (%s): using HTTP", error)
             return None
         raise error

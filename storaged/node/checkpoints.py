@@ -17,12 +17,14 @@ Upholds:
   later snapshot (see ``pipeline/gc.py``).
 - A manifest's declared chunk sizes must match the stored chunks (400 ``bad_manifest``).
 - Status reports ``lost`` chunks (held by no live node, neither as a copy nor as ``k``
-  fragments) and then ``"state": "lost"``.
+  fragments) and then ``"state": "lost"``, and ``blocked``: the full disk tiers that keep
+  its chunks from reaching nvme or cold (docs/API.md E16).
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import time
 from collections import Counter
@@ -34,7 +36,8 @@ from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.catalogue import CatalogueUnavailable, CommitConflict, CoordinatorUnavailable
 from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
-from storaged.node.index import STATES, Holding
+from storaged.node.index import COLD, NVME, STATES, Holding
+from storaged.placement import Placement
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -206,7 +209,56 @@ class Checkpoints:
             "lost": lost,
             "under_replicated": under,
             "now": now,
+            "blocked": self._blocked(record.chunks, states, held, placement),
         }
+
+    def _blocked(
+        self,
+        chunks: Sequence[str],
+        states: dict[str, tuple[int, int]],
+        held: dict[str, builtins.list[Holding]],
+        placement: Placement,
+    ) -> builtins.list[dict[str, Any]]:
+        """The live nodes' full disk tiers that keep some of ``chunks`` from their next
+        state, each with how many: a holder's full nvme keeps a chunk it holds in RAM only
+        from nvme (and so from cold), a fragment target's full cold tier keeps a chunk
+        from cold. As of each node's last heartbeat (this node's: now)."""
+        node = self.node
+        full: dict[tuple[str, str], dict[str, Any]] = {}
+        for nid in placement.alive:
+            usage = node.usage() if nid == node.id else node.membership.info(nid).get("usage")
+            for tier in ("nvme", "cold"):
+                mark = (usage or {}).get(tier) or {}
+                if mark.get("state") == "full":
+                    full[(nid, tier)] = mark
+        if not full:
+            return []
+        stuck: dict[tuple[str, str], int] = dict.fromkeys(full, 0)
+        for cid in chunks:
+            if cid not in states:
+                continue  # lost: no disk will help it
+            state = states[cid][0]
+            hit: set[tuple[str, str]] = set()
+            if state < NVME:
+                hit |= {(h.node, "nvme") for h in held[cid] if h.memory and not h.nvme}
+            if state < COLD:
+                has = {(h.node, i) for h in held[cid] for i in h.fragments}
+                targets = placement.fragment_targets(cid)
+                hit |= {(t, "cold") for i, t in enumerate(targets) if (t, i) not in has}
+            for key in hit & full.keys():
+                stuck[key] += 1
+        return [
+            {
+                "node": nid,
+                "url": node.spec(nid).url,
+                "tier": tier,
+                "chunks": stuck[(nid, tier)],
+                "full_since": full[(nid, tier)].get("full_since"),
+                "cause": full[(nid, tier)].get("cause"),
+            }
+            for nid, tier in sorted(full)
+            if stuck[(nid, tier)]
+        ]
 
     async def listing(self, records: Sequence[CatalogRecord], *, costs: bool) -> Listing:
         """The state each of ``records`` reached (``status``'s ``state``) and, with
@@ -254,7 +306,7 @@ class Checkpoints:
         sizes: Mapping[str, int],
         named: Counter[str],
     ) -> dict[str, Any]:
-        """What a checkpoint of ``chunks`` costs (extension E16): its distinct chunks, the
+        """What a checkpoint of ``chunks`` costs (extension E17): its distinct chunks, the
         bytes of those that another live checkpoint names too (``shared``), and per tier
         how many of them have a copy there now (RAM and nvme: on a live node; cold: ``k``
         or more fragments), their bytes, and the bytes the tier stores for them (every

@@ -15,6 +15,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/scrub.py``       re-reads stored bytes
 ``referenced.py``           which chunks are referenced, from a fresh snapshot only
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
+``space.py``                whether the disk tiers have room: full and nearly-full marks
 ``rpc.py``                  the peer calls other nodes make on this one
 ==========================  ==========================================================
 
@@ -30,7 +31,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -62,6 +63,7 @@ from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
 from storaged.node.referenced import ReferencedSet
 from storaged.node.rpc import DOC_METHODS, PeerRpc
+from storaged.node.space import DiskSpace
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerError, PeerServer, PeerUnavailable
 from storaged.placement import Placement
@@ -71,9 +73,12 @@ from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
 
 log = logging.getLogger("storaged.node")
+T = TypeVar("T")
 
 #: chunk ids per chunk_info call
 _INFO_BATCH = 4096
+#: seconds between probes of the disk tiers' free space (node/space.py)
+_SPACE_INTERVAL = 1.0
 
 
 class Node:
@@ -104,6 +109,8 @@ class Node:
         self.state_log = state_log
         self.index = index
         self.fragments: dict[str, set[int]] = {}
+        #: full and nearly-full marks of the disk tiers, from their writes and a probe
+        self.space = DiskSpace({"nvme": nvme, "cold": cold})
         self.locks = ChunkLocks()
         #: chunks whose collection has been decided and is under way: held by no one
         self.collecting: set[str] = set()
@@ -249,6 +256,7 @@ class Node:
         self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
         self.spawn(self._prefault(), "prefault")
+        self.spawn(self._periodic(_SPACE_INTERVAL, self.space.refresh, jitter=False), "space")
         # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
         for cid, info in self.index.items():
             if info.state < COLD:
@@ -313,9 +321,11 @@ class Node:
         await self.cold.close()
         self.state_log.close()
 
-    async def _periodic(self, interval: float, job: Callable[[], Awaitable[Any]]) -> None:
+    async def _periodic(
+        self, interval: float, job: Callable[[], Awaitable[Any]], *, jitter: bool = True
+    ) -> None:
         # Jitter spreads the nodes' passes apart.
-        await asyncio.sleep(interval * random.uniform(0.5, 1.0))
+        await asyncio.sleep(interval * random.uniform(0.5, 1.0) if jitter else 0.0)
         while True:
             try:
                 await job()
@@ -327,7 +337,7 @@ class Node:
                 log.warning("background pass %s: %s", getattr(job, "__name__", job), exc)
             except Exception:
                 log.exception("background pass %s failed", getattr(job, "__name__", job))
-            await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+            await asyncio.sleep(interval * (random.uniform(0.8, 1.2) if jitter else 1.0))
 
     # ---- placement -------------------------------------------------------------------------
     def placement(self) -> Placement:
@@ -358,8 +368,18 @@ class Node:
         args: dict[str, Any],
         body: bytes | bytearray | memoryview | None = None,
         timeout: float = 30.0,
+        *,
+        until_down: bool = False,
     ) -> tuple[dict[str, Any], bytes | memoryview | None]:
-        """``method`` on ``node_id`` (locally without a socket when it is this node)."""
+        """``method`` on ``node_id`` (locally without a socket when it is this node).
+
+        ``until_down``: for a question whose asker goes on without a node that does not
+        answer (a listing, a status, a plan): the call is abandoned (``PeerUnavailable``)
+        as soon as the membership holds ``node_id`` down, so that a hung node, which
+        accepts connections and never replies, costs a query about ``down_after``, not
+        ``timeout``."""
+        if until_down and node_id != self.id:
+            return await self._until_down(node_id, self.call(node_id, method, args, body, timeout))
         if node_id == self.id:
             reply, out = await self.rpc.call_local(method, args, memoryview(body) if body else None)
             return reply, (bytes(out) if isinstance(out, bytearray) else out)
@@ -381,6 +401,23 @@ class Node:
         except PeerUnavailable:
             self.membership.report_failure(node_id)
             raise
+
+    async def _until_down(self, node_id: str, call: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(call)
+        try:
+            # Checked as often as heartbeats come: no sooner can the verdict change.
+            step = max(0.05, self.config.heartbeat_interval)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=step)
+                if done:
+                    return task.result()
+                if not self.membership.is_alive(node_id):
+                    raise PeerUnavailable("timeout", f"{node_id} went down while asked")
+        finally:
+            if not task.done():
+                task.cancel()  # the peer client drops the connection
+                with contextlib.suppress(asyncio.CancelledError, PeerError):
+                    await task
 
     async def _ping(self, spec: NodeSpec) -> dict[str, Any]:
         reply, _ = await self.peers.call(self.config.dial_addr(spec), "ping", {}, timeout=2.0)
@@ -411,7 +448,11 @@ class Node:
         async def ask(node_id: str, batch: list[str]) -> None:
             try:
                 reply, _ = await self.call(
-                    node_id, "chunk_info", {"ids": batch, **args_extra}, timeout=timeout
+                    node_id,
+                    "chunk_info",
+                    {"ids": batch, **args_extra},
+                    timeout=timeout,
+                    until_down=True,
                 )
             except PeerError:
                 return
@@ -471,11 +512,21 @@ class Node:
         info = self.index.get(chunk_id)
         return info is not None and info.state >= COLD
 
-    def usage(self) -> dict[str, dict[str, int]]:
-        out = {}
+    @property
+    def url(self) -> str:
+        """This node's advertised HTTP URL (what refusals name it by)."""
+        return self.config.node.url
+
+    def usage(self) -> dict[str, dict[str, Any]]:
+        """Per tier: used, capacity, count; for the disk tiers also their room marks
+        (``DiskSpace.mark``: state, free, full_since, cause)."""
+        out: dict[str, dict[str, Any]] = {}
         for tier in (self.memory, self.nvme, self.cold):
             u = tier.usage()
             out[tier.name] = {"used": u.used, "capacity": u.capacity, "count": u.count}
+        out["memory"]["dirty"] = self.memory.stats().dirty_bytes
+        for name in ("nvme", "cold"):
+            out[name].update(self.space.mark(name))
         return out
 
     def heartbeat(self) -> dict[str, Any]:

@@ -22,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from erasure import parse_fragment_key
-from storaged.errors import BadInput, unavailable
+from storaged.errors import BadInput, InsufficientStorage, StoragedError, unavailable
 from storaged.ids import chunk_id_of_async, crc32c_of_async
 from storaged.node.index import NVME, ChunkInfo, state_name
 from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
 from tiers import CorruptChunk, TierFull
+from tiers.memory import size_class
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("storaged.node.write")
 
 BodyPieces = AsyncIterator[bytes | bytearray | memoryview]
+T = TypeVar("T")
+#: a replica's refusal, and who refused
+Refusal = tuple[str, PeerError]
 
 #: sends of one copy to one replica that saw damaged bytes, before it counts as failed
 _RESENDS = 2
@@ -47,6 +51,11 @@ _SEND_SLICE = 1 << 20
 #: background work counts a replica copy as an ack under way for this long after it
 #: began or ended arriving (a replica cannot tell when the entry node's PUT is done)
 _COPY_QUIET = 0.25
+#: once this node's nvme is full, a new copy waits this long at most for RAM (which then
+#: frees only when the disk does) before it is refused with ``nvme_full``
+_FULL_WAIT = 1.0
+#: a wait for RAM looks again at the nvme's mark this often
+_FULL_STEP = 0.25
 
 
 class WritePath:
@@ -195,15 +204,12 @@ class WritePath:
         if sealed is not None:
             buf = sealed
         else:
-            try:
-                buf = await node.memory.allocate(size, timeout=node.config.put_wait)
-            except TierFull as exc:
-                raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+            buf = await self.room(size, lambda wait: node.memory.allocate(size, timeout=wait))
         streams: dict[str, PutStream] = {}
         try:
             remote = [t for t in targets if t != node.id]
             streams = await self._open_streams(chunk_id, size, remote, crc32c)
-            refused: list[PeerError] = []
+            refused: list[Refusal] = []
             if body is not None:
                 received = await self._receive(body, buf, streams, refused)
                 if received < size:
@@ -238,6 +244,52 @@ class WritePath:
         node.metrics.put_bytes.inc(size)
         return 201, {"chunk": chunk_id, "size": size, "replicas": holders, "state": "memory"}
 
+    async def room(self, size: int, take: Callable[[float], Awaitable[T]]) -> T:
+        """RAM for a new copy of ``size`` bytes, by ``take(timeout)`` (an allocation of the
+        memory tier, or a shared segment): it waits up to ``put_wait`` for room, but once
+        this node's nvme is full only about ``_FULL_WAIT`` more (its RAM is then held by
+        chunks that cannot drain: waiting would only make a client sit out ``put_wait`` for
+        the same answer).
+
+        Raises ``InsufficientStorage`` ``nvme_full`` naming this node (the nvme is full),
+        else ``Unavailable`` ``memory_full`` (``put_wait`` passed, or at once for a size that
+        can never fit)."""
+        node = self.node
+        if size_class(size) > node.memory.usage().capacity:
+            raise unavailable(
+                "memory_full", f"{size} bytes can never fit in this node's RAM", retry_after=1.0
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + node.config.put_wait
+        full_from: float | None = None
+        while True:
+            now = loop.time()
+            give_up = deadline
+            if node.space.full("nvme"):
+                full_from = now if full_from is None else full_from
+                give_up = min(deadline, full_from + _FULL_WAIT)
+            else:
+                full_from = None
+            try:
+                return await take(max(0.0, min(give_up - now, _FULL_STEP)))
+            except TierFull as exc:
+                if full_from is not None and loop.time() >= give_up:
+                    raise self.nvme_full() from exc
+                if loop.time() >= deadline:
+                    raise unavailable("memory_full", str(exc), retry_after=1.0) from exc
+
+    def nvme_full(self) -> InsufficientStorage:
+        """The refusal of a copy by a node whose nvme is full (docs/API.md E16)."""
+        node = self.node
+        dirty = node.memory.stats().dirty_bytes
+        return InsufficientStorage(
+            "nvme_full",
+            f"nvme tier full on node {node.id} ({node.url}), {node.space.describe('nvme')}: "
+            f"its RAM holds {dirty / 2**20:.1f} MiB of chunks that cannot drain to disk, so "
+            "it takes no new ones until space is freed there",
+            full=[{"node": node.id, "url": node.url, "tier": "nvme"}],
+        )
+
     def _reply(self, chunk_id: str, size: int, holders: list[str]) -> dict[str, Any]:
         info = self.node.index.get(chunk_id)
         state = state_name(info.state) if info else "memory"
@@ -265,7 +317,7 @@ class WritePath:
         body: BodyPieces,
         buf: memoryview,
         streams: dict[str, PutStream],
-        refused: list[PeerError],
+        refused: list[Refusal],
     ) -> int:
         """Copy pieces into ``buf`` and forward them to every open stream as they arrive.
 
@@ -292,7 +344,7 @@ class WritePath:
         return pos
 
     async def _send_all(
-        self, buf: memoryview, streams: dict[str, PutStream], refused: list[PeerError]
+        self, buf: memoryview, streams: dict[str, PutStream], refused: list[Refusal]
     ) -> None:
         """Send the whole of ``buf`` to every open stream at once, in slices (the transport
         keeps what the socket does not take); failures leave ``streams`` as in ``_receive``."""
@@ -309,7 +361,7 @@ class WritePath:
         node_id: str,
         stream: PutStream,
         views: Sequence[memoryview],
-        refused: list[PeerError],
+        refused: list[Refusal],
     ) -> bool:
         """Write ``views`` to one replica's stream; False when it failed (an unreachable
         peer is reported to the membership, a refusal goes into ``refused``): the caller
@@ -321,7 +373,7 @@ class WritePath:
             self.node.membership.report_failure(node_id)
             return False
         except PeerError as exc:
-            refused.append(exc)
+            refused.append((node_id, exc))
             return False
         return True
 
@@ -331,7 +383,7 @@ class WritePath:
         buf: memoryview,
         streams: dict[str, PutStream],
         order: list[str],
-        refused: list[PeerError],
+        refused: list[Refusal],
         crc32c: int | None = None,
     ) -> tuple[list[str], list[str]]:
         """Collect the peers' verdicts; replace failed holders from our own (checked) copy,
@@ -357,7 +409,7 @@ class WritePath:
                     damaged.append(node_id)
                 else:
                     log.warning("replica %s refused %s: %s", node_id, chunk_id, exc)
-                    refused.append(exc)
+                    refused.append((node_id, exc))
                 return
             holders.append(node_id)
             if reply.get("new"):
@@ -393,8 +445,23 @@ class WritePath:
         if len(holders) < node.config.replication:
             if node.stopping:
                 raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
-            if any(e.code == "memory_full" for e in refused):
-                raise unavailable("memory_full", "a replica holder is out of RAM", retry_after=1.0)
+            rf = node.config.replication
+            short = f"only {len(holders)} node(s) could take the chunk, need {rf}"
+            full = {n: e for n, e in refused if e.code == "nvme_full"}
+            if full:
+                # Not backpressure: those nodes' RAM frees only when their disk does (E16).
+                raise InsufficientStorage(
+                    "nvme_full",
+                    f"{short}: " + "; ".join(e.message for e in full.values()),
+                    full=[{"node": n, "url": node.spec(n).url, "tier": "nvme"} for n in full],
+                )
+            out_of_ram = [f"{n}: {e.message}" for n, e in refused if e.code == "memory_full"]
+            if out_of_ram:
+                raise unavailable(
+                    "memory_full",
+                    f"{short}: out of RAM on " + "; ".join(out_of_ram),
+                    retry_after=1.0,
+                )
             raise unavailable(
                 "insufficient_replicas",
                 f"only {len(holders)} node(s) could take the chunk; need {node.config.replication}",
@@ -408,7 +475,7 @@ class WritePath:
         node_id: str,
         chunk_id: str,
         data: memoryview,
-        refused: list[PeerError],
+        refused: list[Refusal],
         crc32c: int | None = None,
     ) -> dict[str, Any] | None:
         for _ in range(_RESENDS):
@@ -418,7 +485,7 @@ class WritePath:
                 return None
             except PeerError as exc:
                 if exc.code != "checksum_mismatch":
-                    refused.append(exc)
+                    refused.append((node_id, exc))
                     return None
                 log.warning("replica %s saw damaged bytes of %s again", node_id, chunk_id)
         return None
@@ -504,7 +571,11 @@ class WritePath:
                 except CorruptChunk as exc:
                     raise PeerError("checksum_mismatch", str(exc)) from exc
                 except TierFull as exc:
-                    raise PeerError("cold_full", str(exc)) from exc
+                    node.space.note_full("cold", exc, len(body))
+                    raise PeerError(
+                        "cold_full", f"cold tier full on {node.id} ({node.url}): {exc}"
+                    ) from exc
+                node.space.note_written("cold")
                 node.fragments.setdefault(cid, set()).add(index)
                 now = time.time()
                 info = node.index.get(cid)
@@ -524,9 +595,9 @@ class WritePath:
         if size > node.config.max_chunk_size:
             raise PeerError("too_large", f"{size} bytes is over the max chunk size")
         try:
-            return await node.memory.allocate(size, timeout=node.config.put_wait)
-        except TierFull as exc:
-            raise PeerError("memory_full", str(exc)) from exc
+            return await self.room(size, lambda wait: node.memory.allocate(size, timeout=wait))
+        except StoragedError as exc:  # memory_full, or nvme_full naming this node
+            raise PeerError(exc.code, exc.message) from exc
 
     async def chunk_received(
         self, chunk_id: str, buf: memoryview, crc32c: int | None = None

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -462,3 +463,100 @@ async def test_evict_refuses_bad_input_and_unknown_checkpoints(cluster: LocalClu
             await client.evict("../nope", "memory", admin_token=ADMIN_TOKEN)
         with pytest.raises(CheckpointNotFound):
             await client.evict("evict/never-committed", "memory", admin_token=ADMIN_TOKEN)
+
+
+class _LosesOneDeleteAnswer:
+    """A TCP proxy in front of one node that relays both ways, except the answer to the
+    first DELETE it sees: once the node has answered (it carried the delete out), the
+    proxy closes the client's connection instead. The lost answer of an applied write."""
+
+    def __init__(self, target: str) -> None:
+        url = urlsplit(target)
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.deletes_seen = 0
+        self.answers_dropped = 0
+        self.server: asyncio.Server | None = None
+        self.relays: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for relay in self.relays:
+            relay.cancel()
+        await asyncio.gather(*self.relays, return_exceptions=True)
+
+    async def _relay(self, c_in: asyncio.StreamReader, c_out: asyncio.StreamWriter) -> None:
+        relay = asyncio.current_task()
+        assert relay is not None
+        self.relays.add(relay)
+        try:
+            await self._pump(c_in, c_out)
+        except asyncio.CancelledError:
+            pass  # the proxy closes: its connections go with it
+        finally:
+            c_out.transport.abort()
+
+    async def _pump(self, c_in: asyncio.StreamReader, c_out: asyncio.StreamWriter) -> None:
+        n_in, n_out = await asyncio.open_connection(self.host, self.port)
+        drop = asyncio.Event()
+
+        async def up() -> None:
+            while data := await c_in.read(65536):
+                if data.startswith(b"DELETE "):
+                    self.deletes_seen += 1
+                    if self.deletes_seen == 1:
+                        drop.set()
+                n_out.write(data)
+                await n_out.drain()
+
+        async def down() -> None:
+            while data := await n_in.read(65536):
+                if drop.is_set():
+                    self.answers_dropped += 1
+                    c_out.transport.abort()  # the node has answered; the client never hears
+                    return
+                c_out.write(data)
+                await c_out.drain()
+
+        tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            n_out.transport.abort()
+
+
+async def test_a_delete_whose_answer_is_lost_is_not_reported_as_missing(
+    cluster: LocalCluster,
+) -> None:
+    """A DELETE the node carried out, its answer lost: ``delete()`` returns (the checkpoint
+    is gone), not ``CheckpointNotFound``. aiohttp resent such a DELETE unseen; the 404 of
+    the resend reached the caller as "no such checkpoint", and the nemesis (etcd soak,
+    seed 2027665186) then counted the acknowledged checkpoint as lost once GC freed it."""
+    name = "lost-answer/step-1"
+    async with client_for(cluster) as client:
+        await save_checkpoint(client, name, {0: {"w": np.arange(4096, dtype=np.int64)}})
+    proxy = _LosesOneDeleteAnswer(cluster.urls[0])
+    await proxy.start()
+    try:
+        async with client_for(cluster, shm=False) as client:
+            # every node reached through the proxy (a failover finds the real URLs again)
+            client._urls = dict.fromkeys(client._urls, proxy.url)
+            await client.delete(name)
+            assert proxy.answers_dropped == 1, "the proxy lost no answer: nothing was tested"
+            with pytest.raises(CheckpointNotFound):
+                await client.get_manifest(name)
+            with pytest.raises(CheckpointNotFound):
+                await client.delete(name)  # a second call of its own: there is none
+    finally:
+        await proxy.close()

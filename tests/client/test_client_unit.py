@@ -262,21 +262,22 @@ def test_cluster_document_parsing() -> None:
 
 @pytest.fixture(scope="module")
 def starved() -> Iterator[LocalCluster]:
-    """A 4-node cluster that cannot make data durable: its nvme (1 MiB) is too small to
-    drain 2 MiB chunks into, so RAM (24 MiB a node) fills with dirty data and PUTs are
-    refused with 503 memory_full after ``put_wait``; no encoder runs, so nothing ever
-    reaches cold. Unreferenced chunks are collected ``gc_grace`` seconds after upload."""
+    """A 4-node cluster that does not make data durable: no drain runs, so RAM (24 MiB a
+    node) fills with dirty data and PUTs are refused with 503 memory_full after
+    ``put_wait`` (its disks have room: a full nvme would be 507 nvme_full, E16); no
+    encoder runs, so nothing ever reaches cold. Unreferenced chunks are collected
+    ``gc_grace`` seconds after upload."""
     root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
     factory = ClusterFactory(root)
     try:
         yield factory(
             4,
             put_wait=0.5,
+            drain_workers=0,
             encode_workers=0,
             gc_grace=2.0,
-            tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
-            # Its RAM can never drain to that nvme: a graceful stop would wait the default
-            # 120 s for it (and time the teardown out).
+            tiers={"memory_capacity": "24MiB"},
+            # A graceful stop drains its RAM (72 MiB at most) itself: bounded anyway.
             stop_timeout=5.0,
         )
     finally:

@@ -38,6 +38,7 @@ from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, send_frame
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory
+from tiers.memory import size_class
 from tiers.nvme import NvmeTier
 
 pytestmark = pytest.mark.timeout(240)
@@ -511,6 +512,45 @@ async def test_a_lease_shrunk_before_seal_is_refused_not_an_internal_error(
         finally:
             raw.close()
         assert not shrunk, "a leased memfd was shrunk"
+
+
+async def test_a_refused_seal_falls_back_to_http_and_frees_the_lease(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seal the node refuses (here: the client's staging left a writable mapping) is a
+    fallback to HTTP, and the client releases the lease the node kept for it: the node's
+    RAM is not held by a dead lease until the connection closes."""
+    import storaged.client.shm as client_shm
+
+    kept: list[mmap.mmap] = []
+    real_stage = client_shm._stage
+
+    def stage_leaving_a_writable_mapping(fd: int, size: int, data: memoryview) -> None:
+        kept.append(mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+        real_stage(fd, size, data)
+
+    blob = np.random.default_rng(7).bytes(2 * MiB + 5)
+    async with client_for(cluster) as client:
+        await client_sees_all_alive(client)
+        assert client.shm is not None
+        node_id = client.shm.node_id
+        before = (await _node_doc(client, node_id))["memory"]["used"]
+        monkeypatch.setattr(client_shm, "_stage", stage_leaving_a_writable_mapping)
+        try:
+            result = await client.put_chunk_result(blob)
+        finally:
+            for m in kept:
+                m.close()
+        assert kept, "the shared-memory path was not tried"
+        assert result.chunk == chunk_id_of(blob) and len(set(result.replicas)) == 3
+        assert client.stats.shm_chunks_uploaded == 0
+        assert bytes(await client.get_chunk(result.chunk)) == blob
+        held = (await _node_doc(client, node_id))["memory"]["used"]
+        # What the node holds now is the chunk (if it is a holder), never the lease too.
+        holder = node_id in result.replicas
+        assert held - before <= (size_class(len(blob)) if holder else 0), (
+            f"node {node_id} RAM grew by {held - before} bytes: the refused lease is held"
+        )
 
 
 # ---------------------------------------------------------------------- failures

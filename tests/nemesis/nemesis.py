@@ -43,9 +43,10 @@ partitioned, draining, gone, emptied, cut off from etcd): the failure model the 
 promises to survive; fewer when fewer members remain than the erasure code spreads
 fragments over one a node (``budget_for``). A node whose data was
 lost (kill -9, flips) still counts as impaired after its restart, for ``settle`` seconds
-and then until the nodes' repair passes report nothing left to repair (``repair_backlog``
-in ``/v1/cluster``; ``settle_max`` at most), so that losses of successive faults do not
-add up beyond that model before repair has acted. The first faults go through every
+and then until no chunk of the checkpoints live at the fault is short of full
+replication (however long repair takes: every ``settle_max`` s it is noted as overdue),
+so that losses of successive faults do not add up beyond that model before repair has
+acted. The first faults go through every
 kind once (in a seeded order), so that even a short run sees each; then kinds and
 targets are drawn from the seed. The sequence of draws is seeded; its timing against
 the workload is not.
@@ -149,7 +150,8 @@ class NemesisShape:
     #: the same for a node that lost data it knows it lost (RAM, a wiped disk): a few
     #: repair passes have counted what it lacks by then
     settle_lost: float = 2.5
-    #: a node that lost data counts as impaired until repair is done, or this long at most
+    #: a node that lost data counts as impaired until repair is done (noted as overdue
+    #: every this many seconds)
     settle_max: float = 60.0
     #: faults start after ``warm_acks`` acknowledged commits, or ``warmup`` seconds
     warm_acks: int = 3
@@ -350,31 +352,47 @@ class Nemesis:
         task.add_done_callback(self._tasks.discard)
 
     async def _settle(self, nodes: list[int], hold: float) -> None:
+        """Hold ``nodes`` impaired ``hold`` s, then until repair is done. Never released
+        while data is short: on a loaded machine repair can take minutes, and releasing
+        at a cap let the losses of later faults add up beyond the model (soak run 27: a
+        chunk lost to four whole-disk faults in a row, each settle given up at 60 s with
+        chunks still short). Repair that never finishes keeps them impaired to the end,
+        where the heal check (I6) names it."""
         try:
             await self._sleep(hold)
-            waited, trail = await self._repair_quiet()
+            # What a fault could damage was saved before it: chunks acknowledged later had
+            # their copies at the ack (I1), and a save in flight is transiently short.
+            before = {r.name for r in self.history.live_checkpoints()}
+            waited = 0.0
+            while True:
+                took, trail, done = await self._repair_quiet(before)
+                waited += took
+                if done or self.stopping.is_set():
+                    break
+                self.history.counts["settle_overdue"] += 1
+                self.history.note(
+                    f"nemesis: {self._names(nodes)} not settled {waited:.1f}s after the "
+                    f"hold (repair backlog {trail[-8:]}): still impaired"
+                )
             self.history.note(
-                f"nemesis: {self._names(nodes)} settled {waited:.1f}s after the hold "
-                f"(repair backlog {trail[-8:]})"
+                f"nemesis: {self._names(nodes)} {'settled' if done else 'stopped'} "
+                f"{waited:.1f}s after the hold (repair backlog {trail[-8:]})"
             )
         finally:
             for i in nodes:
                 self.impaired[i] = time.monotonic()
 
-    async def _repair_quiet(self) -> tuple[float, list[int | None]]:
+    async def _repair_quiet(self, before: set[str]) -> tuple[float, list[int | None], bool]:
         """Until repair is done twice running (``settle_max`` at most, or until the run
-        stops); the time waited and the counts seen. Done: with ``client``, no chunk of a
-        checkpoint live at the start short of full replication on the members (the end's
-        own measure: the nodes' ``repair_backlog`` also counts garbage and chunks being
-        saved, and stays above 0 while the writers run); else the repair passes report
-        nothing."""
+        stops); the time waited, the counts seen and whether it was done. Done: with
+        ``client``, no chunk of ``before`` (checkpoints live when the hold began) short of
+        full replication on the members (the end's own measure: the nodes'
+        ``repair_backlog`` also counts garbage and chunks being saved, and stays above 0
+        while the writers run); else the repair passes report nothing."""
         started = time.monotonic()
         deadline = started + self.shape.settle_max
         quiet = 0
         trail: list[int | None] = []
-        # What a fault could damage was saved before it: chunks acknowledged later had
-        # their copies at the ack (I1), and a save in flight is transiently short.
-        before = {r.name for r in self.history.live_checkpoints()}
         # The files are the truth: one count of none short will do; the nodes' own
         # backlogs must say nothing twice running (a pass may not have counted yet).
         need = 1 if self.client is not None else 2
@@ -391,8 +409,9 @@ class Nemesis:
                 backlog = await asyncio.to_thread(self._repair_backlog)
             trail.append(backlog)
             quiet = quiet + 1 if backlog == 0 else 0
-            await self._sleep(1.0)
-        return time.monotonic() - started, trail
+            if quiet < need:
+                await self._sleep(1.0)
+        return time.monotonic() - started, trail, quiet >= need
 
     def _alive_members(self, exclude: Collection[int] = ()) -> list[int]:
         return [i for i in sorted(self.members) if i not in exclude and self.cluster.alive(i)]

@@ -266,7 +266,10 @@ class Writer:
             h.counts["chunks_deduped"] += len(ids) - len(missing)
             return True
         except StoragedError as exc:
+            # memory_full and insufficient_replicas (503) come with faults; so does
+            # nvme_full (507, E16) while full_disk fills a node's disks: refused, not lost
             h.counts["uploads_failed"] += 1
+            h.counts[f"upload_failed_{exc.code}"] += 1
             h.note(f"w{self.w}/step-{s:05d}: upload failed ({exc}); nothing committed")
             return False
 

@@ -377,12 +377,13 @@ async def test_cluster_endpoint(api: Api, cluster: LocalCluster) -> None:
     assert [n["id"] for n in doc["nodes"]] == ["n0", "n1", "n2", "n3"]
     for n in doc["nodes"]:
         assert n["url"] in cluster.urls and n["alive"] is True
-        for tier in ("memory", "nvme", "cold"):
+        # count: an extension (docs/API.md E10); dirty and the disk tiers' room marks: E16
+        assert set(n["memory"]) == {"used", "capacity", "count", "dirty"}
+        for tier in ("nvme", "cold"):
             assert set(n[tier]) == {
-                "used",
-                "capacity",
-                "count",
-            }  # count: an extension (docs/API.md E10)
+                "used", "capacity", "count", "state", "free", "full_since", "cause"
+            }  # fmt: skip
+            assert n[tier]["state"] in ("ok", "nearly_full") and n[tier]["full_since"] is None
 
 
 async def test_auth(api: Api, cluster: LocalCluster) -> None:

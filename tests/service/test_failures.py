@@ -237,13 +237,10 @@ async def test_restarted_node_rejoins_and_serves(
 async def test_memory_full_is_backpressure_not_loss(
     cluster_factory: ClusterFactory, session: aiohttp.ClientSession
 ) -> None:
-    # nvme too small to drain into: RAM fills with dirty (acked) data and must not drop it.
+    # No drain runs: RAM fills with dirty (acked) data and must not drop it; the disks
+    # have room, so the refusal is backpressure (503 memory_full), not a full disk.
     cluster = await cluster_factory.start(
-        4,
-        put_wait=0.5,
-        # a graceful stop waits this long to drain RAM, which can never fit on this nvme
-        stop_timeout=5.0,
-        tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
+        4, put_wait=0.5, drain_workers=0, stop_timeout=5.0, tiers={"memory_capacity": "24MiB"}
     )
     api = Api(session, cluster.urls[0], TOKEN)
     acked: list[bytes] = []
@@ -258,6 +255,45 @@ async def test_memory_full_is_backpressure_not_loss(
         acked.append(data)
     assert full is not None, "RAM never filled"
     assert full.error == "memory_full" and int(full.headers["Retry-After"]) >= 1
+    assert acked, "something was acked before RAM filled"
+    for data in acked:
+        got = await api.get_chunk(chunk_id_of(data))
+        assert got.status == 200 and got.raw == data
+
+
+async def test_ram_full_of_chunks_a_full_nvme_cannot_take_is_nvme_full(
+    cluster_factory: ClusterFactory, session: aiohttp.ClientSession
+) -> None:
+    """nvme too small to drain into (its configured capacity; tests/service/test_full_disk.py
+    fills a real disk): RAM fills with dirty (acked) data, nothing acked is dropped, and
+    the refusal names the full tier (507 nvme_full, E16), long before ``put_wait``."""
+    put_wait = 8.0
+    cluster = await cluster_factory.start(
+        4,
+        put_wait=put_wait,
+        # a graceful stop waits this long to drain RAM, which can never fit on this nvme
+        stop_timeout=5.0,
+        tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
+    )
+    api = Api(session, cluster.urls[0], TOKEN)
+    acked: list[bytes] = []
+    full = None
+    took = 0.0
+    for _ in range(60):
+        data = random_chunk(2 << 20)
+        began = time.monotonic()
+        r = await api.put_chunk(data)
+        took = time.monotonic() - began
+        if r.status >= 500:
+            full = r
+            break
+        assert r.status == 201, r.raw
+        acked.append(data)
+    assert full is not None, "RAM never filled"
+    assert full.status == 507 and full.error == "nvme_full", full.raw
+    assert "nvme tier full on node n" in full.doc["message"], full.doc
+    assert {f["tier"] for f in full.doc["full"]} == {"nvme"}
+    assert took < put_wait / 2, f"refused after {took:.1f} s: the RAM wait, not the disk's word"
     assert acked, "something was acked before RAM filled"
     for data in acked:
         got = await api.get_chunk(chunk_id_of(data))

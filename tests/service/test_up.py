@@ -17,6 +17,7 @@ import http.server
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -55,11 +56,15 @@ def _env(**extra: str) -> dict[str, str]:
 class Up:
     """A running ``storaged up``; its output lines are collected by a thread as they come."""
 
-    def __init__(self, data: Path, port: int, *args: str, cwd: Path | None = None) -> None:
+    def __init__(
+        self, data: Path, port: int, *args: str, cwd: Path | None = None, flags: bool = True
+    ) -> None:
+        """``flags=False``: no --port, --peer-port, --memory (the cluster file's are kept)."""
         self.data = data
         self.port = port
         argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
-        argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
+        if flags:
+            argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
         self.proc = subprocess.Popen(
             [*argv, *args],
             stdout=subprocess.PIPE,
@@ -168,11 +173,13 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict[str, object]]:
 
 
 def _run_up(
-    data: Path, port: int, *args: str, cwd: Path | None = None
+    data: Path, port: int, *args: str, cwd: Path | None = None, flags: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """An ``up`` expected to refuse: it must end by itself."""
     argv = [sys.executable, "-P", "-m", "storaged", "up", "--data", str(data)]
-    argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB", *args]
+    if flags:
+        argv += ["--port", str(port), "--peer-port", str(port + 4), "--memory", "128MiB"]
+    argv += args
     return subprocess.run(
         argv, capture_output=True, text=True, env=_env(), cwd=cwd or data.parent, timeout=150
     )
@@ -409,12 +416,16 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_forces_it(
     try:
         again.proc.send_signal(signal.SIGINT)
         again.wait_for("storaged up: stopping 4 nodes")
+        others = [again.pid(i) for i in (0, 2, 3)]
         deadline = time.monotonic() + 60
-        while _alive(again.pid(0)) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the others stop; n1 cannot
+        while any(_alive(p) for p in others) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the others stop (one may still be at it on a loaded machine)
         assert _alive(hung)
         again.proc.send_signal(signal.SIGINT)  # the second Ctrl-C
-        line = again.lines[again.wait_for("storaged up: killed n1 (a second Ctrl-C)")]
+        line = again.lines[again.wait_for("(a second Ctrl-C)")]
+        killed = re.search(r"storaged up: killed (.+) \(a second Ctrl-C\)", line)
+        assert killed is not None, line
+        assert "n1" in killed.group(1).split(", "), line  # the hung one, at least
         assert "lost unless another node has it on disk" in line
         again.wait_for("storaged up: stopped")
         assert again.proc.wait(timeout=60) == 0
@@ -422,6 +433,46 @@ def test_ctrl_c_says_what_the_stop_waits_for_and_a_second_one_forces_it(
     finally:
         if _alive(hung):
             os.kill(hung, signal.SIGKILL)
+
+
+def test_a_stop_held_by_a_full_disk_says_so_and_a_second_ctrl_c_ends_it(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    """nvme too small for what RAM holds: the save is acknowledged (three RAM copies), the
+    drain cannot write it, and Ctrl-C's stop says what it waits for and why, node by node,
+    instead of hanging silently; a second Ctrl-C ends it and says what may be lost."""
+    up = Up(tmp_path / "cluster", free_port_block(9), "--nvme", "1MiB")
+    ups.append(up)
+    up.started()
+    env = up.exported()
+    data = tmp_path / "in.bin"
+    data.write_bytes(os.urandom(6 << 20))
+    saved = _cli(env, "save", str(data), "full/one", "--format", "raw", "--chunk-size", "1MiB")
+    assert saved.returncode == 0, saved.stderr  # acknowledged in RAM, by design
+    waited = _cli(
+        env,
+        "save",
+        str(data),
+        "full/two",
+        "--format",
+        "raw",
+        "--chunk-size",
+        "1MiB",
+        "--wait",
+        "nvme",
+    )
+    assert waited.returncode == 1 and "nvme_full" in waited.stderr, waited.stderr
+    up.proc.send_signal(signal.SIGINT)
+    stopping = up.wait_for("storaged up: stopping 4 nodes")
+    waiting = up.wait_for("storaged up: still waiting for", timeout=60, after=stopping)
+    why = up.lines[up.wait_for("RAM-only chunk(s) cannot drain: nvme tier", 30, waiting)]
+    assert re.search(r"storaged up: n\d: \d+ RAM-only chunk\(s\) cannot drain", why), why
+    assert "full" in why, why
+    up.proc.send_signal(signal.SIGINT)  # the second Ctrl-C
+    killed = up.lines[up.wait_for("(a second Ctrl-C)", timeout=60, after=waiting)]
+    assert "lost unless another node has it on disk" in killed
+    up.wait_for("storaged up: stopped", after=stopping)
+    assert up.proc.wait(timeout=60) == 0
 
 
 def test_a_cluster_without_token_must_be_asked_for(tmp_path: Path, ups: list[Up]) -> None:

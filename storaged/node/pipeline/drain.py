@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from storaged.node.pipeline import Workers
 from storaged.peer import PeerError
-from tiers import ChunkNotFound, CorruptChunk
+from tiers import ChunkNotFound, CorruptChunk, TierFull
 
 if TYPE_CHECKING:
     from storaged.node.core import Node
@@ -29,6 +29,8 @@ log = logging.getLogger("storaged.node.drain")
 
 #: retry delays of a failing drain grow up to this
 _MAX_BACKOFF = 5.0
+#: a stop that cannot drain to a full disk says so this often
+_FULL_SAY_EVERY = 10.0
 
 
 class Drain:
@@ -127,7 +129,14 @@ class Drain:
         node = self.node
         async with node.memory.lease(chunk_id) as view:
             shared = node.memory.is_shared(chunk_id)
-            await node.nvme.put(chunk_id, view, verified=not shared)
+            try:
+                await node.nvme.put(chunk_id, view, verified=not shared)
+            except TierFull as exc:
+                # The disk's own word (ENOSPC) or the capacity: PUTs that wait for RAM only
+                # this drain could free are refused from now on (node/space.py).
+                node.space.note_full("nvme", exc, view.nbytes)
+                raise
+        node.space.note_written("nvme")
 
     def _quarantine(self, chunk_id: str) -> None:
         """A RAM copy that fails its id is dropped (never drained, never served again);
@@ -150,7 +159,19 @@ class Drain:
         node = self.node
         left = node.memory.dirty_keys()
         attempt = 0
+        said = -_FULL_SAY_EVERY
         while left and time.monotonic() < deadline:
+            if node.space.full("nvme") and time.monotonic() - said >= _FULL_SAY_EVERY:
+                # Say what the stop waits for: it can last the whole stop_timeout.
+                said = time.monotonic()
+                log.error(
+                    "stop: %d RAM-only chunk(s) cannot drain: nvme tier %s; waiting %.0f s "
+                    "more for disk space, then exiting without them (lost unless another "
+                    "holder has them on disk)",
+                    len(left),
+                    node.space.describe("nvme"),
+                    deadline - said,
+                )
             failed = []
             for cid in left:
                 if time.monotonic() >= deadline:
