@@ -359,6 +359,97 @@ def test_ls_shows_what_each_checkpoint_costs(
     assert row["COLD"] == "4.00 MiB"
 
 
+def test_ls_costs_count_what_live_nodes_hold(
+    cluster_factory: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With a node killed, ``ls`` still answers at once, and its tier columns count only
+    what the live nodes hold: exactly the nvme copies and the fragments the plan names on
+    the other nodes, nothing lost (six fragments over four nodes leave at least k=4).
+    Repair is held off (``repair_interval``, ``gone_after``) so that nothing changes the
+    holdings between the plan and the listing."""
+    cluster = cluster_factory(repair_interval=3600.0, gone_after=3600.0)
+
+    def cli(*args: str) -> Run:
+        capsys.readouterr()
+        status = main([*args, "--url", ",".join(cluster.urls), "--token", TOKEN])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return Run(status, out, err)
+
+    rng = np.random.default_rng(8)
+    for tag in ("hot", "frozen"):  # nvme copies only / fragments only
+        np.savez(tmp_path / f"{tag}.npz", w=rng.standard_normal(5 * 2**18).astype(np.float32))
+        r = cli(
+            "save", str(tmp_path / f"{tag}.npz"), f"k/{tag}", "--chunk-size", "1MiB",
+            "--wait", "cold", "--timeout", "120", "--no-progress",
+        )  # fmt: skip
+        assert r.status == 0, r.err
+
+    async def holdings() -> tuple[dict[str, Any], dict[str, dict[str, int]], int]:
+        async with client_for(cluster) as client:
+            await client.evict("k/hot", "memory", admin_token=ADMIN_TOKEN)
+            await client.evict("k/frozen", "nvme", admin_token=ADMIN_TOKEN)
+            plans, sizes = {}, {}
+            for tag in ("hot", "frozen"):
+                plans[tag] = await client.plan(f"k/{tag}")
+                manifest = await client.get_manifest(f"k/{tag}")
+                sizes[tag] = {c: n for s in manifest["shards"] for c, n in s["chunks"]}
+            erasure = client.cluster.erasure
+            assert erasure is not None
+            return plans, sizes, erasure.k
+
+    plans, sizes, k = run_async(holdings)
+    assert all(h.tier != "memory" for hs in plans["hot"].values() for h in hs), plans["hot"]
+    assert all(h.tier == "cold" for hs in plans["frozen"].values() for h in hs)
+    # the nvme copies of k/hot (the plan names fragments only of nodes without a copy)
+    plans["hot"] = {c: [h for h in hs if h.tier == "nvme"] for c, hs in plans["hot"].items()}
+    counts: dict[str, int] = {}
+    for hs in plans["hot"].values():
+        for h in hs:
+            counts[h.node] = counts.get(h.node, 0) + 1
+    dead = max(counts, key=lambda n: counts[n])  # the node with the most nvme copies
+    cluster.kill(int(dead[1:]))
+
+    started = time.monotonic()
+    r = cli("ls", "k/", "--json")
+    took = time.monotonic() - started
+    assert r.status == 0, r.err
+    doc = {c["name"]: c["costs"] for c in json.loads(r.out)["checkpoints"]}
+
+    hot = doc["k/hot"]
+    assert hot["memory"] == {"chunks": 0, "bytes": 0, "stored": 0}, hot
+    held = {c for c, hs in plans["hot"].items() if any(h.node != dead for h in hs)}
+    assert hot["nvme"] == {
+        "chunks": len(held),
+        "bytes": sum(sizes["hot"][c] for c in held),
+        "stored": sum(
+            sizes["hot"][c] for c, hs in plans["hot"].items() for h in hs if h.node != dead
+        ),
+    }, (hot, dead)
+    before = sum(sizes["hot"][c] for c, hs in plans["hot"].items() for _ in hs)
+    assert hot["nvme"]["stored"] < before  # the dead node's copies are gone from the count
+    assert hot["lost"] == 0
+
+    frozen = doc["k/frozen"]
+    kept = {
+        c: [i for h in hs if h.node != dead for i in h.fragments]
+        for c, hs in plans["frozen"].items()
+    }
+    assert all(len(set(ids)) >= k for ids in kept.values()), kept  # what the test relies on
+    assert frozen["memory"]["stored"] == frozen["nvme"]["stored"] == 0, frozen
+    assert frozen["cold"] == {
+        "chunks": len(kept),
+        "bytes": sum(sizes["frozen"].values()),
+        "stored": sum(len(ids) * -(-sizes["frozen"][c] // k) for c, ids in kept.items()),
+    }, (frozen, dead)
+    assert frozen["stored"] == frozen["cold"]["stored"] and frozen["lost"] == 0
+    every = sum(len(h.fragments) for hs in plans["frozen"].values() for h in hs)
+    assert sum(map(len, kept.values())) < every  # the dead node held some of them
+    r = cli("ls", "k/")
+    assert r.status == 0 and len(r.out.splitlines()) == 3, r
+    print(f"ls --json with {dead} killed: {took:.2f} s")
+
+
 # --------------------------------------------------------------------------- failures
 
 
