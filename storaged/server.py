@@ -570,24 +570,28 @@ async def delete_checkpoint(request: web.Request) -> web.Response:
 async def list_checkpoints(request: web.Request) -> web.Response:
     node = request.app[NODE]
     prefix = request.query.get("prefix", "")
+    costs = "costs" in request.query  # extension E17
     records = await node.list_checkpoints(prefix)
-    states: dict[str, str] = {}
-    if records and "nostate" not in request.query:
-        states = await node.checkpoints.states(records)
-    return reply(
-        request,
-        {
-            "checkpoints": [
-                {
-                    "name": r.name,
-                    "created": r.created,
-                    "bytes": r.total_bytes,
-                    "state": states.get(r.name, "memory"),
-                }
-                for r in records
-            ]
-        },
-    )
+    listing = None
+    if records and (costs or "nostate" not in request.query):
+        listing = await node.checkpoints.listing(records, costs=costs)
+    entries = []
+    for r in records:
+        entry: dict[str, Any] = {
+            "name": r.name,
+            "created": r.created,
+            "bytes": r.total_bytes,
+            "state": listing.states.get(r.name, "memory") if listing else "memory",
+        }
+        if costs and listing is not None:
+            if r.name not in listing.costs:
+                continue  # deleted while being listed
+            entry["costs"] = listing.costs[r.name]
+        entries.append(entry)
+    doc: dict[str, Any] = {"checkpoints": entries}
+    if costs:
+        doc["complete"] = listing.complete if listing else True
+    return reply(request, doc)
 
 
 # ---- cluster and admin -------------------------------------------------------------------

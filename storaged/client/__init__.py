@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         upload_shard,
     )
     from storaged.client.client import (
+        CheckpointCosts,
         CheckpointInfo,
         CheckpointStatus,
         Client,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
         Holder,
         NodeInfo,
         PutResult,
+        TierCost,
         WaitTimeout,
     )
     from storaged.client.durability import STATES, state_at_least
@@ -97,6 +99,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "upload_shard",
     ),
     "storaged.client.client": (
+        "CheckpointCosts",
         "CheckpointInfo",
         "CheckpointStatus",
         "Client",
@@ -106,6 +109,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Holder",
         "NodeInfo",
         "PutResult",
+        "TierCost",
         "WaitTimeout",
     ),
     "storaged.client.durability": ("STATES", "state_at_least"),
@@ -160,6 +164,7 @@ __all__ = [
     "BadRange",
     "BadRequest",
     "ByteRange",
+    "CheckpointCosts",
     "CheckpointInfo",
     "CheckpointNotFound",
     "CheckpointStatus",
@@ -199,6 +204,7 @@ __all__ = [
     "StateDict",
     "StorageFull",
     "StoragedError",
+    "TierCost",
     "TooLarge",
     "Unavailable",
     "WaitTimeout",

@@ -86,8 +86,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     progress = _progress_options()
     as_json = _json_option()
 
-    p = sub.add_parser("ls", parents=[conn, as_json], help="list committed checkpoints")
+    p = sub.add_parser(
+        "ls",
+        parents=[conn, as_json],
+        help="list committed checkpoints: size, bytes shared with others, where they are now",
+    )
     p.add_argument("prefix", nargs="?", default="", help="only names starting with this")
+    p.add_argument(
+        "--no-costs",
+        dest="costs",
+        action="store_false",
+        help="leave out the SHARED, RAM, NVME, COLD and STORED columns (no catalogue snapshot)",
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(

@@ -253,11 +253,57 @@ def blocked_error(name: str, status: CheckpointStatus, level: str) -> StorageFul
 
 
 @dataclass(frozen=True, slots=True)
+class TierCost:
+    """A checkpoint in one tier now: its chunks with a copy there (cold: ``k`` or more
+    fragments), their bytes, and the bytes the tier stores for them (every copy, every
+    fragment)."""
+
+    chunks: int
+    bytes: int
+    stored: int
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> TierCost:
+        return cls(int(doc["chunks"]), int(doc["bytes"]), int(doc["stored"]))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCosts:
+    """What a checkpoint costs (extension E17, ``list(costs=True)``): its distinct chunks,
+    the bytes of those another checkpoint names too (``shared``), where its chunks are now,
+    and ``stored``, the bytes all tiers hold for it; ``lost``: chunks no live node holds."""
+
+    chunks: int
+    shared: int
+    shared_chunks: int
+    memory: TierCost
+    nvme: TierCost
+    cold: TierCost
+    stored: int
+    lost: int
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> CheckpointCosts:
+        return cls(
+            int(doc["chunks"]),
+            int(doc["shared"]),
+            int(doc["shared_chunks"]),
+            TierCost.from_wire(doc["memory"]),
+            TierCost.from_wire(doc["nvme"]),
+            TierCost.from_wire(doc["cold"]),
+            int(doc["stored"]),
+            int(doc["lost"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     name: str
     created: float
     bytes: int
     state: str
+    #: With ``Client.list(costs=True)`` (extension E17); else None.
+    costs: CheckpointCosts | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1976,16 +2022,25 @@ class Client:
     ) -> T:
         return await self._call(method, self._checkpoint_path(name) + query, handle)
 
-    async def list(self, prefix: str = "") -> builtins.list[CheckpointInfo]:
-        """Committed checkpoints whose names start with ``prefix``, sorted by name."""
-        query = f"?prefix={quote(prefix, safe='/')}" if prefix else ""
+    async def list(self, prefix: str = "", *, costs: bool = False) -> builtins.list[CheckpointInfo]:
+        """Committed checkpoints whose names start with ``prefix``, sorted by name; with
+        ``costs``, each with its ``CheckpointCosts`` (one catalogue snapshot and one question
+        to the nodes for the whole listing, on the node's side)."""
+        params = [f"prefix={quote(prefix, safe='/')}"] if prefix else []
+        if costs:
+            params.append("costs")
+        query = "?" + "&".join(params) if params else ""
 
         async def handle(resp: aiohttp.ClientResponse) -> builtins.list[CheckpointInfo]:
             doc = await self._decoded(resp)
             try:
                 return [
                     CheckpointInfo(
-                        str(c["name"]), float(c["created"]), int(c["bytes"]), str(c["state"])
+                        str(c["name"]),
+                        float(c["created"]),
+                        int(c["bytes"]),
+                        str(c["state"]),
+                        CheckpointCosts.from_wire(c["costs"]) if costs else None,
                     )
                     for c in doc["checkpoints"]
                 ]

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import re
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
-from storaged.client.client import CheckpointStatus
+from storaged.client.client import CheckpointInfo, CheckpointStatus
 from storaged.client.command import (
     EXIT_NODE_DOWN,
     CommandError,
@@ -43,27 +44,48 @@ def _clock(ts: float) -> str:
 # --------------------------------------------------------------------------- ls / status
 
 
+#: ``ls`` columns after NAME, in order (``docs/OPERATIONS.md`` says what each means)
+LS_COLUMNS: Final = ("STATE", "SIZE", "SHARED", "RAM", "NVME", "COLD", "STORED", "CREATED")
+
+
+def _ls_row(c: CheckpointInfo) -> list[str]:
+    row = [c.state, human_bytes(c.bytes)]
+    if c.costs is not None:
+        cost = c.costs
+        row += [human_bytes(n) for n in (cost.shared, cost.memory.bytes, cost.nvme.bytes)]
+        row += [human_bytes(cost.cold.bytes), human_bytes(cost.stored)]
+    return [*row, _clock(c.created)]
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     def body() -> None:
         async def main() -> None:
             async with client_of(args) as client:
-                listed = await client.list(args.prefix)
+                listed = await client.list(args.prefix, costs=args.costs)
             if args.json:
-                doc = {
-                    "checkpoints": [
-                        {"name": c.name, "created": c.created, "bytes": c.bytes, "state": c.state}
-                        for c in listed
-                    ]
-                }
-                print_json(doc)
+                entries = []
+                for c in listed:
+                    entry: dict[str, Any] = {
+                        "name": c.name,
+                        "created": c.created,
+                        "bytes": c.bytes,
+                        "state": c.state,
+                    }
+                    if c.costs is not None:
+                        entry["costs"] = dataclasses.asdict(c.costs)
+                    entries.append(entry)
+                print_json({"checkpoints": entries})
                 return
             if not listed:
                 return
-            width = max(len("NAME"), *(len(c.name) for c in listed))
-            print(f"{'NAME':<{width}}  {'STATE':<6}  {'SIZE':>11}  CREATED")
-            for c in listed:
-                size = human_bytes(c.bytes)
-                print(f"{c.name:<{width}}  {c.state:<6}  {size:>11}  {_clock(c.created)}")
+            columns = [c for c in LS_COLUMNS if args.costs or c in ("STATE", "SIZE", "CREATED")]
+            rows = [["NAME", *columns]] + [[c.name, *_ls_row(c)] for c in listed]
+            widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+            for row in rows:
+                # NAME and STATE left-aligned, the sizes right-aligned, CREATED last as is
+                cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
+                cells += [cell.rjust(widths[i]) for i, cell in enumerate(row[2:-1], 2)]
+                print("  ".join([*cells, row[-1]]))
 
         run_async(main)
 

@@ -9,9 +9,11 @@ memory of the chunks in flight. The readers:
   tensor bytes are read with ``pread``; no library is needed, bfloat16 and
   float8 included. A directory of shards with a ``*.safetensors.index.json`` (as
   Hugging Face writes them) is one source whose items come from every shard.
-- ``.npz``: each member's ``.npy`` header is read, then its bytes are streamed
-  from the archive (stored or deflated). A Fortran-ordered or byte-swapped array
-  is loaded whole to be reordered: the one case that holds an array in memory.
+- ``.npz``: each member's ``.npy`` header is read, then its bytes are streamed:
+  a stored member's with ``pread`` straight into the chunk buffer (its CRC-32
+  checked on the way), a deflated one's through ``zipfile``. A byte-swapped array
+  is swapped piece by piece; a Fortran-ordered one is put in C order in blocks of
+  rows (``_FortranReader``). Members that are not ``.npy`` are kept as bytes.
 - torch (``.pt``, ``.pth``, ``.bin`` such as ``pytorch_model.bin``):
   ``torch.load(weights_only=True, mmap=True)``; the pages read are handed back
   to the kernel after each copy, so the mapping does not grow resident. A file
@@ -34,9 +36,12 @@ import math
 import os
 import pickle
 import re
+import shutil
 import struct
 import sys
+import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,16 +370,67 @@ def _open_shard_directory(path: Path, source: Source) -> None:
 
 # ---- npz
 
+#: bytes of whole rows a Fortran-ordered array is put in C order at a time (at least a row)
+_REORDER_BUDGET: Final = 8 << 20
+#: bytes read at once when a reorder reads whole columns, and by a checksum pass
+_SPAN_READ: Final = 4 << 20
+#: a gap between the runs a reorder needs that is read across rather than skipped by one
+#: read per run (a few KiB of memory bandwidth beat a system call)
+_READ_ACROSS: Final = 4096
+_LOCAL_HEADER: Final = struct.Struct("<4s22xHH")  # signature, ..., name and extra lengths
+
+#: ``read(offset, into)``: fill ``into`` with an item's (or a member's) bytes from there
+Reader = Callable[[int, memoryview], None]
+
+
+class _StoredMember:
+    """A stored (uncompressed) member's data, read straight from the archive with ``pread``
+    into the caller's buffer, as safetensors tensors are. Its CRC-32 (which covers the
+    ``.npy`` header ``head`` too) is checked as the bytes pass in order: a damaged archive
+    fails the save before anything is committed."""
+
+    def __init__(self, fd: int, base: int, size: int, crc: int, head: bytes, what: str) -> None:
+        self._fd, self._base, self._size, self._what = fd, base, size, what
+        self._want, self._crc = crc, zlib.crc32(head)
+        #: bytes checksummed so far; None once a read went out of order (none does: the
+        #: saver reads every item once, front to back)
+        self._pos: int | None = 0
+        if size == 0:
+            self._check()
+
+    def read(self, offset: int, into: memoryview) -> None:
+        _pread_all(self._fd, into, self._base + offset, self._what)
+        if self._pos is None or offset != self._pos:
+            self._pos = None
+            return
+        self._crc = zlib.crc32(into, self._crc)  # releases the GIL
+        self._pos += len(into)
+        if self._pos == self._size:
+            self._check()
+
+    def _check(self) -> None:
+        if self._crc != self._want:
+            raise FormatError(f"{self._what}: its CRC-32 does not match (the archive is damaged)")
+
 
 class _MemberReader:
-    """Sequential reads of one ``.npy`` member's data (reopened if asked to go back)."""
+    """Sequential reads of one deflated member's data through ``zipfile`` (which checks the
+    CRC-32 at the member's end), reopened if asked to go back."""
 
     def __init__(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo, data_offset: int) -> None:
         self._archive, self._info, self._data_offset = archive, info, data_offset
         self._member: IO[bytes] | None = None
         self._pos = 0
+        self._what = f"{archive.filename}: {info.filename}"
 
     def read(self, offset: int, into: memoryview) -> None:
+        try:
+            self._read(offset, into)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            self.close()
+            raise FormatError(f"{self._what}: {exc} (the archive is damaged)") from None
+
+    def _read(self, offset: int, into: memoryview) -> None:
         if self._member is None or offset != self._pos:
             self.close()
             self._member = self._archive.open(self._info)
@@ -382,9 +438,10 @@ class _MemberReader:
             self._pos = offset
         done = 0
         while done < len(into):
-            chunk = self._member.read(len(into) - done)  # ZipExtFile has no true readinto
+            # ZipExtFile has no true readinto: a copy of at most one piece, decompressed
+            chunk = self._member.read(len(into) - done)
             if not chunk:
-                raise FormatError(f"{self._info.filename}: member ended early")
+                raise FormatError(f"{self._what}: member ended early")
             into[done : done + len(chunk)] = chunk
             done += len(chunk)
         self._pos += done
@@ -397,13 +454,222 @@ class _MemberReader:
             self._member = None
 
 
+class _Swapped:
+    """Reads of a byte-swapped array's data in native order, from in-order reads of its
+    file bytes. A piece that starts or ends inside an element (a small item packed across
+    a chunk boundary) is put together in a small buffer, the element's other bytes
+    carried from the previous piece or read ahead for the next: a deliberate copy of that
+    piece only."""
+
+    def __init__(self, read: Reader, dtype: np.dtype[Any]) -> None:
+        self._read, self._dtype, self._unit = read, dtype, dtype.itemsize
+        self._next = 0
+        self._behind = b""  # file bytes of the element the last piece ended inside
+        self._ahead = b""  # ... and those of it after that piece, read ahead
+
+    def read(self, offset: int, into: memoryview) -> None:
+        if offset != self._next:
+            raise AssertionError(f"out-of-order read at {offset}, expected {self._next}")
+        end, unit = offset + len(into), self._unit
+        self._next = end
+        if not self._behind and not self._ahead and offset % unit == 0 and end % unit == 0:
+            self._read(offset, into)
+            np.frombuffer(into, dtype=self._dtype).byteswap(inplace=True)
+            return
+        lo, hi = offset - len(self._behind), end + (-end % unit)
+        whole = np.empty(hi - lo, dtype=np.uint8)
+        at = len(self._behind)
+        whole[:at] = np.frombuffer(self._behind, dtype=np.uint8)
+        ahead = np.frombuffer(self._ahead, dtype=np.uint8)[: hi - offset]
+        whole[at : at + len(ahead)] = ahead
+        if offset + len(ahead) < hi:
+            self._read(offset + len(ahead), whole.data[at + len(ahead) :])
+        self._behind = whole[end - lo - end % unit : end - lo].tobytes()
+        self._ahead = whole[end - lo :].tobytes()
+        swapped = whole.view(self._dtype).byteswap().view(np.uint8)
+        into[:] = swapped[offset - lo : end - lo].data
+
+
+class _FortranReader:
+    """C-ordered reads of a Fortran-ordered array stored raw at ``base`` of ``fd``.
+
+    The array is put in C order a block of whole rows (of its first axis) at a time, about
+    ``_REORDER_BUDGET`` bytes or one row if that is larger: its file bytes are a C-ordered
+    array of the reversed shape, so a block of rows is one run of ``rows`` elements per
+    position in the other axes, read run by run, or across the gaps when they are small,
+    then transposed. Memory: the block twice (read, reordered), not the array."""
+
+    def __init__(
+        self, fd: int, base: int, shape: tuple[int, ...], dtype: np.dtype[Any], what: str
+    ) -> None:
+        self._fd, self._base, self._what = fd, base, what
+        self._shape, self._dtype = shape, dtype
+        self._rest = math.prod(shape[1:])
+        self._row = self._rest * dtype.itemsize
+        self._rows = max(1, _REORDER_BUDGET // max(self._row, 1))
+        self._first = -1  # the first row of the block held
+        self._block: np.ndarray[Any, np.dtype[np.uint8]] = np.empty(0, dtype=np.uint8)
+
+    def read(self, offset: int, into: memoryview) -> None:
+        done = 0
+        while done < len(into):
+            at = offset + done
+            row = at // self._row
+            if not self._first <= row < self._first + self._rows or self._first < 0:
+                self._load(row - row % self._rows)
+            start = at - self._first * self._row
+            n = min(len(into) - done, len(self._block) - start)
+            into[done : done + n] = self._block[start : start + n].data
+            done += n
+
+    def _load(self, first: int) -> None:
+        self._block = np.empty(0, dtype=np.uint8)  # let the last block go first
+        d0, unit = self._shape[0], self._dtype.itemsize
+        rows = min(self._rows, d0 - first)
+        run, stride = rows * unit, d0 * unit
+        # tile[m] holds rows [first, first + rows) at position m of the other axes (their
+        # Fortran order: the first of them fastest)
+        tile = np.empty((self._rest, rows), dtype=self._dtype)
+        flat = tile.reshape(-1).view(np.uint8)
+        if stride - run < _READ_ACROSS:
+            columns = max(1, _SPAN_READ // stride)
+            span = np.empty(columns * stride, dtype=np.uint8)
+            for m in range(0, self._rest, columns):
+                k = min(columns, self._rest - m)
+                _pread_all(self._fd, span.data[: k * stride], self._base + m * stride, self._what)
+                tile[m : m + k] = (
+                    span[: k * stride].view(self._dtype).reshape(k, d0)[:, first : first + rows]
+                )
+            del span
+        else:
+            for m in range(self._rest):
+                _pread_all(
+                    self._fd,
+                    flat.data[m * run : (m + 1) * run],
+                    self._base + m * stride + first * unit,
+                    self._what,
+                )
+        # the rows in C order: (rest reversed..., rows) transposed to (rows, rest...)
+        block = np.ascontiguousarray(tile.reshape((*self._shape[:0:-1], rows)).transpose())
+        del tile, flat
+        if not self._dtype.isnative:
+            block.byteswap(inplace=True)
+        self._block = block.reshape(-1).view(np.uint8)
+        self._first = first
+
+
+def _checked_crc(fd: int, base: int, size: int, want: int, what: str) -> None:
+    """Check a stored member's CRC-32 in one pass of ``_SPAN_READ`` reads (for members
+    that are not read in order)."""
+    buffer = np.empty(min(size, _SPAN_READ), dtype=np.uint8)
+    crc = 0
+    for at in range(0, size, _SPAN_READ):
+        piece = buffer.data[: min(_SPAN_READ, size - at)]
+        _pread_all(fd, piece, base + at, what)
+        crc = zlib.crc32(piece, crc)
+    if crc != want:
+        raise FormatError(f"{what}: its CRC-32 does not match (the archive is damaged)")
+
+
 _NPY_HEADERS: Final[Mapping[tuple[int, int], Callable[[IO[bytes]], Any]]] = {
     (1, 0): np.lib.format.read_array_header_1_0,
     (2, 0): np.lib.format.read_array_header_2_0,
 }
 
 
+def _member_start(fd: int, info: zipfile.ZipInfo, size: int, what: str) -> int:
+    """Where a member's bytes start in the archive (after its local header)."""
+    head = os.pread(fd, _LOCAL_HEADER.size, info.header_offset)
+    if len(head) < _LOCAL_HEADER.size:
+        raise FormatError(f"{what}: its header lies past the end of the file (truncated?)")
+    signature, name_length, extra_length = _LOCAL_HEADER.unpack(head)
+    if signature != b"PK\x03\x04":
+        raise FormatError(f"{what}: no member header where the directory says")
+    start: int = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+    if start + info.compress_size > size:
+        raise FormatError(f"{what}: it ends past the end of the file (truncated?)")
+    return start
+
+
+def _npy_header(
+    archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str
+) -> tuple[tuple[int, ...], bool, np.dtype[Any], int]:
+    """(shape, Fortran order, dtype, where the data starts in the member)."""
+    try:
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            read_header = _NPY_HEADERS.get(version)
+            if read_header is None:
+                raise ValueError(f"unsupported .npy version {version}")
+            shape, fortran, dtype = read_header(member)
+            return tuple(int(d) for d in shape), bool(fortran), dtype, member.tell()
+    except (ValueError, zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+        raise FormatError(f"{what}: {exc}") from None
+
+
+def _member_reader(
+    archive: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    fd: int,
+    size: int,
+    data_offset: int,
+    what: str,
+    source: Source,
+) -> Reader:
+    """In-order reads of a member's bytes from ``data_offset`` on: ``pread`` for a stored
+    member, ``zipfile`` for a deflated one."""
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = _member_start(fd, info, size, what)
+        head = os.pread(fd, data_offset, start)
+        length = info.file_size - data_offset
+        return _StoredMember(fd, start + data_offset, length, info.CRC, head, what).read
+    reader = _MemberReader(archive, info, data_offset)
+    source.closers.append(reader.close)
+    return reader.read
+
+
+def _fortran_item(
+    archive: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    fd: int,
+    size: int,
+    data_offset: int,
+    key: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    what: str,
+    source: Source,
+) -> SourceItem:
+    """A Fortran-ordered array, reordered as it is read (``_FortranReader``): from the
+    archive when the member is stored (its CRC checked first, in one pass), else from
+    a temporary file it is decompressed into (memory stays bounded; the disk holds it)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = _member_start(fd, info, size, what)
+        _checked_crc(fd, start, info.file_size, info.CRC, what)
+        read_fd, base = fd, start + data_offset
+    else:
+        spill = tempfile.TemporaryFile(prefix="storaged-npz-")  # noqa: SIM115 - closed below
+        source.closers.append(spill.close)
+        try:
+            with archive.open(info) as member:
+                member.seek(data_offset)
+                shutil.copyfileobj(member, spill, 1 << 20)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise FormatError(f"{what}: {exc} (the archive is damaged)") from None
+        spill.flush()
+        read_fd, base = spill.fileno(), 0
+    reader = _FortranReader(read_fd, base, shape, dtype, what)
+    return SourceItem(key, dtype.newbyteorder("=").name, shape, nbytes, reader.read)
+
+
 def open_npz(path: Path) -> Source:
+    """An ``.npz`` archive: each ``.npy`` member an item, streamed (stored members read
+    like safetensors tensors, deflated ones through ``zipfile``); a byte-swapped array is
+    swapped as it is read, a Fortran-ordered one reordered in blocks of rows. Any other
+    member (not ``.npy``) is kept whole as a ``uint8`` item ``file:<its name>``, which a
+    restore into ``.npz`` writes back as it was. Arrays of Python objects are refused
+    (loading them needs a pickle), and so are strings and structured dtypes."""
     bad = f"{path}: not a readable .npz archive"
     with open(path, "rb") as f:
         if f.read(6) == b"\x93NUMPY":
@@ -414,36 +680,62 @@ def open_npz(path: Path) -> Source:
         raise FormatError(f"{bad}: {exc}") from None
     source = Source([], {}, [archive.close])
     try:
+        fd, size = _open_fd(path)
+        source.closers.append(lambda: os.close(fd))
+        seen: set[str] = set()
         for info in archive.infolist():
+            what = f"{path}: {info.filename}"
+            if info.is_dir():
+                continue
+            if info.flag_bits & 0x1:
+                raise FormatError(f"{what}: an encrypted member cannot be saved")
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise FormatError(
+                    f"{what}: compressed with method {info.compress_type}; storaged reads "
+                    "stored and deflated members (what np.savez and np.savez_compressed write)"
+                )
             if not info.filename.endswith(".npy"):
+                key = FILE_PREFIX + info.filename
+                read = _member_reader(archive, info, fd, size, 0, what, source)
+                source.items.append(
+                    SourceItem(key, "uint8", (info.file_size,), info.file_size, read)
+                )
+                seen.add(key)
                 continue
             key = info.filename[: -len(".npy")]
-            try:
-                with archive.open(info) as member:
-                    version = np.lib.format.read_magic(member)
-                    read_header = _NPY_HEADERS.get(version)
-                    if read_header is None:
-                        raise ValueError(f"unsupported .npy version {version}")
-                    shape, fortran, dtype = read_header(member)
-                    data_offset = member.tell()
-            except (ValueError, zipfile.BadZipFile, EOFError, OSError) as exc:
-                raise FormatError(f"{bad}: {info.filename}: {exc}") from None
-            if dtype.kind not in "biufc" or dtype.fields is not None:
+            if key in seen or key.startswith(FILE_PREFIX):
+                why = "twice" if key in seen else f"under a name starting with {FILE_PREFIX!r}"
+                raise FormatError(f"{path}: an array {key!r} {why} cannot be saved")
+            seen.add(key)
+            shape, fortran, dtype, data_offset = _npy_header(
+                archive, info, f"{bad}: {info.filename}"
+            )
+            if dtype.hasobject:
+                raise FormatError(
+                    f"{what}: {key} holds Python objects (dtype object); loading them needs a "
+                    "pickle, which storaged never runs: convert it to a numeric array"
+                )
+            if dtype.kind not in "biufc" or dtype.fields is not None or dtype.subdtype:
                 raise FormatError(f"{key}: cannot save arrays of dtype {dtype}")
-            shape = tuple(int(d) for d in shape)
             nbytes = math.prod(shape) * dtype.itemsize
-            if fortran or not dtype.isnative:
-                # The stream holds C-ordered native bytes: reorder in memory, deliberately.
-                with archive.open(info) as member:
-                    array = np.lib.format.read_array(member, allow_pickle=False)
-                native = np.ascontiguousarray(array, dtype=dtype.newbyteorder("="))
+            if info.file_size - data_offset != nbytes:
+                raise FormatError(
+                    f"{bad}: {info.filename} holds {info.file_size - data_offset} bytes of "
+                    f"data, its header says {nbytes}"
+                )
+            if fortran and sum(1 for d in shape if d > 1) > 1:
                 source.items.append(
-                    SourceItem(key, native.dtype.name, shape, nbytes, _array_read(native))
+                    _fortran_item(
+                        archive, info, fd, size, data_offset, key, shape, dtype, what, source
+                    )
                 )
                 continue
-            reader = _MemberReader(archive, info, data_offset)
-            source.closers.append(reader.close)
-            source.items.append(SourceItem(key, dtype.name, shape, nbytes, reader.read))
+            # C order (or one axis only: the same bytes either way)
+            read = _member_reader(archive, info, fd, size, data_offset, what, source)
+            if not dtype.isnative:
+                read = _Swapped(read, dtype).read
+            name = dtype.newbyteorder("=").name
+            source.items.append(SourceItem(key, name, shape, nbytes, read))
         return source
     except BaseException:
         source.close()
@@ -733,7 +1025,9 @@ class StreamWriter(ItemWriter):
 
 
 class NpzWriter(ItemWriter):
-    """One stored (uncompressed) ``.npy`` member per item, written as its pieces come."""
+    """One stored (uncompressed) ``.npy`` member per item, written as its pieces come; an
+    item ``file:<name>`` (a member that was not ``.npy`` in the archive saved) is written
+    back as that member, its bytes as they were."""
 
     def __init__(self, out: IO[bytes]) -> None:
         self._archive = zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True)
@@ -746,6 +1040,10 @@ class NpzWriter(ItemWriter):
 
     def begin(self, item: OutputItem) -> None:
         self._close_member()
+        if item.key.startswith(FILE_PREFIX) and item.dtype == "uint8" and len(item.shape) == 1:
+            name = item.key.removeprefix(FILE_PREFIX)
+            self._member = self._archive.open(name, "w", force_zip64=True)
+            return
         dtype = np.dtype(STORAGE_DTYPES.get(item.dtype, item.dtype))
         self._member = self._archive.open(f"{item.key}.npy", "w", force_zip64=True)
         header = {

@@ -27,7 +27,9 @@ import asyncio
 import builtins
 import logging
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from storaged.catalog import CatalogRecord, CheckpointNotFound
@@ -41,6 +43,17 @@ if TYPE_CHECKING:
     from storaged.node.core import Node
 
 log = logging.getLogger("storaged.node.checkpoints")
+
+
+@dataclass
+class Listing:
+    """A listing's answers per checkpoint name: the state reached, and (when asked) costs;
+    ``complete`` is False when the catalogue snapshot the sharing was counted from could
+    have missed a checkpoint (too few nodes answered)."""
+
+    states: dict[str, str]
+    costs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    complete: bool = True
 
 
 class Checkpoints:
@@ -247,15 +260,94 @@ class Checkpoints:
             if stuck[(nid, tier)]
         ]
 
-    async def states(self, records: Sequence[CatalogRecord]) -> dict[str, str]:
-        """The state each of ``records`` reached (``status``'s ``state``), from one question
-        to the live nodes about all their chunks: a listing of many checkpoints asked each
-        one's status in turn before (hundreds of round trips to etcd and to every node: the
-        etcd soak's final listing timed out thrice)."""
+    async def listing(self, records: Sequence[CatalogRecord], *, costs: bool) -> Listing:
+        """The state each of ``records`` reached (``status``'s ``state``) and, with
+        ``costs``, what each one costs (``costs_of``), from one snapshot of the catalogue
+        (the chunk lists: a listing's records carry none) and one question to the live
+        nodes about all the listed chunks. A listing asked each checkpoint's status in turn
+        before (hundreds of round trips to etcd and to every node: the etcd soak's final
+        listing timed out thrice); then states of the records as listed, without their
+        chunks, and every checkpoint showed "cold" from its commit on."""
         node = self.node
-        ids = list(dict.fromkeys(cid for r in records for cid in r.chunks))
-        states = await node.chunk_states(ids) if ids else {}
-        return {r.name: _reached(r.chunks, states) for r in records}
+        try:
+            refs = await node.catalogue.references()
+        except CatalogueUnavailable as exc:
+            raise _unavailable(exc, "catalogue_unavailable") from exc
+        snapshot = {r.name: r for r in refs.live}
+        chunks: dict[str, list[str]] = {}
+        for record in records:
+            found = snapshot.get(record.name)
+            if found is None or found.digest != record.digest:
+                # committed or replaced since the listing, or out of reach of the snapshot
+                try:
+                    found = await self.get(record.name)
+                except NotFound:
+                    continue  # deleted since the listing
+            chunks[record.name] = found.chunks
+        ids = list(dict.fromkeys(cid for listed in chunks.values() for cid in listed))
+        held = await node.holdings(node.placement().alive, ids) if ids else {}
+        states = node.states_of(held)
+        listing = Listing({name: _reached(listed, states) for name, listed in chunks.items()})
+        if costs:
+            named = Counter(cid for r in snapshot.values() for cid in set(r.chunks))
+            for name, listed in chunks.items():
+                if snapshot.get(name) is None:
+                    named.update(set(listed))  # counted once, as the snapshot would have
+            sizes = {cid: size for cid, (_, size) in states.items() if size >= 0}
+            for name, listed in chunks.items():
+                listing.costs[name] = self.costs_of(listed, held, sizes, named)
+            listing.complete = refs.complete
+        return listing
+
+    def costs_of(
+        self,
+        chunks: Sequence[str],
+        held: Mapping[str, Sequence[Holding]],
+        sizes: Mapping[str, int],
+        named: Counter[str],
+    ) -> dict[str, Any]:
+        """What a checkpoint of ``chunks`` costs (extension E17): its distinct chunks, the
+        bytes of those that another live checkpoint names too (``shared``), and per tier
+        how many of them have a copy there now (RAM and nvme: on a live node; cold: ``k``
+        or more fragments), their bytes, and the bytes the tier stores for them (every
+        copy; every fragment at ``ceil(size / k)``: n/k of the chunk once all are there).
+        ``stored`` sums the tiers. Sizes are the chunks' bytes, file and fragment headers
+        aside; a chunk no live node holds (``lost``) counts in no tier and has no size."""
+        k = self.node.config.k
+        tiers = {t: {"chunks": 0, "bytes": 0, "stored": 0} for t in ("memory", "nvme", "cold")}
+        shared = shared_chunks = lost = 0
+        for cid in chunks:
+            size = sizes.get(cid)
+            answers = held.get(cid, [])
+            if size is None:
+                lost += 1
+                continue
+            if named[cid] > 1:
+                shared += size
+                shared_chunks += 1
+            copies = {
+                "memory": sum(1 for h in answers if h.memory),
+                "nvme": sum(1 for h in answers if h.nvme),
+            }
+            for tier, count in copies.items():
+                if count:
+                    tiers[tier]["chunks"] += 1
+                    tiers[tier]["bytes"] += size
+                    tiers[tier]["stored"] += count * size
+            fragments = sum(len(h.fragments) for h in answers)
+            if fragments:
+                if len({i for h in answers for i in h.fragments}) >= k:
+                    tiers["cold"]["chunks"] += 1
+                    tiers["cold"]["bytes"] += size
+                tiers["cold"]["stored"] += fragments * -(-size // k)
+        return {
+            "chunks": len(chunks),
+            "shared": shared,
+            "shared_chunks": shared_chunks,
+            **tiers,
+            "stored": sum(t["stored"] for t in tiers.values()),
+            "lost": lost,
+        }
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
         node = self.node

@@ -477,7 +477,10 @@ class Node:
         Held: a hot copy on some live node, or at least ``k`` distinct fragments. Asks the
         live nodes of ``placement`` (the caller's view; a new one without)."""
         alive = (placement or self.placement()).alive
-        held = await self.holdings(alive, ids, touch=touch)
+        return self.states_of(await self.holdings(alive, ids, touch=touch))
+
+    def states_of(self, held: dict[str, list[Holding]]) -> dict[str, tuple[int, int]]:
+        """``chunk_states`` from holdings already asked for."""
         out: dict[str, tuple[int, int]] = {}
         for cid, answers in held.items():
             if not answers:

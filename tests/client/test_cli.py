@@ -14,6 +14,7 @@ import http.server
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,8 @@ from storaged.cli import main
 from storaged.client.command import ByteProgress, run_async
 from storaged.cluster import LocalCluster, free_port_block
 from storaged.demo import build_model, shares
-from tests.conftest import TOKEN
+from tests.client.helpers import client_for
+from tests.conftest import ADMIN_TOKEN, TOKEN
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -234,7 +236,8 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     r = cli("ls", prefix)
     assert r.status == 0, r.err
     lines = r.out.splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "SIZE", "CREATED"]
+    header = ["NAME", "STATE", "SIZE", "SHARED", "RAM", "NVME", "COLD", "STORED", "CREATED"]
+    assert lines[0].split() == header
     assert [line.split()[0] for line in lines[1:]] == sorted(names)
     assert all(line.split()[1] in ("memory", "nvme", "cold") for line in lines[1:])
 
@@ -243,6 +246,13 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     doc = json.loads(r.out)
     assert [c["name"] for c in doc["checkpoints"]] == sorted(names)
     assert all(c["bytes"] == 8000 for c in doc["checkpoints"])
+    # the same file twice: each shares its one chunk with the other
+    assert all(c["costs"]["shared"] == 8000 for c in doc["checkpoints"])
+    r = cli("ls", prefix, "--no-costs")
+    assert r.out.splitlines()[0].split() == ["NAME", "STATE", "SIZE", "CREATED"]
+    assert (
+        "costs" not in json.loads(cli("ls", prefix, "--json", "--no-costs").out)["checkpoints"][0]
+    )
     assert all(isinstance(c["created"], float) for c in doc["checkpoints"])
 
     r = cli("status", names[0], "--json")
@@ -260,6 +270,186 @@ def test_ls_status_rm(cli: Any, tmp_path: Path) -> None:
     assert [c["name"] for c in json.loads(r.out)["checkpoints"]] == [names[1]]
     r = cli("ls", prefix + "-nothing-here")
     assert r.status == 0 and r.out == ""
+
+
+def _ls_rows(out: str) -> dict[str, dict[str, str]]:
+    """``ls`` text output as {name: {column: cell}}; cells are two or more spaces apart."""
+    lines = out.splitlines()
+    header = re.split(r"\s{2,}", lines[0].strip())
+    return {
+        cells[0]: dict(zip(header, cells, strict=True))
+        for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[1:])
+    }
+
+
+def test_ls_shows_what_each_checkpoint_costs(
+    cli: Any, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Two checkpoints with a tensor in common each show exactly the bytes of the chunks
+    both name as shared; one with nothing in common shows 0. Once one is cold and evicted
+    from RAM and nvme, its RAM and NVME columns fall to 0 and what it stores is its
+    fragments: n of ceil(size / k) bytes per chunk."""
+    rng = np.random.default_rng(21)
+    frozen = rng.standard_normal(3 * 2**18).astype(np.float32)  # 3 MiB: three 1 MiB chunks
+    prefix = _name("costs")
+    contents = {
+        "a": {"frozen": frozen, "head": rng.standard_normal(2**18).astype(np.float32)},
+        "b": {"frozen": frozen, "head": rng.standard_normal(2**18).astype(np.float32)},
+        "c": {"alone": rng.standard_normal(2**18 + 5).astype(np.float32)},
+    }
+    for tag, arrays in contents.items():
+        np.savez(tmp_path / f"{tag}.npz", **arrays)  # type: ignore[arg-type]
+        wait = ["--wait", "cold", "--timeout", "120"] if tag == "a" else []
+        r = cli(
+            "save", str(tmp_path / f"{tag}.npz"), f"{prefix}/{tag}", "--chunk-size", "1MiB", *wait
+        )
+        assert r.status == 0, r.err
+
+    async def facts() -> tuple[dict[str, dict[str, int]], int, int]:
+        async with client_for(cluster) as client:
+            chunks = {}
+            for tag in contents:
+                manifest = await client.get_manifest(f"{prefix}/{tag}")
+                chunks[tag] = {c: n for s in manifest["shards"] for c, n in s["chunks"]}
+            erasure = client.cluster.erasure
+            assert erasure is not None
+            return chunks, erasure.k, erasure.n
+
+    chunks, k, n = run_async(facts)
+    both = set(chunks["a"]) & set(chunks["b"])
+    shared = sum(chunks["a"][c] for c in both)
+    assert len(both) == 3 and shared == frozen.nbytes  # what the test means to set up
+
+    def listed() -> dict[str, Any]:
+        r = cli("ls", prefix + "/", "--json")
+        assert r.status == 0, r.err
+        return {c["name"].rsplit("/", 1)[1]: c for c in json.loads(r.out)["checkpoints"]}
+
+    doc = listed()
+    for tag in ("a", "b"):
+        assert doc[tag]["costs"]["shared"] == shared, doc[tag]
+        assert doc[tag]["costs"]["shared_chunks"] == 3
+    assert doc["c"]["costs"]["shared"] == 0 and doc["c"]["costs"]["shared_chunks"] == 0
+    # sharing counts every checkpoint, not only those listed
+    alone = json.loads(cli("ls", f"{prefix}/a", "--json").out)["checkpoints"]
+    assert [c["costs"]["shared"] for c in alone] == [shared]
+    a = doc["a"]["costs"]
+    assert doc["a"]["state"] == "cold" and a["chunks"] == len(chunks["a"]) and a["lost"] == 0
+    fragments = sum(n * -(-size // k) for size in chunks["a"].values())
+    assert a["cold"] == {
+        "chunks": len(chunks["a"]),
+        "bytes": doc["a"]["bytes"],
+        "stored": fragments,
+    }
+    assert a["memory"]["bytes"] + a["nvme"]["bytes"] > 0  # hot copies still there
+    assert a["stored"] == a["memory"]["stored"] + a["nvme"]["stored"] + fragments
+    rows = _ls_rows(cli("ls", prefix + "/").out)
+    assert rows[f"{prefix}/c"]["SHARED"] == "0 B"
+    assert rows[f"{prefix}/a"]["SHARED"] == "3.00 MiB" == rows[f"{prefix}/b"]["SHARED"]
+
+    async def evict() -> None:
+        async with client_for(cluster) as client:
+            await client.evict(f"{prefix}/a", "nvme", admin_token=ADMIN_TOKEN)
+
+    run_async(evict)
+    a = listed()["a"]["costs"]
+    assert a["memory"] == {"chunks": 0, "bytes": 0, "stored": 0}, a
+    assert a["nvme"] == {"chunks": 0, "bytes": 0, "stored": 0}, a
+    assert a["cold"]["chunks"] == len(chunks["a"]) and a["stored"] == fragments
+    row = _ls_rows(cli("ls", prefix + "/").out)[f"{prefix}/a"]
+    assert row["RAM"] == row["NVME"] == "0 B" and row["STATE"] == "cold"
+    assert row["COLD"] == "4.00 MiB"
+
+
+def test_ls_costs_count_what_live_nodes_hold(
+    cluster_factory: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With a node killed, ``ls`` still answers at once, and its tier columns count only
+    what the live nodes hold: exactly the nvme copies and the fragments the plan names on
+    the other nodes, nothing lost (six fragments over four nodes leave at least k=4).
+    Repair is held off (``repair_interval``, ``gone_after``) so that nothing changes the
+    holdings between the plan and the listing."""
+    cluster = cluster_factory(repair_interval=3600.0, gone_after=3600.0)
+
+    def cli(*args: str) -> Run:
+        capsys.readouterr()
+        status = main([*args, "--url", ",".join(cluster.urls), "--token", TOKEN])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return Run(status, out, err)
+
+    rng = np.random.default_rng(8)
+    for tag in ("hot", "frozen"):  # nvme copies only / fragments only
+        np.savez(tmp_path / f"{tag}.npz", w=rng.standard_normal(5 * 2**18).astype(np.float32))
+        r = cli(
+            "save", str(tmp_path / f"{tag}.npz"), f"k/{tag}", "--chunk-size", "1MiB",
+            "--wait", "cold", "--timeout", "120", "--no-progress",
+        )  # fmt: skip
+        assert r.status == 0, r.err
+
+    async def holdings() -> tuple[dict[str, Any], dict[str, dict[str, int]], int]:
+        async with client_for(cluster) as client:
+            await client.evict("k/hot", "memory", admin_token=ADMIN_TOKEN)
+            await client.evict("k/frozen", "nvme", admin_token=ADMIN_TOKEN)
+            plans, sizes = {}, {}
+            for tag in ("hot", "frozen"):
+                plans[tag] = await client.plan(f"k/{tag}")
+                manifest = await client.get_manifest(f"k/{tag}")
+                sizes[tag] = {c: n for s in manifest["shards"] for c, n in s["chunks"]}
+            erasure = client.cluster.erasure
+            assert erasure is not None
+            return plans, sizes, erasure.k
+
+    plans, sizes, k = run_async(holdings)
+    assert all(h.tier != "memory" for hs in plans["hot"].values() for h in hs), plans["hot"]
+    assert all(h.tier == "cold" for hs in plans["frozen"].values() for h in hs)
+    # the nvme copies of k/hot (the plan names fragments only of nodes without a copy)
+    plans["hot"] = {c: [h for h in hs if h.tier == "nvme"] for c, hs in plans["hot"].items()}
+    counts: dict[str, int] = {}
+    for hs in plans["hot"].values():
+        for h in hs:
+            counts[h.node] = counts.get(h.node, 0) + 1
+    dead = max(counts, key=lambda n: counts[n])  # the node with the most nvme copies
+    cluster.kill(int(dead[1:]))
+
+    started = time.monotonic()
+    r = cli("ls", "k/", "--json")
+    took = time.monotonic() - started
+    assert r.status == 0, r.err
+    doc = {c["name"]: c["costs"] for c in json.loads(r.out)["checkpoints"]}
+
+    hot = doc["k/hot"]
+    assert hot["memory"] == {"chunks": 0, "bytes": 0, "stored": 0}, hot
+    held = {c for c, hs in plans["hot"].items() if any(h.node != dead for h in hs)}
+    assert hot["nvme"] == {
+        "chunks": len(held),
+        "bytes": sum(sizes["hot"][c] for c in held),
+        "stored": sum(
+            sizes["hot"][c] for c, hs in plans["hot"].items() for h in hs if h.node != dead
+        ),
+    }, (hot, dead)
+    before = sum(sizes["hot"][c] for c, hs in plans["hot"].items() for _ in hs)
+    assert hot["nvme"]["stored"] < before  # the dead node's copies are gone from the count
+    assert hot["lost"] == 0
+
+    frozen = doc["k/frozen"]
+    kept = {
+        c: [i for h in hs if h.node != dead for i in h.fragments]
+        for c, hs in plans["frozen"].items()
+    }
+    assert all(len(set(ids)) >= k for ids in kept.values()), kept  # what the test relies on
+    assert frozen["memory"]["stored"] == frozen["nvme"]["stored"] == 0, frozen
+    assert frozen["cold"] == {
+        "chunks": len(kept),
+        "bytes": sum(sizes["frozen"].values()),
+        "stored": sum(len(ids) * -(-sizes["frozen"][c] // k) for c, ids in kept.items()),
+    }, (frozen, dead)
+    assert frozen["stored"] == frozen["cold"]["stored"] and frozen["lost"] == 0
+    every = sum(len(h.fragments) for hs in plans["frozen"].values() for h in hs)
+    assert sum(map(len, kept.values())) < every  # the dead node held some of them
+    r = cli("ls", "k/")
+    assert r.status == 0 and len(r.out.splitlines()) == 3, r
+    print(f"ls --json with {dead} killed: {took:.2f} s")
 
 
 # --------------------------------------------------------------------------- failures

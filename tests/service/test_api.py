@@ -247,6 +247,11 @@ async def test_commit_get_list_status_plan_delete(api: Api, cluster: LocalCluste
     entry = listing.doc["checkpoints"][1]
     assert entry["bytes"] == sum(map(len, chunks)) and entry["created"] == manifest["created"]
     assert entry["state"] in ("memory", "nvme", "cold")
+    # States only move forward: the listed one is never ahead of a status asked after it
+    # (the listing once judged records without their chunk lists: "cold" from the commit on).
+    after = await api.request("GET", "/v1/checkpoints/job1/step-000100?status")
+    forward = ["memory", "nvme", "cold"]
+    assert forward.index(entry["state"]) <= forward.index(after.doc["state"]), (entry, after.doc)
 
     status = await api.wait_state("job1/step-000100", "cold", timeout=90)
     assert status["chunks"] == 4 and status["memory"] == status["nvme"] == status["cold"] == 4
@@ -255,6 +260,24 @@ async def test_commit_get_list_status_plan_delete(api: Api, cluster: LocalCluste
     listing = await api.request("GET", "/v1/checkpoints?prefix=job1/")
     listed = {c["name"]: c["state"] for c in listing.doc["checkpoints"]}
     assert listed["job1/step-000100"] == "cold", listed
+    assert "complete" not in listing.doc and "costs" not in listing.doc["checkpoints"][0]
+    # E17 on the wire: the first chunk is named by all three checkpoints (job2's too,
+    # though it is not listed), the other three by step-000100 alone.
+    costed = await api.request("GET", "/v1/checkpoints?prefix=job1/&costs&nostate")
+    assert costed.status == 200 and costed.doc["complete"] is True
+    costs = {c["name"]: (c["state"], c["costs"]) for c in costed.doc["checkpoints"]}
+    state, big = costs["job1/step-000100"]
+    assert state == "cold"  # nostate is ignored with costs
+    assert big["chunks"] == 4 and big["lost"] == 0
+    assert big["shared"] == len(chunks[0]) and big["shared_chunks"] == 1
+    assert big["cold"]["chunks"] == 4 and big["cold"]["bytes"] == sum(map(len, chunks))
+    assert set(big) == {"chunks", "shared", "shared_chunks", "memory", "nvme", "cold"} | {
+        "stored",
+        "lost",
+    }
+    assert big["stored"] == sum(big[t]["stored"] for t in ("memory", "nvme", "cold"))
+    _, small = costs["job1/step-000050"]
+    assert small["shared"] == len(chunks[0]) == small["cold"]["bytes"] and small["chunks"] == 1
 
     plan = await api.request("GET", "/v1/checkpoints/job1/step-000100?plan")
     assert plan.status == 200 and set(plan.doc["chunks"]) == set(ids)
