@@ -405,7 +405,9 @@ async def fill_then_free(
         while filled:
             await client.delete(filled.pop())
         result = await asyncio.wait_for(put, 60)
-        assert result.created and result.chunk == chunk_id_of(data)
+        # ``created`` may be False: an attempt refused while RAM was freeing node by node
+        # can leave the entry's copy behind, which the attempt that succeeds then finds.
+        assert result.chunk == chunk_id_of(data) and len(set(result.replicas)) == 3
         assert patient.waits and all(ra is not None and ra >= 1 for ra, _ in patient.waits)
         assert bytes(await waiting.get_chunk(result.chunk)) == data
 
