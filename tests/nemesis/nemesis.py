@@ -21,7 +21,7 @@ Faults (each lasts a drawn 1-3 s unless said otherwise, then is undone):
 - ``gone``: SIGKILL, then the node stays down past ``gone_after`` (its data rebuilt
   elsewhere), then restarts with its old disk or an empty one.
 - ``empty_disk``: SIGKILL, the data directory emptied (the log kept), restart.
-- ``gc_stall``: ``POST /v1/admin/gc {"pause": s}`` to one or two nodes for 1.5-2.5 times
+- ``gc_stall``: ``POST /v1/admin/gc {"pause": s}`` to one or two nodes for 2-3 times
   the GC grace; ``/v1/cluster`` must report ``gc.stalled_since`` for them meanwhile (a
   node without the endpoint answers 404: the fault is counted "skipped").
 - ``shm_kill``: a co-located writer in a process of its own (``shm_writer``) saves
@@ -944,7 +944,9 @@ class Nemesis:
     async def _gc_stall(self, nodes: list[int]) -> None:
         """Pause GC on ``nodes`` for longer than the grace; every paused node that stayed
         up through it must be reported ``gc.stalled_since`` by some node meanwhile."""
-        pause = self.shape.gc_grace * self.rng.uniform(1.5, 2.5)
+        # 2-3 x the grace: a stall is reported once the last pass is older than the grace,
+        # so the window to see it is at least one grace long (1.5 x left 1.8 s under load)
+        pause = self.shape.gc_grace * self.rng.uniform(2.0, 3.0)
         names = {i: self.cluster.node_id(i) for i in nodes}
         pids = {i: self.cluster.pid(i) for i in nodes}
         paused: list[int] = []
@@ -991,8 +993,17 @@ class Nemesis:
         ids = {self.cluster.node_id(i): i for i in nodes}
         seen: dict[int, float | None] = dict.fromkeys(nodes)
         while time.monotonic() < until - 0.3 and not self.stopping.is_set():
-            for j in [*nodes, *self._alive_members(exclude=nodes)][:3]:
-                got = await asyncio.to_thread(self._http, j, "GET", "/v1/cluster")
+            # Asked side by side, each for at most 1.5 s: one stopped or delayed node
+            # must not hold the question to the others past the pause (seen: a SIGSTOPped
+            # peer's 5 s timeout ate the paused node's whole window of stall).
+            asked = [*nodes, *self._alive_members(exclude=nodes)][:3]
+            answers = await asyncio.gather(
+                *(
+                    asyncio.to_thread(self._http, j, "GET", "/v1/cluster", timeout=1.5)
+                    for j in asked
+                )
+            )
+            for got in answers:
                 if got is None or got[0] != 200 or not isinstance(got[1], dict):
                     continue
                 for entry in got[1].get("nodes", []):
