@@ -38,8 +38,9 @@ from storaged.errors import (
 )
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
-from storaged.node import STATES, Node, state_name
+from storaged.node import Node
 from storaged.shm import ShmListener, socket_path
+from storaged.wire import STATES, state_name
 from tiers import ByteRange, ChunkNotFound
 
 log = logging.getLogger("storaged.http")
