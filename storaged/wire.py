@@ -71,3 +71,70 @@ def state_name(rank: int) -> str:
 def state_at_least(state: str, level: str) -> bool:
     """True when ``state`` is ``level`` or further along ``memory < nvme < cold``."""
     return state_rank(state) >= state_rank(level)
+
+
+# --- error codes ----------------------------------------------------------------------
+
+
+class ErrorCode(enum.StrEnum):
+    """Every stable error code (API.md): the ``error`` of an HTTP error document, of a
+    peer protocol refusal and of a shared-memory refusal, and the ``code`` of the client's
+    exceptions. A member is its string (``ErrorCode.TOO_LARGE == "too_large"``, and that
+    is what JSON and msgpack write), so the wire is unchanged by naming one.
+    ``tests/test_wire.py`` reads the sources: a code raised anywhere must be here."""
+
+    # bad input (400) and bounds (411, 413, 416)
+    BAD_REQUEST = "bad_request"
+    BAD_CHUNK_ID = "bad_chunk_id"
+    BAD_NAME = "bad_name"
+    BAD_MANIFEST = "bad_manifest"
+    BAD_RANGE = "bad_range"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    TRUNCATED = "truncated"
+    LENGTH_REQUIRED = "length_required"
+    TOO_LARGE = "too_large"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    # who may ask (401, 403)
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    # missing (404)
+    NOT_FOUND = "not_found"
+    CHUNK_NOT_FOUND = "chunk_not_found"
+    FRAGMENT_NOT_FOUND = "fragment_not_found"
+    CHECKPOINT_NOT_FOUND = "checkpoint_not_found"
+    NODE_NOT_FOUND = "node_not_found"
+    NOT_ENOUGH_FRAGMENTS = "not_enough_fragments"
+    # contradicts what is stored (409)
+    CONFLICT = "conflict"
+    EXISTS = "exists"
+    MISSING_CHUNKS = "missing_chunks"
+    # not now (503): retry
+    UNAVAILABLE = "unavailable"
+    INSUFFICIENT_REPLICAS = "insufficient_replicas"
+    MEMORY_FULL = "memory_full"
+    COORDINATOR_UNAVAILABLE = "coordinator_unavailable"
+    NODE_UNAVAILABLE = "node_unavailable"
+    SHUTTING_DOWN = "shutting_down"
+    TOO_MANY_PUTS = "too_many_puts"
+    TOO_MANY_LEASES = "too_many_leases"
+    DRAINING = "draining"
+    # a full disk tier (507)
+    STORAGE_FULL = "storage_full"
+    NVME_FULL = "nvme_full"
+    COLD_FULL = "cold_full"
+    # between nodes and on the shared-memory path
+    ABORTED = "aborted"
+    CORRUPT = "corrupt"
+    IO_ERROR = "io_error"
+    SEAL_REFUSED = "seal_refused"
+    UNKNOWN_METHOD = "unknown_method"
+    UNKNOWN_OP = "unknown_op"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BUSY = "busy"
+    INTERNAL = "internal"
+    # the client's own, when no answer (or no storaged answer) came
+    ERROR = "error"
+    CONNECTION_FAILED = "connection_failed"
+    BAD_RESPONSE = "bad_response"
+    NOT_STORAGED = "not_storaged"
+    SERVER_ERROR = "server_error"
