@@ -147,6 +147,7 @@ def test_the_storage_leaves_import_nothing_from_storaged() -> None:
     """``tiers`` and ``erasure`` are given what they need (the chunk id's form and digest
     live in ``erasure.content``), so they can be read, tested and reused alone."""
     assert imports_into(("tiers", "erasure"), "storaged") == {}
+    assert imports_into(("erasure",), "tiers") == {}  # the bottom: tiers build on it
 
 
 def test_the_client_imports_nothing_from_tiers() -> None:
