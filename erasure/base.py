@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
+from erasure.content import chunk_id_of, is_chunk_id
 from erasure.errors import (
     BytesLike,
     CorruptFragment,
@@ -28,7 +29,6 @@ from erasure.errors import (
     check_parameters,
 )
 from erasure.fragment import Fragment, build_fragment, parse_fragment
-from storaged.ids import chunk_id_of, is_chunk_id
 
 __all__ = [
     "DEFAULT_MAX_DECODE_ATTEMPTS",

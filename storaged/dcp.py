@@ -108,7 +108,7 @@ from storaged.client.layout import (
 )
 from storaged.client.shm import usable
 from storaged.ids import is_checkpoint_name
-from tiers.base import ByteRange
+from storaged.wire import ByteRange
 
 __all__ = [
     "BYTES_DTYPE",

@@ -7,7 +7,7 @@ import re
 
 import blake3
 
-BytesLike = bytes | bytearray | memoryview
+from storaged.wire import BytesLike
 
 CHUNK_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"

@@ -38,8 +38,9 @@ from storaged.errors import (
 )
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
-from storaged.node import STATES, Node, state_name
+from storaged.node import Node
 from storaged.shm import ShmListener, socket_path
+from storaged.wire import STATES, ErrorCode, state_name
 from tiers import ByteRange, ChunkNotFound
 
 log = logging.getLogger("storaged.http")
@@ -142,13 +143,13 @@ async def read_document(request: web.Request, max_size: int, *, code: str = "bad
 
 # ---- middleware -----------------------------------------------------------------------------
 _STATUS_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    411: "length_required",
-    413: "too_large",
+    400: ErrorCode.BAD_REQUEST,
+    401: ErrorCode.UNAUTHORIZED,
+    403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    411: ErrorCode.LENGTH_REQUIRED,
+    413: ErrorCode.TOO_LARGE,
 }
 
 
@@ -195,7 +196,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _STATUS_CODES.get(exc.status, "error")
+        code = _STATUS_CODES.get(exc.status, ErrorCode.ERROR)
         node.metrics.errors.labels(code).inc()
         return reply(request, {"error": code, "message": exc.reason}, exc.status)
     except asyncio.CancelledError:

@@ -5,6 +5,10 @@ benchmark. Every import counts, those inside functions too (a lazy import is a d
 all the same), except those under ``if TYPE_CHECKING:``, which never run: that is how a
 stage names the type of the ``Node`` that owns it. Found by reading the sources, not by
 importing them.
+
+The storage leaves (``tiers``, ``erasure``) import nothing from ``storaged`` and the client
+(``storaged.client``) nothing from ``tiers``: here type-checking imports count too, since a
+name a leaf cannot run without is a dependency however it is spelled.
 """
 
 from __future__ import annotations
@@ -38,11 +42,14 @@ def _run_nodes(tree: ast.AST) -> Iterator[ast.AST]:
         yield from _run_nodes(node)
 
 
-def imports_in(source: str, module: str, filename: str = "<source>") -> Iterator[str]:
+def imports_in(
+    source: str, module: str, filename: str = "<source>", *, type_checking: bool = False
+) -> Iterator[str]:
     """Every module the code of ``module`` imports when it runs (``from a import b`` yields
-    ``a`` and ``a.b``)."""
+    ``a`` and ``a.b``); with ``type_checking``, those under ``if TYPE_CHECKING:`` too."""
     package = module.rpartition(".")[0]
-    for node in _run_nodes(ast.parse(source, filename)):
+    tree = ast.parse(source, filename)
+    for node in ast.walk(tree) if type_checking else _run_nodes(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -54,8 +61,29 @@ def imports_in(source: str, module: str, filename: str = "<source>") -> Iterator
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def imports_of(path: Path) -> Iterator[str]:
-    yield from imports_in(path.read_text(), module_name(path), str(path))
+def imports_of(path: Path, *, type_checking: bool = False) -> Iterator[str]:
+    yield from imports_in(
+        path.read_text(), module_name(path), str(path), type_checking=type_checking
+    )
+
+
+def imports_into(packages: tuple[str, ...], forbidden: str) -> dict[str, list[str]]:
+    """Module of ``packages`` (dotted, e.g. ``storaged.client``; a module is one too) -> the
+    modules of package ``forbidden`` it imports, type-checking imports included; only
+    modules that do."""
+    paths = []
+    for package in packages:
+        base = REPO / package.replace(".", "/")
+        paths += [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else []
+        paths += sorted(base.rglob("*.py"))
+    assert paths, packages
+    found = {
+        module_name(path): sorted(
+            m for m in imports_of(path, type_checking=True) if m.split(".")[0] == forbidden
+        )
+        for path in paths
+    }
+    return {name: modules for name, modules in found.items() if modules}
 
 
 def graph(*packages: str) -> dict[str, set[str]]:
@@ -107,6 +135,24 @@ def test_imports_that_run_count_and_type_checking_ones_do_not() -> None:
     found = set(imports_in(source, "pkg.mod"))
     assert {"a", "c", "e", "e.g", "pkg", "pkg.h"} <= found
     assert not found & {"b", "d"}
+
+
+def test_type_checking_imports_count_when_asked() -> None:
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from b import c\n"
+    assert not {"b", "b.c"} & set(imports_in(source, "pkg.mod"))
+    assert {"b", "b.c"} <= set(imports_in(source, "pkg.mod", type_checking=True))
+
+
+def test_the_storage_leaves_import_nothing_from_storaged() -> None:
+    """``tiers`` and ``erasure`` are given what they need (the chunk id's form and digest
+    live in ``erasure.content``), so they can be read, tested and reused alone."""
+    assert imports_into(("tiers", "erasure"), "storaged") == {}
+    assert imports_into(("erasure",), "tiers") == {}  # the bottom: tiers build on it
+
+
+def test_the_client_imports_nothing_from_tiers() -> None:
+    """The client speaks the wire's vocabulary (``storaged.wire``), not the server's tiers."""
+    assert imports_into(("storaged.client", "storaged.dcp"), "tiers") == {}
 
 
 def test_the_product_never_imports_the_load_tests() -> None:

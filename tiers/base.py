@@ -14,8 +14,10 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-#: What the tiers accept as bytes: no copy is made of a bytearray or memoryview.
-BytesLike = bytes | bytearray | memoryview
+#: What the tiers accept as bytes: no copy is made of a bytearray or memoryview. The
+#: storage leaves' one alias (``erasure``'s; ``storaged.wire`` states it for the server
+#: and client, who may not need the codecs).
+from erasure.errors import BytesLike as BytesLike
 
 
 class TierError(Exception):

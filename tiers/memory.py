@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from storaged.ids import chunk_id_of, is_chunk_id
+from erasure.content import chunk_id_of, is_chunk_id
 from tiers.base import (
     ByteRange,
     BytesLike,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import blake3
 
-from storaged.ids import is_chunk_id
+from erasure.content import is_chunk_id
 from tiers._durable import KIND_CHUNK, DurableTier, InvalidValue
 from tiers.base import InvalidKey
 

@@ -22,7 +22,7 @@ from loadtest.harness.report import percentile
 from storaged.client import Client
 from storaged.client.client import Holder, WritableBuffer
 from storaged.client.direct import Addr, BodyPlan, DirectGets, Planner, ResponseHead, Result
-from tiers.base import ByteRange
+from storaged.wire import ByteRange
 
 
 @dataclass

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
         TierCost,
         WaitTimeout,
     )
-    from storaged.client.durability import STATES, state_at_least
     from storaged.client.errors import (
         BadManifest,
         BadName,
@@ -78,7 +77,7 @@ if TYPE_CHECKING:
         build_manifest,
         check_layout,
     )
-    from tiers.base import ByteRange
+    from storaged.wire import STATES, ByteRange, state_at_least
 
 #: where each public name lives, by module
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -112,7 +111,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "TierCost",
         "WaitTimeout",
     ),
-    "storaged.client.durability": ("STATES", "state_at_least"),
     "storaged.client.errors": (
         "BadManifest",
         "BadName",
@@ -150,7 +148,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "build_manifest",
         "check_layout",
     ),
-    "tiers.base": ("ByteRange",),
+    "storaged.wire": ("STATES", "ByteRange", "state_at_least"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

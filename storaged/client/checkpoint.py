@@ -41,7 +41,6 @@ import msgpack
 import numpy as np
 
 from storaged.client.client import (
-    BytesLike,
     CheckpointStatus,
     CommitResult,
     Holder,
@@ -74,7 +73,7 @@ from storaged.client.layout import (
 )
 from storaged.client.shm import http_only, in_thread, usable
 from storaged.ids import chunk_id_of
-from tiers.base import ByteRange
+from storaged.wire import ByteRange, BytesLike
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import argparse
 import os
 from typing import Final
 
-from storaged.client.durability import STATES
 from storaged.client.format_names import FORMATS
+from storaged.wire import STATES
 
 __all__ = ["register"]
 

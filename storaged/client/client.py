@@ -33,7 +33,6 @@ import msgpack
 
 from storaged.client.deadlines import Bandwidth, Deadlines, SlowNodes
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
-from storaged.client.durability import STATES, state_at_least, state_rank
 from storaged.client.errors import (
     BadName,
     BadRange,
@@ -62,7 +61,7 @@ from storaged.client.shm import ShmPath, in_thread, pick_node, shm_wanted, usabl
 from storaged.ids import chunk_id_of, chunk_id_of_async, is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
 from storaged.shmwire import WireError
-from tiers.base import ByteRange
+from storaged.wire import STATES, ByteRange, BytesLike, state_at_least, state_rank
 
 if TYPE_CHECKING:
     # Imported where used: a command that only asks the cluster (``storaged ls``) starts
@@ -76,8 +75,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: What ``put_chunk`` accepts without copying.
-BytesLike = bytes | bytearray | memoryview
 #: What ``get_chunk`` can read into: any C-contiguous writable buffer.
 WritableBuffer: TypeAlias = "bytearray | memoryview | np.ndarray[Any, Any]"
 

@@ -31,8 +31,8 @@ from storaged.client.command import (
     run_async,
     run_command,
 )
-from storaged.client.durability import STATES
 from storaged.client.errors import CheckpointNotFound
+from storaged.wire import STATES
 
 __all__ = ["cmd_drain", "cmd_ls", "cmd_nodes", "cmd_rm", "cmd_status"]
 

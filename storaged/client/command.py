@@ -23,7 +23,6 @@ from typing import IO, Any, Final, TypeVar
 
 from storaged.client.client import BlockedWatch, CheckpointStatus, Client, WaitTimeout, base_url
 from storaged.client.deadlines import Deadlines
-from storaged.client.durability import STATES
 from storaged.client.errors import (
     ConnectionFailed,
     Forbidden,
@@ -34,6 +33,7 @@ from storaged.client.errors import (
 )
 from storaged.client.format_names import FormatError, UnknownFormat, clean_message
 from storaged.ids import is_checkpoint_name
+from storaged.wire import STATES
 
 T = TypeVar("T")
 

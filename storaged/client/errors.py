@@ -17,6 +17,8 @@ from typing import Any
 
 import msgpack
 
+from storaged.wire import ErrorCode
+
 
 class StoragedError(Exception):
     """An error from the storaged API (or from the client on its way there).
@@ -27,7 +29,7 @@ class StoragedError(Exception):
     """
 
     #: Code used when a response carries none (also the class's canonical code).
-    default_code = "error"
+    default_code: str = ErrorCode.ERROR
 
     def __init__(
         self,
@@ -38,7 +40,7 @@ class StoragedError(Exception):
         *,
         retry_after: float | None = None,
     ) -> None:
-        self.code = code or self.default_code
+        self.code = str(code or self.default_code)  # a plain str, as it always was
         self.message = message or self.code
         self.status = status
         self.body: Mapping[str, Any] = body if body is not None else {}
@@ -60,75 +62,75 @@ class StoragedError(Exception):
 class BadRequest(StoragedError):
     """A 400: the request was refused and nothing changed."""
 
-    default_code = "bad_request"
+    default_code = ErrorCode.BAD_REQUEST
 
 
 class BadChunkId(BadRequest):
-    default_code = "bad_chunk_id"
+    default_code = ErrorCode.BAD_CHUNK_ID
 
 
 class ChecksumMismatch(BadRequest):
     """The bytes do not hash to the chunk id (on upload, or on a verified read)."""
 
-    default_code = "checksum_mismatch"
+    default_code = ErrorCode.CHECKSUM_MISMATCH
 
 
 class Truncated(BadRequest):
-    default_code = "truncated"
+    default_code = ErrorCode.TRUNCATED
 
 
 class BadName(BadRequest):
-    default_code = "bad_name"
+    default_code = ErrorCode.BAD_NAME
 
 
 class BadManifest(BadRequest):
-    default_code = "bad_manifest"
+    default_code = ErrorCode.BAD_MANIFEST
 
 
 class BadRange(BadRequest):
-    default_code = "bad_range"
+    default_code = ErrorCode.BAD_RANGE
 
 
 class TooLarge(BadRequest):
-    default_code = "too_large"
+    default_code = ErrorCode.TOO_LARGE
 
 
 class LengthRequired(BadRequest):
-    default_code = "length_required"
+    default_code = ErrorCode.LENGTH_REQUIRED
 
 
 class Unauthorized(StoragedError):
-    default_code = "unauthorized"
+    default_code = ErrorCode.UNAUTHORIZED
 
 
 class Forbidden(StoragedError):
-    default_code = "forbidden"
+    default_code = ErrorCode.FORBIDDEN
 
 
 class NotFound(StoragedError, KeyError):
     """Something named does not exist (also a ``KeyError``)."""
 
-    default_code = "not_found"
+    default_code = ErrorCode.NOT_FOUND
 
     def __str__(self) -> str:  # KeyError would quote the args
         return StoragedError.__str__(self)
 
 
 class ChunkNotFound(NotFound):
-    default_code = "chunk_not_found"
+    default_code = ErrorCode.CHUNK_NOT_FOUND
 
 
 class FragmentNotFound(NotFound):
     """A node does not hold the fragment asked of it (extension E12)."""
 
-    default_code = "fragment_not_found"
+    default_code = ErrorCode.FRAGMENT_NOT_FOUND
 
 
 class NotEnoughFragments(ChunkNotFound):
     """A cold chunk could not be decoded: fewer than ``needed`` good fragments could be
     read (``available``). Also a ``ChunkNotFound``: the cluster cannot produce the chunk."""
 
-    default_code = "not_enough_fragments"
+    default_code = ErrorCode.NOT_ENOUGH_FRAGMENTS
 
     def __init__(self, message: str, *, available: int, needed: int) -> None:
         super().__init__(message=message)
@@ -137,19 +139,19 @@ class NotEnoughFragments(ChunkNotFound):
 
 
 class CheckpointNotFound(NotFound):
-    default_code = "checkpoint_not_found"
+    default_code = ErrorCode.CHECKPOINT_NOT_FOUND
 
 
 class Conflict(StoragedError):
     """A 409: the request contradicts what the cluster holds; nothing changed."""
 
-    default_code = "conflict"
+    default_code = ErrorCode.CONFLICT
 
 
 class MissingChunks(Conflict):
     """A commit named chunks the cluster does not hold; ``missing`` lists them."""
 
-    default_code = "missing_chunks"
+    default_code = ErrorCode.MISSING_CHUNKS
 
     def __init__(
         self,
@@ -172,21 +174,21 @@ class MissingChunks(Conflict):
 class Exists(Conflict):
     """A different manifest is already committed under this name (checkpoints are immutable)."""
 
-    default_code = "exists"
+    default_code = ErrorCode.EXISTS
 
 
 class Unavailable(StoragedError):
     """The cluster cannot serve now (a 503, or no node reachable). Retried before raised."""
 
-    default_code = "unavailable"
+    default_code = ErrorCode.UNAVAILABLE
 
 
 class InsufficientReplicas(Unavailable):
-    default_code = "insufficient_replicas"
+    default_code = ErrorCode.INSUFFICIENT_REPLICAS
 
 
 class MemoryFull(Unavailable):
-    default_code = "memory_full"
+    default_code = ErrorCode.MEMORY_FULL
 
 
 class StorageFull(StoragedError):
@@ -196,7 +198,7 @@ class StorageFull(StoragedError):
     entry node may place the chunk on nodes with room. ``full`` names the full tiers:
     ``[{"node", "url", "tier"}, ...]``."""
 
-    default_code = "storage_full"
+    default_code = ErrorCode.STORAGE_FULL
 
     @property
     def full(self) -> list[dict[str, str]]:
@@ -212,25 +214,25 @@ class NvmeFull(StorageFull):
     """A node's nvme tier is full: its RAM holds chunks that cannot drain, so it takes no
     new copies (a PUT), or a checkpoint cannot reach ``nvme`` (``Client.wait``)."""
 
-    default_code = "nvme_full"
+    default_code = ErrorCode.NVME_FULL
 
 
 class ColdFull(StorageFull):
     """A node's cold tier is full: a checkpoint cannot reach ``cold`` (``Client.wait``)."""
 
-    default_code = "cold_full"
+    default_code = ErrorCode.COLD_FULL
 
 
 class ConnectionFailed(Unavailable):
     """No response: connection refused or reset, or the request timed out."""
 
-    default_code = "connection_failed"
+    default_code = ErrorCode.CONNECTION_FAILED
 
 
 class ProtocolError(StoragedError):
     """A response the client cannot make sense of (wrong length, undecodable body)."""
 
-    default_code = "bad_response"
+    default_code = ErrorCode.BAD_RESPONSE
 
 
 class NotStoraged(ProtocolError):
@@ -238,11 +240,11 @@ class NotStoraged(ProtocolError):
     one of storaged's documents (its errors keep the class of their status, with
     ``foreign`` set)."""
 
-    default_code = "not_storaged"
+    default_code = ErrorCode.NOT_STORAGED
 
 
 class ServerError(StoragedError):
-    default_code = "server_error"
+    default_code = ErrorCode.SERVER_ERROR
 
 
 _BY_CODE: dict[str, type[StoragedError]] = {

@@ -49,7 +49,7 @@ from storaged.client.errors import (
 )
 from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, host_identity, send_frame
-from tiers.base import ByteRange, InvalidRange
+from storaged.wire import ByteRange, InvalidRange
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,10 @@ from storaged.node.index import (
     COLD,
     MEMORY,
     NVME,
-    STATES,
     ChunkInfo,
     Holding,
-    state_name,
-    state_rank,
 )
+from storaged.wire import STATES, state_name, state_rank
 
 __all__ = [
     "COLD",

@@ -36,8 +36,9 @@ from storaged.catalog import CatalogRecord, CheckpointNotFound
 from storaged.catalogue import CatalogueUnavailable, CommitConflict, CoordinatorUnavailable
 from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
-from storaged.node.index import COLD, NVME, STATES, Holding
+from storaged.node.index import COLD, NVME, Holding
 from storaged.placement import Placement
+from storaged.wire import STATES
 
 if TYPE_CHECKING:
     from storaged.node.core import Node

@@ -25,17 +25,10 @@ from pathlib import Path
 
 import msgpack
 
-STATES = ("memory", "nvme", "cold")
-MEMORY, NVME, COLD = 1, 2, 3
-_STATE_RANK = {name: i + 1 for i, name in enumerate(STATES)}
+from storaged.wire import ChunkState
 
-
-def state_name(rank: int) -> str:
-    return STATES[rank - 1]
-
-
-def state_rank(name: str) -> int:
-    return _STATE_RANK[name]
+# The ranks the state log persists (plain ints: what msgpack has always written).
+MEMORY, NVME, COLD = (int(state) for state in ChunkState)
 
 
 @dataclass(slots=True)

@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from erasure import parse_fragment_key
 from storaged.errors import BadInput, InsufficientStorage, StoragedError, unavailable
 from storaged.ids import chunk_id_of_async, crc32c_of_async
-from storaged.node.index import NVME, ChunkInfo, state_name
+from storaged.node.index import NVME, ChunkInfo
 from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
+from storaged.wire import state_name
 from tiers import CorruptChunk, TierFull
 from tiers.memory import size_class
 

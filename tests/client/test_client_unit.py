@@ -34,7 +34,6 @@ from storaged.client.client import (
     range_header,
     writable_view,
 )
-from storaged.client.durability import state_at_least
 from storaged.client.errors import (
     BadManifest,
     BadRange,
@@ -60,9 +59,9 @@ from storaged.client.retry import RetryPolicy
 from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
+from storaged.wire import ByteRange, state_at_least
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import ClusterFactory
-from tiers.base import ByteRange
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -140,7 +140,7 @@ async def test_client_round_trip_uses_shared_memory(cluster: LocalCluster) -> No
         for blob, result in zip(blobs, results, strict=True):
             assert bytes(await client.get_chunk(result.chunk)) == blob
         out = bytearray(MiB)
-        from tiers.base import ByteRange
+        from storaged.wire import ByteRange
 
         part = await client.get_chunk(results[3].chunk, out, ByteRange(5 * MiB, 6 * MiB))
         assert bytes(part) == blobs[3][5 * MiB : 6 * MiB]
@@ -159,7 +159,7 @@ async def test_range_reads_of_a_chunk_share_one_checked_mapping(
     mapping and one hash serve them all, and the mapping goes once unused, never while a
     read that asked for it has yet to copy from it."""
     from storaged.client import shm as shm_module
-    from tiers.base import ByteRange
+    from storaged.wire import ByteRange
 
     rng = np.random.default_rng(11)
     read_ok = 'storaged_shm_ops_total{op="read",outcome="ok"}'

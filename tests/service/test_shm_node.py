@@ -153,7 +153,7 @@ async def test_shared_copy_that_fails_its_id_is_never_served(inproc: InprocFacto
     from storaged.client import Client
     from storaged.server import http_error
     from storaged.shm import ShmListener, socket_path
-    from tiers.base import ByteRange
+    from storaged.wire import ByteRange
 
     cluster = await inproc.start(3, drain_workers=0, encode_workers=0)
     good = np.random.default_rng(9).bytes(1 << 20)
