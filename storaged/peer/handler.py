@@ -15,8 +15,9 @@ __all__ = ["PeerHandler"]
 class PeerHandler(ABC):
     """What a ``PeerServer`` calls; implemented by the node (memory tier, index).
 
-    Buffer ownership: the buffer returned by ``receive_chunk`` is handed back
-    through exactly one of ``chunk_received`` (the whole body arrived; the
+    Buffer ownership: the buffer returned by ``receive_chunk`` is handed back (the very
+    memoryview object returned, so a handler may know it by identity) through exactly
+    one of ``chunk_received`` (the whole body arrived; the
     handler owns the buffer from then on, whatever that call does or raises,
     even if it is cancelled by ``PeerServer.close``) or ``chunk_aborted`` (the
     connection dropped, stalled or the server closed first).

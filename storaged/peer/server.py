@@ -397,7 +397,9 @@ class _ServerConn(FramedProtocol):
             self._abort_inflight()
             return
         try:
-            buf = memoryview(raw)
+            # The handler's own view, not a new one over it: it is handed back as it was
+            # given, one handle for the handler to know its buffer by.
+            buf = raw if type(raw) is memoryview else memoryview(raw)
             ok = not buf.readonly and buf.nbytes == size and buf.format == "B" and buf.ndim == 1
         except TypeError:
             ok = False

@@ -33,13 +33,12 @@ IO_TIMEOUT = 1.0
 
 
 class LendingHandler(PeerHandler):
-    """Lends a fresh buffer per put and records every buffer it gets back, by the memory
-    under it (the server hands back a view of the lent buffer, not the same view): the
-    contract says each comes back through exactly one of ``chunk_received`` and
-    ``chunk_aborted``."""
+    """Lends a fresh buffer per put and records every buffer it gets back, by identity:
+    the contract says each comes back, the very view lent, through exactly one of
+    ``chunk_received`` and ``chunk_aborted``."""
 
     def __init__(self) -> None:
-        self.lent: dict[int, bytearray] = {}
+        self.lent: dict[int, memoryview] = {}
         self.received: list[tuple[str, memoryview]] = []
         self.aborted: list[tuple[str, memoryview]] = []
         self.refuse: PeerError | None = None
@@ -50,14 +49,13 @@ class LendingHandler(PeerHandler):
             await self.hold.wait()
         if self.refuse is not None:
             raise self.refuse
-        memory = bytearray(size)
-        self.lent[id(memory)] = memory
-        return memoryview(memory)
+        view = memoryview(bytearray(size))
+        self.lent[id(view)] = view
+        return view
 
     def _take_back(self, buf: memoryview) -> None:
-        lent = self.lent.pop(id(buf.obj), None)
-        assert lent is not None and buf.obj is lent, "a buffer came back twice or was not lent"
-        assert len(buf) == len(lent)
+        lent = self.lent.pop(id(buf), None)
+        assert lent is buf, "a buffer came back twice, or not the view that was lent"
 
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
         self._take_back(buf)

@@ -90,7 +90,7 @@ async def test_a_put_body_lands_in_the_buffer_the_handler_lent(peer: Peer) -> No
     assert await stream.finish() == {"chunk": CHUNK, "size": len(data)}
     [(chunk_id, buf)] = peer.handler.received
     assert chunk_id == CHUNK and bytes(buf) == data
-    assert isinstance(buf.obj, bytearray)  # the lent buffer itself, not a copy of it
+    assert isinstance(buf.obj, bytearray)  # the lent buffer itself (the handler checked)
 
 
 async def test_a_refused_body_is_refused_early_and_discarded_in_step(peer: Peer) -> None:
