@@ -8,7 +8,8 @@ protocol"). This path reads a response's status line and headers into a small
 scratch buffer and its body with ``get_buffer`` handing out the destination
 memoryview itself: one copy, kernel to destination. Only the body bytes that
 arrived in the same read as the headers (at most ``_HEAD_READ``) are copied out
-of scratch.
+of scratch. The receive machine is ``storaged.transport.BodyProtocol``, the one the
+peer protocol runs on; what is here is HTTP.
 
 It speaks only what a storaged chunk GET needs: HTTP/1.1 ``GET``, keep-alive, and
 a response with a ``Content-Length``. A response it does not read (chunked
