@@ -1,5 +1,6 @@
 """The peer protocol's conformance suite: its behaviour as a contract, against a real
-``PeerServer`` on 127.0.0.1, over each link it runs on (plain TCP and TLS).
+``PeerServer`` on 127.0.0.1, over each link it runs on (plain TCP and TLS) and on each
+event loop the nodes run (asyncio's, and uvloop's where it is installed).
 
 A test takes ``peer`` (a server, a client and the handler behind the server, on one
 link) and, to speak the documented format itself, ``RawPeer``.
@@ -10,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import importlib.util
 import os
 import shutil
 import ssl
 import struct
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,31 @@ import pytest
 
 from storaged.peer import Addr, PeerClient, PeerError, PeerHandler, PeerServer
 from storaged.wire import BytesLike
+from tests.conftest import _guarded_loop, _LoopWatchdog
 
 SECRET = b"the-conformance-suite's-cluster-secret"
 #: stall timers of the suite's server: short enough for the stall tests, long enough for
 #: a loaded machine not to trip them elsewhere
 IO_TIMEOUT = 1.0
+
+
+def _guarded_uvloop() -> asyncio.AbstractEventLoop:
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    _LoopWatchdog(loop)
+    return loop
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every test here runs on asyncio's loop and on uvloop's (nodes run on uvloop: its
+    transports are not asyncio's, and the protocol must not notice)."""
+    factories = {"guarded": _guarded_loop}
+    if importlib.util.find_spec("uvloop") is not None:
+        factories["uvloop"] = _guarded_uvloop
+    return factories
 
 
 class LendingHandler(PeerHandler):
