@@ -9,6 +9,7 @@ import os
 import pytest
 
 from storaged.transport import BODY, DISCARD, HEAD, HOLD, MAX_READ, BodyProtocol
+from tests.test_loadtest_imports import PACKAGES, REPO, imports_of
 
 
 class LineHeads(BodyProtocol):
@@ -131,3 +132,13 @@ def test_a_long_discard_reads_over_the_start_of_scratch() -> None:
     given = feed(proto, b"D" * 100_000)
     assert all(buf.obj is proto._scratch for buf in given)
     assert proto.discards == 1 and proto._mode == HEAD
+
+
+def test_the_core_is_a_leaf() -> None:
+    """Both the peer protocol and the client's direct GETs run on it: it imports nothing of
+    the project (not the node, not the tiers, not the peer protocol), type-checking imports
+    counted, so either user loads it alone."""
+    found = imports_of(REPO / "storaged" / "transport.py", type_checking=True)
+    assert [m for m in found if m.split(".")[0] in PACKAGES] == []
+    users = [REPO / "storaged" / "peer" / "framing.py", REPO / "storaged" / "client" / "direct.py"]
+    assert all("storaged.transport" in set(imports_of(path)) for path in users)
