@@ -40,7 +40,7 @@ async def chunk_id_of_async(data: BytesLike) -> str:
 
 
 def crc32c_of(data: BytesLike) -> int:
-    """CRC-32C of ``data`` (the check replicas may use instead of BLAKE3, see peer.py)."""
+    """CRC-32C of ``data`` (the check replicas may use instead of BLAKE3, see peer.handler)."""
     import crc32c  # here: a client command that hashes nothing starts without it
 
     return int(crc32c.crc32c(data))

@@ -1,7 +1,8 @@
 """The peer protocol over real sockets on 127.0.0.1.
 
-Raw-socket tests speak the wire format from the module docstring themselves, so
-they check the documented format as well as the server's defences.
+Raw-socket tests speak the wire format documented in ``storaged.peer.wire`` themselves,
+so they check the documented format as well as the server's defences. The protocol's
+contract over TCP and TLS is ``tests/peer/``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from storaged.peer import (
     PeerUnavailable,
     PutStream,
 )
-from tiers.base import BytesLike
+from storaged.wire import BytesLike
 
 SECRET = b"cluster-secret-for-the-peer-tests"
 CLIENT_TOKEN = b"a-client-token-is-not-the-cluster-secret"

@@ -8,7 +8,8 @@ protocol"). This path reads a response's status line and headers into a small
 scratch buffer and its body with ``get_buffer`` handing out the destination
 memoryview itself: one copy, kernel to destination. Only the body bytes that
 arrived in the same read as the headers (at most ``_HEAD_READ``) are copied out
-of scratch.
+of scratch. The receive machine is ``storaged.transport.BodyProtocol``, the one the
+peer protocol runs on; what is here is HTTP.
 
 It speaks only what a storaged chunk GET needs: HTTP/1.1 ``GET``, keep-alive, and
 a response with a ``Content-Length``. A response it does not read (chunked
@@ -27,12 +28,12 @@ neither side asked to close it.
 from __future__ import annotations
 
 import asyncio
-import select
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, cast
+from typing import Final
 
 from storaged.client.errors import ProtocolError
+from storaged.transport import HEAD, HOLD, BodyProtocol
 
 __all__ = ["MAX_ERROR_BODY", "MAX_HEAD", "BodyPlan", "DirectGets", "NotHandled", "ResponseHead"]
 
@@ -43,17 +44,9 @@ MAX_ERROR_BODY: Final = 1 << 20
 # Head reads ask for this much at a time: the head and the first body bytes behind it
 # arrive in one read, and only those few body bytes are copied out of scratch.
 _HEAD_READ = 4096
-# One read copies at most this much out of the kernel: it bounds how long a single
-# callback holds the loop while other connections wait (as in storaged/peer.py).
-_MAX_READ = 1 << 20
 
 #: (host, port)
 Addr = tuple[str, int]
-
-_IDLE = 0  # no request outstanding: any byte that arrives is a protocol violation
-_HEAD = 1  # reading the status line and headers into scratch
-_SKIP = 2  # dropping body bytes in front of the wanted ones (a server that ignored Range)
-_BODY = 3  # reading body bytes straight into the destination
 
 
 class NotHandled(Exception):
@@ -137,30 +130,22 @@ def parse_head(raw: bytes) -> tuple[int, dict[str, str], bool]:
     return int(code), headers, keep_alive
 
 
-class _GetConnection(asyncio.BufferedProtocol):
-    """One HTTP/1.1 connection, one request at a time."""
+class _GetConnection(BodyProtocol):
+    """One HTTP/1.1 connection, one request at a time: a response's head parsed out of the
+    core's scratch, its body read into the caller's buffer (``storaged.transport``)."""
 
     def __init__(self, addr: Addr, read_timeout: float) -> None:
+        # No request outstanding (HOLD): any byte that arrives is a protocol violation.
+        super().__init__(MAX_HEAD + _HEAD_READ, _HEAD_READ, HOLD)
         self.addr = addr
         self._read_timeout = read_timeout
         self._loop = asyncio.get_running_loop()
-        self._scratch = bytearray(MAX_HEAD + _HEAD_READ)
-        self._smv = memoryview(self._scratch)
-        self._have = 0  # head bytes in scratch
         self._scanned = 0  # scratch[:_scanned] holds no end of head
-        self._mode = _IDLE
-        self._transport: asyncio.Transport | None = None
-        self._closed = False
         self._reusable = False
         self._waiter: asyncio.Future[Result] | None = None
         self._planner: Planner | None = None
         self._head: ResponseHead | None = None
-        self._dest: memoryview | None = None
-        self._pos = 0
-        self._keep = 0
-        self._skip_left = 0
         self._tail = 0  # body bytes past the destination: dropped by closing
-        self._rx = 0  # bytes of the current response received
         self._last_rx = 0.0
         self._stall: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
@@ -168,47 +153,15 @@ class _GetConnection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks ---------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
-        self._transport = cast(asyncio.Transport, transport)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        mode = self._mode
-        if mode == _BODY:
-            assert self._dest is not None
-            return self._dest[self._pos : min(self._keep, self._pos + _MAX_READ)]
-        if mode == _HEAD:
-            return self._smv[self._have : min(len(self._scratch), self._have + _HEAD_READ)]
-        if mode == _SKIP:
-            return self._smv[: min(self._skip_left, len(self._scratch))]
-        return self._smv  # idle: read what came, only to notice it
-
     def buffer_updated(self, nbytes: int) -> None:
-        self._rx += nbytes
         self._last_rx = self._loop.time()
-        mode = self._mode
-        if mode == _BODY:
-            self._pos += nbytes
-            if self._pos == self._keep:
-                self._done()
-        elif mode == _HEAD:
-            self._have += nbytes
-            self._parse_head()
-        elif mode == _SKIP:
-            self._skip_left -= nbytes
-            if self._skip_left == 0:
-                self._mode = _BODY if self._pos < self._keep else _IDLE
-                if self._mode == _IDLE:
-                    self._done()
-        else:
-            # Bytes nobody asked for: the previous response was longer than it said.
-            self.abort()
+        super().buffer_updated(nbytes)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost tells the waiter
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        super().connection_lost(exc)
         self._reusable = False
         self._cancel_stall()
         if self.idle_timer is not None:
@@ -216,7 +169,7 @@ class _GetConnection(asyncio.BufferedProtocol):
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             reason = f": {exc}" if exc is not None else ""
-            if self._mode == _HEAD and self._rx == 0:
+            if self._mode == HEAD and self._rx == 0:
                 error: ConnectionError = _StaleConnection(
                     f"{_fmt(self.addr)} closed the connection before answering{reason}"
                 )
@@ -226,36 +179,21 @@ class _GetConnection(asyncio.BufferedProtocol):
                     f"of the response{reason}"
                 )
             self._fail(error)
-        self._dest = None
-        self._mode = _IDLE
+        self._body = None
+        self._mode = HOLD
         if self.on_lost is not None:
             self.on_lost(self)
+
+    def _on_held_bytes(self) -> None:
+        # Bytes nobody asked for: the previous response was longer than it said.
+        self.abort()
 
     # -- the request ---------------------------------------------------------------------------
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def reusable(self) -> bool:
         """The last response was read to its end and the connection may carry another."""
-        return self._reusable and not self._closed and self._mode == _IDLE
-
-    def readable(self) -> bool:
-        """Whether bytes or an EOF wait unread (on an idle connection: the server closed it).
-
-        The loop learns of a close one iteration late; this asks the kernel, so a pooled
-        connection the server just closed is not handed out.
-        """
-        if self._transport is None or not hasattr(select, "poll"):
-            return False
-        sock = self._transport.get_extra_info("socket")
-        if sock is None:
-            return False
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
+        return self._reusable and not self._closed and self._mode == HOLD
 
     async def exchange(self, request: bytes, planner: Planner) -> Result:
         """Send ``request``; return the head and the body (the plan's ``dest`` for 200/206,
@@ -267,8 +205,8 @@ class _GetConnection(asyncio.BufferedProtocol):
         self._planner = planner
         self._head = None
         self._reusable = False
-        self._mode = _HEAD
-        self._have = self._scanned = self._rx = 0
+        self._mode = HEAD
+        self._sbeg = self._send = self._scanned = self._rx = 0
         self._last_rx = self._loop.time()
         self._stall = self._loop.call_at(self._last_rx + self._read_timeout, self._check_stall)
         try:
@@ -285,20 +223,19 @@ class _GetConnection(asyncio.BufferedProtocol):
     def abort(self) -> None:
         """Drop the connection at once; a pending request fails with ``ConnectionResetError``."""
         self._reusable = False
-        self._dest = None
-        self._mode = _IDLE
+        self._body = None
+        self._mode = HOLD
         self._cancel_stall()
-        if self._transport is not None:
-            self._transport.abort()
-        self._closed = True
+        super().abort()
 
     # -- parsing -------------------------------------------------------------------------------
 
-    def _parse_head(self) -> None:
-        end = self._scratch.find(b"\r\n\r\n", max(0, self._scanned - 3), self._have)
+    def _on_head_bytes(self) -> None:
+        # A response's head starts at the front of scratch (``exchange`` empties it).
+        end = self._scratch.find(b"\r\n\r\n", max(0, self._scanned - 3), self._send)
         if end < 0:
-            self._scanned = self._have
-            if self._have >= MAX_HEAD:
+            self._scanned = self._send
+            if self._send >= MAX_HEAD:
                 self._fail(ProtocolError(message=f"response head over {MAX_HEAD} bytes"))
             return
         try:
@@ -320,7 +257,12 @@ class _GetConnection(asyncio.BufferedProtocol):
             self._fail(exc)
             return
         self._head = head
-        self._begin_body(plan, end + 4, length)
+        self._sbeg = end + 4
+        if self._send - self._sbeg > length:
+            self._fail(ProtocolError(message=f"response longer than its Content-Length {length}"))
+            return
+        self._tail = length - plan.skip - len(plan.dest)
+        self._begin_body(plan.dest, plan.skip)
 
     @staticmethod
     def _content_length(headers: Mapping[str, str]) -> int:
@@ -333,43 +275,17 @@ class _GetConnection(asyncio.BufferedProtocol):
             raise ProtocolError(message=f"bad Content-Length {value[:40]!r}")
         return int(value)
 
-    def _begin_body(self, plan: BodyPlan, start: int, length: int) -> None:
-        dest = plan.dest
-        skip, keep = plan.skip, len(dest)
-        tail = length - skip - keep
-        avail = self._have - start
-        if avail > skip + keep + tail:
-            self._fail(ProtocolError(message=f"response longer than its Content-Length {length}"))
-            return
-        # Deliberate copy: the body bytes that arrived in the head's read (< _HEAD_READ).
-        dropped = min(avail, skip)
-        at = start + dropped
-        taken = min(avail - dropped, keep)
-        if taken:
-            dest[:taken] = self._smv[at : at + taken]
-        self._have = self._scanned = 0
-        self._dest = dest
-        self._pos = taken
-        self._keep = keep
-        self._skip_left = skip - dropped
-        self._tail = tail
-        if self._skip_left:
-            self._mode = _SKIP
-        elif taken < keep:
-            self._mode = _BODY
-        else:
-            self._done()
-
-    def _done(self) -> None:
-        head, dest = self._head, self._dest
-        assert head is not None and dest is not None
-        self._mode = _IDLE
-        self._dest = None
+    def _body_complete(self, body: memoryview) -> None:
+        head = self._head
+        assert head is not None
+        # Body bytes past the destination that came with the head are dropped with the
+        # connection (``_tail``): it is not reused.
+        self._sbeg = self._send = self._scanned = 0
         self._cancel_stall()
         self._reusable = head.keep_alive and self._tail == 0
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result((head, dest))
+            waiter.set_result((head, body))
 
     def _fail(self, exc: BaseException) -> None:
         waiter = self._waiter

@@ -207,24 +207,18 @@ class PeerRpc:
 class _PeerHandler(PeerHandler):
     """What the peer server calls: chunk receives go to the write path, calls to ``rpc_*``.
 
-    The peer server may hand back a new view of the buffer it was given; the memory tier
-    knows its allocations by the view it returned, so map back by the underlying object.
+    The peer server hands back the very view ``receive_chunk`` returned, the one the
+    memory tier knows its allocation by.
     """
 
     def __init__(self, rpc: PeerRpc) -> None:
         self.rpc = rpc
-        self._given: dict[int, memoryview] = {}
-
-    def _original(self, buf: memoryview) -> memoryview:
-        return self._given.pop(id(buf.obj), buf)
 
     async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
-        view = await self.rpc.node.writes.receive_chunk(chunk_id, size)
-        self._given[id(view.obj)] = view
-        return view
+        return await self.rpc.node.writes.receive_chunk(chunk_id, size)
 
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
-        return await self.rpc.node.writes.chunk_received(chunk_id, self._original(buf))
+        return await self.rpc.node.writes.chunk_received(chunk_id, buf)
 
     def ack_copy(self, chunk_id: str) -> None:
         self.rpc.node.writes.ack_copy_arriving()
@@ -232,12 +226,10 @@ class _PeerHandler(PeerHandler):
     async def chunk_received_crc(
         self, chunk_id: str, buf: memoryview, crc32c: int
     ) -> dict[str, Any]:
-        return await self.rpc.node.writes.chunk_received(
-            chunk_id, self._original(buf), crc32c=crc32c
-        )
+        return await self.rpc.node.writes.chunk_received(chunk_id, buf, crc32c=crc32c)
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
-        self.rpc.node.writes.chunk_aborted(chunk_id, self._original(buf))
+        self.rpc.node.writes.chunk_aborted(chunk_id, buf)
 
     async def call(
         self, method: str, args: dict[str, Any], body: memoryview | None

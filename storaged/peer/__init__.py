@@ -1,0 +1,51 @@
+"""The peer protocol: node-to-node chunk replication and small RPCs over raw TCP.
+
+Why not HTTP: replication is the hot path of the ack (every PUT crosses two peer
+hops). A raw ``asyncio.BufferedProtocol`` receives each chunk body straight into
+the memory tier's preallocated buffer and costs about a third of aiohttp's CPU
+per byte here. The client side of the HTTP API stays aiohttp.
+
+One module per part:
+
+- ``wire``: the format (frames, headers, the authentication handshake, requests and
+  replies, documented there), its codec, the proofs, and the errors (``PeerError``);
+- ``framing``: frames read and written over ``storaged.transport.BodyProtocol``, the
+  receive core the client's direct chunk GETs run on too;
+- ``handler``: ``PeerHandler``, what the server calls, and its buffer-ownership contract;
+- ``server``: ``PeerServer``; ``client``: ``PeerClient`` and ``PutStream``.
+
+Every name other modules use is importable from here.
+"""
+
+from storaged.peer.client import PeerClient, PutStream
+from storaged.peer.handler import PeerHandler
+from storaged.peer.server import PeerServer
+from storaged.peer.wire import (
+    MAX_BODY,
+    MAX_CHUNK_ID_LEN,
+    MAX_HEADER,
+    MAX_NODE_ID_LEN,
+    MAX_PREAUTH_HEADER,
+    NONCE_LEN,
+    PROTOCOL_VERSION,
+    Addr,
+    PeerError,
+    PeerUnavailable,
+)
+
+__all__ = [
+    "MAX_BODY",
+    "MAX_CHUNK_ID_LEN",
+    "MAX_HEADER",
+    "MAX_NODE_ID_LEN",
+    "MAX_PREAUTH_HEADER",
+    "NONCE_LEN",
+    "PROTOCOL_VERSION",
+    "Addr",
+    "PeerClient",
+    "PeerError",
+    "PeerHandler",
+    "PeerServer",
+    "PeerUnavailable",
+    "PutStream",
+]
