@@ -497,13 +497,14 @@ async def test_connection_close_is_honoured() -> None:
 
 def test_only_plain_http_nodes_are_read_directly() -> None:
     client = Client(["http://h0:7400", "https://h1:7401", "http://u@h2:7402", "http://h3/api/"])
-    client._base_headers = {"Accept": "application/msgpack"}
-    assert client._direct_target("http://h0:7400") == (
+    requests = client._requests
+    requests.base_headers = {"Accept": "application/msgpack"}
+    assert requests.direct_target("http://h0:7400") == (
         ("h0", 7400),
         "",
         "Host: h0:7400\r\nAccept: application/msgpack\r\n",
     )
-    assert client._direct_target("https://h1:7401") is None
-    assert client._direct_target("http://u@h2:7402") is None
-    target = client._direct_target("http://h3/api")
+    assert requests.direct_target("https://h1:7401") is None
+    assert requests.direct_target("http://u@h2:7402") is None
+    target = requests.direct_target("http://h3/api")
     assert target is not None and target[:2] == (("h3", 80), "/api")
