@@ -47,6 +47,7 @@ from storaged.client.retry import RetryPolicy
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
 
+# The client's one logger, as before these modules were split out of client.py.
 log = logging.getLogger("storaged.client.client")
 
 T = TypeVar("T")

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from erasure import Codec
     from storaged.client.degraded import Decoded
 
+# The client's one logger, as before these modules were split out of client.py.
 log = logging.getLogger("storaged.client.client")
 
 #: What ``get_chunk`` can read into: any C-contiguous writable buffer.
