@@ -22,7 +22,7 @@ import builtins
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -109,8 +109,6 @@ __all__ = [
     "run_all",
     "writable_view",
 ]
-
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- the client
