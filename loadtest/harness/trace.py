@@ -1,8 +1,8 @@
 """``TracedClient``: a ``Client`` that times every chunk request (first byte, whole body,
 ack) and counts bytes by the ``X-Storaged-Tier`` header; ``traced_runner`` opens one on a
 fresh loop. The direct read path is traced by ``TracedGets`` (a ``DirectGets`` that notes
-when each GET is sent and its head arrives), so the product's ``Client`` carries no trace
-hooks.
+when each GET is sent and its head arrives); the session's requests through the
+``Client``'s public ``trace_configs``.
 """
 
 from __future__ import annotations
@@ -95,36 +95,26 @@ class TracedGets(DirectGets):
 class TracedClient(Client):
     """A ``Client`` whose session records every chunk request in ``self.log``.
 
-    Open it with ``open_traced`` (it makes the session with the trace hooks and the
-    headers ``Client.open`` would use). Chunk GETs read directly, as with ``Client``'s
-    own session (``direct_reads=False`` to measure aiohttp's), are traced by its
-    ``TracedGets``. It measures the network paths, so it takes no shared-memory path to a
-    node on this host (``shm=False`` unless asked: what goes through shared memory is not
-    an HTTP request and is not in ``log``).
+    Open it with ``open_traced`` (the session the client makes carries the trace hooks,
+    given through ``Client``'s ``trace_configs``). Chunk GETs read directly, as with
+    ``Client``'s own session (``direct_reads=False`` to measure aiohttp's), are traced by
+    its ``TracedGets``. It measures the network paths, so it takes no shared-memory path
+    to a node on this host (``shm=False`` unless asked: what goes through shared memory is
+    not an HTTP request and is not in ``log``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("direct_reads", True)
-        kwargs.setdefault("shm", False)
-        super().__init__(*args, **kwargs)
-        self.log = RequestLog()
-        self._own_session: aiohttp.ClientSession | None = None
-
-    async def open_traced(self) -> None:
         trace = aiohttp.TraceConfig()
         trace.on_request_start.append(self._on_start)
         trace.on_request_end.append(self._on_end)
-        headers = {"Accept": "application/msgpack", "Accept-Encoding": "identity"}
-        if self._token is not None:
-            headers["Authorization"] = f"Bearer {self._token}"
-        self._own_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._max_concurrency + 8),
-            headers=headers,
-            timeout=self._timeout,
-            auto_decompress=False,
-            trace_configs=[trace],
-        )
-        await self.open(self._own_session)
+        kwargs.setdefault("direct_reads", True)
+        kwargs.setdefault("shm", False)
+        kwargs["trace_configs"] = [*kwargs.get("trace_configs", ()), trace]
+        super().__init__(*args, **kwargs)
+        self.log = RequestLog()
+
+    async def open_traced(self) -> None:
+        await self.open()
         if self.direct is not None:
             # The direct read path, traced: the same settings, reporting to self.log.
             plain = self.direct
@@ -136,12 +126,6 @@ class TracedClient(Client):
                 idle_timeout=plain.idle_timeout,
             )
             await plain.close()
-
-    async def close(self) -> None:
-        await super().close()
-        if self._own_session is not None:
-            await self._own_session.close()
-            self._own_session = None
 
     async def _on_start(
         self, session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any

@@ -551,7 +551,7 @@ async def test_a_delete_whose_answer_is_lost_is_not_reported_as_missing(
     try:
         async with client_for(cluster, shm=False) as client:
             # every node reached through the proxy (a failover finds the real URLs again)
-            client._urls = dict.fromkeys(client._urls, proxy.url)
+            client._requests.urls = dict.fromkeys(client._requests.urls, proxy.url)
             await client.delete(name)
             assert proxy.answers_dropped == 1, "the proxy lost no answer: nothing was tested"
             with pytest.raises(CheckpointNotFound):

@@ -2,7 +2,8 @@
 small helpers, document parsing) and the request engine's retry, failover and read
 decisions against real node processes: 503 memory_full with Retry-After from a cluster
 whose RAM cannot drain, 503 insufficient_replicas and lost connections from killed
-nodes, real 4xx answers, reads into the caller's memory, a wait that times out."""
+nodes, a wait that times out; and on in-process nodes, real 4xx answers, a GET that
+tries every node, reads into the caller's memory."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
 from storaged.wire import ByteRange, state_at_least
 from tests.client.helpers import client_for, client_sees_all_alive
-from tests.conftest import ClusterFactory
+from tests.conftest import TOKEN, ClusterFactory
+from tests.service.inproc import InprocFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -485,12 +487,16 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
             assert await client.missing_chunks([chunk_id_of(lost)]) == [chunk_id_of(lost)]
 
 
-async def test_client_errors_are_not_retried(cluster: LocalCluster) -> None:
+# In-process nodes (``tests/service/inproc.py``): the same server code, no processes.
+
+
+async def test_client_errors_are_not_retried(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     data = np.random.default_rng(23).bytes(5000)
     # shm=False: HTTP requests are counted (through shared memory the range and the wrong
     # id are refused the same way, with no HTTP request; test_shm.py covers that path).
-    async with client_for(cluster, shm=False) as client:
-        await all_alive(client, cluster)
+    async with Client(cluster.urls, token=TOKEN, shm=False) as client:
+        await client_sees_all_alive(client)
         cid = await client.put_chunk(data)
         await client.commit("once/1", one_chunk_manifest(cid, len(data)))
         client.stats.reset()
@@ -516,14 +522,15 @@ async def test_client_errors_are_not_retried(cluster: LocalCluster) -> None:
         assert await client.list("once/") != []
 
 
-async def test_get_tries_every_node_then_raises_not_found(cluster: LocalCluster) -> None:
+async def test_get_tries_every_node_then_raises_not_found(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     never = chunk_id_of(b"never stored anywhere")
     calls: list[tuple[str, str]] = []
-    async with traced_session(cluster.token, calls) as session:
-        client = client_for(cluster)
+    async with traced_session(TOKEN, calls) as session:
+        client = Client(cluster.urls, token=TOKEN)
         await client.open(session)
         try:
-            await all_alive(client, cluster)
+            await client_sees_all_alive(client)
             calls.clear()
             holder = Holder("n2", cluster.url(2), "memory")
             with pytest.raises(ChunkNotFound):
@@ -536,10 +543,11 @@ async def test_get_tries_every_node_then_raises_not_found(cluster: LocalCluster)
     assert all(url.endswith(f"/v1/chunks/{never}") for url in gets)
 
 
-async def test_direct_get_tries_every_node_then_raises_not_found(cluster: LocalCluster) -> None:
+async def test_direct_get_tries_every_node_then_raises_not_found(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     never = chunk_id_of(b"never stored anywhere, directly")
-    async with client_for(cluster) as client:
-        await all_alive(client, cluster)
+    async with Client(cluster.urls, token=TOKEN) as client:
+        await client_sees_all_alive(client)
         assert client.direct is not None
         client.direct.stats.by_addr.clear()
         holder = Holder("n2", cluster.url(2), "memory")
@@ -550,10 +558,11 @@ async def test_direct_get_tries_every_node_then_raises_not_found(cluster: LocalC
     assert client.stats.failovers == 0 and client.stats.retries == 0
 
 
-async def test_get_reads_into_the_callers_buffer(cluster: LocalCluster) -> None:
+async def test_get_reads_into_the_callers_buffer(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     data = np.random.default_rng(24).bytes(300_000)
-    async with client_for(cluster) as client:
-        await all_alive(client, cluster)
+    async with Client(cluster.urls, token=TOKEN) as client:
+        await client_sees_all_alive(client)
         cid = await client.put_chunk(data)
         out = bytearray(len(data) + 64)
         view = await client.get_chunk(cid, out)

@@ -1,9 +1,10 @@
 """Chunk GETs read straight into the caller's buffer (``storaged.client.direct``).
 
-Against real nodes: round trips into caller buffers, keep-alive reuse, a node killed
-mid-body. Against a tiny asyncio server on 127.0.0.1 that speaks bad HTTP on purpose:
-responses longer or shorter than announced, error mapping, Retry-After, a connection
-left half-read, the fallback to aiohttp for what the direct path does not read.
+Against real nodes: round trips into caller buffers and keep-alive reuse (in-process
+nodes, ``tests/service/inproc.py``), a node killed mid-body (node processes). Against a
+tiny asyncio server on 127.0.0.1 that speaks bad HTTP on purpose: responses longer or
+shorter than announced, error mapping, Retry-After, a connection left half-read, the
+fallback to aiohttp for what the direct path does not read.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from storaged.client.errors import (
     ProtocolError,
 )
 from storaged.client.retry import NO_RETRY, RetryPolicy
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from tests.client.helpers import client_for
-from tests.conftest import ClusterFactory
+from tests.conftest import TOKEN, ClusterFactory
+from tests.service.inproc import InprocFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,9 +43,12 @@ def pool(client: Client) -> DirectGets:
 # --------------------------------------------------------------------------- real nodes
 
 
-async def test_round_trips_into_the_callers_buffers(cluster: LocalCluster) -> None:
+async def test_round_trips_into_the_callers_buffers(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     data = np.random.default_rng(40).bytes(3_000_000)
-    async with client_for(cluster, shm=False) as client:  # the HTTP path is the subject
+    async with Client(
+        cluster.urls, token=TOKEN, shm=False
+    ) as client:  # the HTTP path is the subject
         cid = await client.put_chunk(data)
         direct = pool(client)
         before = direct.stats.requests
@@ -69,9 +73,12 @@ async def test_round_trips_into_the_callers_buffers(cluster: LocalCluster) -> No
         assert client.stats.failovers == 0
 
 
-async def test_keep_alive_connections_are_reused(cluster: LocalCluster) -> None:
+async def test_keep_alive_connections_are_reused(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     data = np.random.default_rng(41).bytes(200_000)
-    async with client_for(cluster, shm=False) as client:  # the HTTP path is the subject
+    async with Client(
+        cluster.urls, token=TOKEN, shm=False
+    ) as client:  # the HTTP path is the subject
         cid = await client.put_chunk(data)
         holder = client.placement(cid)[0]
         direct = pool(client)
@@ -91,9 +98,10 @@ async def test_keep_alive_connections_are_reused(cluster: LocalCluster) -> None:
         assert direct.stats.connections <= 4 and direct.stats.reused >= 8
 
 
-async def test_direct_reads_can_be_switched_off(cluster: LocalCluster) -> None:
+async def test_direct_reads_can_be_switched_off(inproc: InprocFactory) -> None:
+    cluster = await inproc.start(4)
     data = b"switched off" * 1000
-    async with client_for(cluster, direct_reads=False) as client:
+    async with Client(cluster.urls, token=TOKEN, direct_reads=False) as client:
         assert client.direct is None
         cid = await client.put_chunk(data)
         assert bytes(await client.get_chunk(cid, bytearray(len(data)))) == data
@@ -497,13 +505,14 @@ async def test_connection_close_is_honoured() -> None:
 
 def test_only_plain_http_nodes_are_read_directly() -> None:
     client = Client(["http://h0:7400", "https://h1:7401", "http://u@h2:7402", "http://h3/api/"])
-    client._base_headers = {"Accept": "application/msgpack"}
-    assert client._direct_target("http://h0:7400") == (
+    requests = client._requests
+    requests.base_headers = {"Accept": "application/msgpack"}
+    assert requests.direct_target("http://h0:7400") == (
         ("h0", 7400),
         "",
         "Host: h0:7400\r\nAccept: application/msgpack\r\n",
     )
-    assert client._direct_target("https://h1:7401") is None
-    assert client._direct_target("http://u@h2:7402") is None
-    target = client._direct_target("http://h3/api")
+    assert requests.direct_target("https://h1:7401") is None
+    assert requests.direct_target("http://u@h2:7402") is None
+    target = requests.direct_target("http://h3/api")
     assert target is not None and target[:2] == (("h3", 80), "/api")
