@@ -45,7 +45,7 @@ from loadtest.harness.report import RESULTS, markdown_table, ratio, write_json
 from tiers.archive import ArchiveTier, S3Options
 
 if TYPE_CHECKING:
-    from obstore.store import ObjectStore
+    from obstore.store import ObjectStore, S3Config
 
     from tests.s3server import SwiftS3Server
 
@@ -149,16 +149,23 @@ async def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             args.access_key, args.secret_key = server.access_key, server.secret_key
             doc["swift_start_s"] = round(server.start_seconds, 2)
         prefix = f"bench-{time.time_ns()}"
+        keys: S3Config = {}  # none given: from the environment, as the tier's
+        if args.access_key:
+            keys = {"access_key_id": args.access_key, "secret_access_key": args.secret_key}
         raw = S3Store(
             args.bucket,
             prefix=prefix,
+            config=keys,
             endpoint=args.endpoint,
             region=args.region,
-            access_key_id=args.access_key,
-            secret_access_key=args.secret_key,
             client_options={"allow_http": args.endpoint.startswith("http://")},
         )
-        options = S3Options(args.endpoint, args.region, args.access_key, args.secret_key)
+        options = S3Options(
+            endpoint=args.endpoint,
+            region=args.region,
+            access_key_id=args.access_key or None,  # None: from the environment
+            secret_access_key=args.secret_key or None,
+        )
         tier = await ArchiveTier.open(f"s3://{args.bucket}/{prefix}", 1 << 50, s3=options)
         doc["store"] = "swift s3api" if server else f"s3 {args.endpoint}"
     try:

@@ -164,11 +164,15 @@ async def test_a_put_of_an_object_another_writer_archived_uploads_nothing(
     second = await open_s3(swift, tmp_path)  # another node on the same prefix
     await first.put(key, value)
     assert second.usage().count == 0  # it listed before the put
-    before = await obstore.head_async(raw_store(swift, tmp_path), f"chunks/{key}")
+    # Marked so that an upload would show: same size, other bytes (a HEAD sees no difference)
+    marked = bytes(len(value))
+    raw = raw_store(swift, tmp_path)
+    await obstore.put_async(raw, f"chunks/{key}", marked)
     await second.put(key, value)
-    after = await obstore.head_async(raw_store(swift, tmp_path), f"chunks/{key}")
-    assert after["last_modified"] == before["last_modified"]  # not written again
+    assert bytes(await (await obstore.get_async(raw, f"chunks/{key}")).bytes_async()) == marked
     assert second.usage().count == 1 and second.usage().used == len(value)
+    with pytest.raises(CorruptChunk):  # and a read still never serves the wrong bytes
+        await second.get(key)
 
 
 async def test_a_put_that_does_not_match_its_id_stores_nothing(
