@@ -164,7 +164,9 @@ class ArchiveTier(Tier):
         self._capacity = capacity
         #: the directory of a ``file://`` archive (its writes are fsynced), else None
         self._root = root
+        #: what this tier knows is held (key -> size), and their sum: for ``usage``
         self._sizes: dict[str, int] = {}
+        self._used = 0
         self._reserved = 0
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._closed = False
@@ -192,7 +194,7 @@ class ArchiveTier(Tier):
                 for meta in batch:
                     key = meta["path"].removeprefix(CHUNKS)
                     if is_chunk_id(key):
-                        tier._sizes[key] = meta["size"]
+                        tier._held(key, meta["size"])
         return tier
 
     # --- chunks ---------------------------------------------------------------------
@@ -205,29 +207,29 @@ class ArchiveTier(Tier):
         if digest != key:
             raise CorruptChunk(key, f"BLAKE3 of the bytes is {digest}")
         async with self._key_lock(key):
-            if key in self._sizes:
-                return
+            # Asked of the store, not of what this tier knows: another writer may have
+            # deleted the object since (a put that trusted a stale "held" would lose it)
             try:
                 held = await self.stat(key)
             except ChunkNotFound:
                 pass
             else:
                 if held.size == view.nbytes:
-                    return  # another writer archived it: content-addressed, so the same bytes
+                    return  # held (content-addressed: the same bytes), by us or another writer
             await self._upload(key, view)
 
     async def _upload(self, key: str, view: memoryview) -> None:
         """Reserve room, PUT ``chunks/<key>`` (the store takes the buffer as it is), fsync
         it in a ``file://`` archive, count it."""
-        if self._used() + self._reserved + view.nbytes > self._capacity:
+        if self._used + self._reserved + view.nbytes > self._capacity:
             raise TierFull(
                 f"archive quota: {view.nbytes} bytes do not fit in {self._capacity} "
-                f"({self._used()} used, {self._reserved} being written)"
+                f"({self._used} used, {self._reserved} being written)"
             )
         self._reserved += view.nbytes
         try:
             await self._write(CHUNKS + key, view)
-            self._sizes[key] = view.nbytes
+            self._held(key, view.nbytes)
         finally:
             self._reserved -= view.nbytes
 
@@ -239,14 +241,14 @@ class ArchiveTier(Tier):
                 result = await obstore.get_async(self._store, CHUNKS + key)
                 body = memoryview(await result.bytes_async())
         except ChunkNotFound:
-            self._sizes.pop(key, None)  # another writer deleted it
+            self._gone(key)  # another writer deleted it
             raise
         digest = await _hash(body)
         if digest != key:
             await self._quarantine(CHUNKS + key)
-            self._sizes.pop(key, None)
+            self._gone(key)
             raise CorruptChunk(key, f"archived object's BLAKE3 is {digest}")
-        self._sizes[key] = body.nbytes
+        self._held(key, body.nbytes)
         if byte_range is None:
             return body
         start, end = byte_range.resolve(body.nbytes)
@@ -261,9 +263,9 @@ class ArchiveTier(Tier):
             async with self._mapped_errors(key):
                 meta = await obstore.head_async(self._store, CHUNKS + key)
         except ChunkNotFound:
-            self._sizes.pop(key, None)
+            self._gone(key)
             raise
-        self._sizes[key] = meta["size"]
+        self._held(key, meta["size"])
         return ChunkStat(key, meta["size"])
 
     async def delete(self, key: str) -> None:
@@ -271,7 +273,7 @@ class ArchiveTier(Tier):
         _check_chunk_id(key)
         async with self._key_lock(key):
             await self._delete_object(CHUNKS + key)
-            self._sizes.pop(key, None)
+            self._gone(key)
 
     async def keys(self) -> AsyncIterator[str]:
         """The chunk ids under ``chunks/`` now, as the store lists them."""
@@ -284,7 +286,7 @@ class ArchiveTier(Tier):
                         yield key
 
     def usage(self) -> TierUsage:
-        return TierUsage(used=self._used(), capacity=self._capacity, count=len(self._sizes))
+        return TierUsage(used=self._used, capacity=self._capacity, count=len(self._sizes))
 
     async def close(self) -> None:
         """Nothing to release (the library pools its connections per store); idempotent."""
@@ -410,8 +412,12 @@ class ArchiveTier(Tier):
             else:
                 self._locks[key] = (lock, users - 1)
 
-    def _used(self) -> int:
-        return sum(self._sizes.values())
+    def _held(self, key: str, size: int) -> None:
+        self._used += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def _gone(self, key: str) -> None:
+        self._used -= self._sizes.pop(key, 0)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -175,6 +175,18 @@ async def test_a_put_of_an_object_another_writer_archived_uploads_nothing(
         await second.get(key)
 
 
+async def test_a_put_after_another_writer_deleted_the_object_uploads_it_again(
+    swift: SwiftS3Server, s3_tier: ArchiveTier, tmp_path: Path, rng: random.Random
+) -> None:
+    key, value = chunk(rng, 100 * KiB)
+    await s3_tier.put(key, value)
+    raw = raw_store(swift, tmp_path)
+    await obstore.delete_async(raw, f"chunks/{key}")  # e.g. another node's garbage collection
+    await s3_tier.put(key, value)  # the tier thought it held: the store is asked
+    assert bytes(await (await obstore.get_async(raw, f"chunks/{key}")).bytes_async()) == value
+    assert s3_tier.usage().count == 1 and s3_tier.usage().used == len(value)
+
+
 async def test_a_put_that_does_not_match_its_id_stores_nothing(
     swift: SwiftS3Server, s3_tier: ArchiveTier, tmp_path: Path, rng: random.Random
 ) -> None:
