@@ -11,9 +11,10 @@ proxy's pipeline carries ``s3api`` and ``tempauth``: S3 requests signed with ver
 ``REGION``, path-style (``http://127.0.0.1:PORT/BUCKET/KEY``), by the access key
 ``test:tester`` (the account ``AUTH_test``) and its secret ``testing``.
 
-Swift stores object metadata in user xattrs: the data directory must be on a file system
-that has them (ext4, xfs and tmpfs here do; ``start`` checks and says so rather than
-failing on the first PUT).
+Swift stores object metadata in user xattrs: the objects go on a file system that has them
+(ext4 and xfs do, tmpfs only on recent kernels): under ``root`` if it does, else in
+``/var/tmp`` or the home directory; none: ``start_blocking`` says so rather than the first
+PUT failing.
 
 The servers are plain child processes, not tied to an event loop, like ``tests/etcd.py``:
 ``start_blocking`` waits until a bucket can be made through the S3 path's own account,
@@ -29,6 +30,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -206,6 +208,9 @@ class SwiftS3Server:
     #: seconds ``start_blocking`` took (rings, processes, until the bucket was made)
     start_seconds: float = 0.0
 
+    #: the objects' directory when the file system of ``root`` has no user xattrs
+    _outside: Path | None = None
+
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     region: str = REGION
@@ -223,11 +228,9 @@ class SwiftS3Server:
         if why is not None:
             raise RuntimeError(why)
         began = time.monotonic()
-        devices = self.root / "srv"
-        (devices / "d1").mkdir(parents=True, exist_ok=True)
         self.etc.mkdir(parents=True, exist_ok=True)
-        if not has_user_xattrs(devices):
-            raise RuntimeError(f"{devices}: the file system has no user xattrs, Swift needs them")
+        devices = self._devices_dir()
+        (devices / "d1").mkdir(parents=True, exist_ok=True)
         for attempt in range(3):
             base = free_port_block(len(SERVERS) + 1)
             self.ports = {name: base + i for i, name in enumerate(SERVERS)}
@@ -248,6 +251,20 @@ class SwiftS3Server:
                 if attempt == 2 or not died:
                     raise
         raise AssertionError("unreachable")
+
+    def _devices_dir(self) -> Path:
+        """Where the objects go: ``root/srv`` if its file system has user xattrs, else a
+        new directory in the first of ``/var/tmp`` and the home directory that has them
+        (removed by ``close_blocking``)."""
+        if has_user_xattrs(self.root):
+            return self.root / "srv"
+        for parent in (Path("/var/tmp"), Path.home()):
+            if parent.is_dir() and has_user_xattrs(parent):
+                self._outside = Path(tempfile.mkdtemp(prefix="storaged-swift-srv-", dir=parent))
+                return self._outside
+        raise RuntimeError(
+            f"no user xattrs on the file systems of {self.root}, /var/tmp or ~: Swift needs them"
+        )
 
     def _write_config(self, devices: Path) -> None:
         (self.etc / "swift.conf").write_text(
@@ -380,3 +397,6 @@ class SwiftS3Server:
     def close_blocking(self) -> None:
         for name in reversed(list(self.processes)):
             self.kill(name)
+        if self._outside is not None:
+            shutil.rmtree(self._outside, ignore_errors=True)
+            self._outside = None
