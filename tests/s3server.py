@@ -68,10 +68,11 @@ use = egg:swift#{server}
 """
 
 #: s3api before tempauth (it turns an S3 signature into what tempauth checks), ``cache``
-#: before both (tempauth keeps tokens in memcached), ``slo`` for multipart uploads
+#: before both (tempauth keeps tokens in memcached), ``slo`` for multipart uploads,
+#: ``container-quotas`` for a full bucket (``make_bucket(quota_bytes=...)``)
 PIPELINE = (
     "catch_errors gatekeeper healthcheck proxy-logging cache listing_formats s3api tempauth "
-    "copy slo dlo proxy-logging proxy-server"
+    "copy container-quotas slo dlo proxy-logging proxy-server"
 )
 
 _PROXY_CONF = """\
@@ -122,6 +123,9 @@ use = egg:swift#copy
 
 [filter:slo]
 use = egg:swift#slo
+
+[filter:container-quotas]
+use = egg:swift#container_quotas
 
 [filter:dlo]
 use = egg:swift#dlo
@@ -353,10 +357,11 @@ class SwiftS3Server:
                 raise AssertionError(f"swift not serving within {timeout}s: see {self.root}")
             time.sleep(0.1)
 
-    def make_bucket(self, bucket: str) -> None:
+    def make_bucket(self, bucket: str, quota_bytes: int | None = None) -> None:
         """Create ``bucket`` (a container of the S3 user's account), through Swift's own
         API: S3's CreateBucket would need a signed request, and the library under test
-        does not make buckets."""
+        does not make buckets. A PUT that would take it past ``quota_bytes`` is refused
+        (S3's ``EntityTooLarge``)."""
         account, user = self.access_key.split(":", 1)
         auth = urllib.request.Request(
             f"{self.endpoint}/auth/v1.0",
@@ -365,10 +370,11 @@ class SwiftS3Server:
         with urllib.request.urlopen(auth, timeout=5) as resp:
             token, storage_url = resp.headers["X-Auth-Token"], resp.headers["X-Storage-Url"]
         assert storage_url.endswith(f"/AUTH_{account}"), (storage_url, user)
+        headers = {"X-Auth-Token": token}
+        if quota_bytes is not None:
+            headers["X-Container-Meta-Quota-Bytes"] = str(quota_bytes)
         put = urllib.request.Request(
-            f"{self.endpoint}/v1/AUTH_{account}/{bucket}",
-            method="PUT",
-            headers={"X-Auth-Token": token},
+            f"{self.endpoint}/v1/AUTH_{account}/{bucket}", method="PUT", headers=headers
         )
         with urllib.request.urlopen(put, timeout=5) as resp:
             if resp.status not in (201, 202):

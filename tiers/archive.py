@@ -29,7 +29,8 @@ other manifest names: which those are is the caller's to know).
 ``usage()`` counts what this tier listed at open and what it has put, seen or deleted
 since: other writers to the same prefix show at the next ``open`` or ``stat``. ``capacity``
 is a quota the operator sets (an object store has no size of its own): a put past it
-raises ``TierFull``.
+raises ``TierFull``, as does one the store refuses for want of room (a bucket quota, a full
+disk; the library has no kind for it: told by the store's words, ``_FULL``).
 
 Every call is bounded: ``ArchiveTimeouts`` gives each request a deadline and the retries a
 window; a server that does not answer raises ``ArchiveUnavailable`` after about
@@ -101,6 +102,11 @@ _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 MANIFEST_NAME_RE = re.compile(rf"^{_SEGMENT}(/{_SEGMENT}){{0,3}}$")
 #: the library reports a refused listing as a generic error, the status only in its text
 _REFUSED = re.compile(r"status code: (401|403)\b")
+#: a store with no room, as each says it (the library has no kind for it): Swift's bucket
+#: quota through s3api (tested), Ceph RGW's quota, MinIO's full disks, ENOSPC of file://
+_FULL = re.compile(
+    r"EntityTooLarge|QuotaExceeded|XMinioStorageFull|status code: 507\b|os error 28\b"
+)
 
 
 class ArchiveUnavailable(TierError):
@@ -382,19 +388,21 @@ class ArchiveTier(Tier):
 
     @asynccontextmanager
     async def _mapped_errors(self, key: str) -> AsyncIterator[None]:
-        """The store's errors as the tier's: missing -> ChunkNotFound(key), refused ->
-        ArchiveDenied, anything else (timeouts, connections, server errors) ->
-        ArchiveUnavailable; each says which store."""
+        """The store's errors as the tier's: missing -> ChunkNotFound(key), no room ->
+        TierFull, refused -> ArchiveDenied, anything else (timeouts, connections, server
+        errors) -> ArchiveUnavailable; each says which store."""
         try:
             yield
         except (FileNotFoundError, NotFoundError):
             raise ChunkNotFound(key) from None
-        except (PermissionDeniedError, UnauthenticatedError) as exc:
-            raise ArchiveDenied(f"{self._url}: refused: {_first_line(exc)}") from exc
         except (BaseError, OSError) as exc:
-            if _REFUSED.search(str(exc)):
-                raise ArchiveDenied(f"{self._url}: refused: {_first_line(exc)}") from exc
-            raise ArchiveUnavailable(f"{self._url}: {_first_line(exc)}") from exc
+            text, first = str(exc), _first_line(exc)
+            if _FULL.search(text):
+                raise TierFull(f"{self._url}: no room: {first}") from exc
+            refused = isinstance(exc, PermissionDeniedError | UnauthenticatedError)
+            if refused or _REFUSED.search(text):
+                raise ArchiveDenied(f"{self._url}: refused: {first}") from exc
+            raise ArchiveUnavailable(f"{self._url}: {first}") from exc
 
     @asynccontextmanager
     async def _key_lock(self, key: str) -> AsyncIterator[None]:

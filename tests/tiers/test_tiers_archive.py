@@ -31,7 +31,7 @@ from tiers.archive import (
     ManifestNotFound,
     S3Options,
 )
-from tiers.base import ByteRange, ChunkNotFound, CorruptChunk, InvalidKey, Tier
+from tiers.base import ByteRange, ChunkNotFound, CorruptChunk, InvalidKey, Tier, TierFull
 
 #: generous for a loaded 2-core machine, short enough that a hung server fails a test
 TIMEOUTS = ArchiveTimeouts(connect=2.0, request=20.0, retries=1, retry_window=10.0)
@@ -322,6 +322,27 @@ async def test_refused_credentials_fail_the_open_with_archive_denied(
         await ArchiveTier.open(s3_url(swift, tmp_path), 1 << 30, s3=options, timeouts=TIMEOUTS)
     assert time.monotonic() - began < 15  # refused, not retried until the window closes
     assert "refused" in str(info.value)
+
+
+async def test_a_full_bucket_is_tier_full_and_nothing_is_counted(
+    swift: SwiftS3Server, tmp_path: Path, rng: random.Random
+) -> None:
+    # The quota refuses a PUT larger than the room left; the room is from the container's
+    # cached size, a few seconds late, so the test is a value bigger than the whole quota
+    bucket = f"quota-{prefix_of(tmp_path)}"
+    await asyncio.to_thread(swift.make_bucket, bucket, 150 * KiB)
+    tier = await ArchiveTier.open(
+        f"s3://{bucket}", 1 << 30, s3=s3_options(swift), timeouts=TIMEOUTS
+    )  # its own capacity is far away: the store is what is full
+    key, value = chunk(rng, 200 * KiB)
+    with pytest.raises(TierFull) as info:
+        await tier.put(key, value)
+    assert "no room" in str(info.value)
+    assert not await tier.exists(key)
+    assert tier.usage().count == 0 and tier.usage().used == 0
+    small_key, small = chunk(rng, 100 * KiB)
+    await tier.put(small_key, small)  # what fits is stored
+    assert bytes(await tier.get(small_key)) == small
 
 
 def test_urls_of_other_kinds_are_refused(tmp_path: Path) -> None:
