@@ -28,3 +28,19 @@ ensure_etcd() {
     echo "$(basename "$0"): etcd is not installed (apt-get install etcd-server, as root)" >&2
   fi
 }
+
+# Debian's OpenStack Swift and memcached, the S3-compatible server the archive tier's tests
+# start (tests/s3server.py): installed when missing and we may (root, apt-get present);
+# otherwise say so and go on (those tests skip saying why).
+ensure_swift() {
+  if command -v swift-proxy-server >/dev/null 2>&1 && command -v memcached >/dev/null 2>&1; then
+    return 0
+  fi
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      swift swift-proxy swift-account swift-container swift-object python3-swift memcached) >&2 \
+      || echo "$(basename "$0"): could not install swift and memcached" >&2
+  else
+    echo "$(basename "$0"): swift is not installed (apt-get install swift swift-proxy swift-account swift-container swift-object memcached, as root)" >&2
+  fi
+}
