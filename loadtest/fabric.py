@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.harness import netns
-from loadtest.harness.checkpoint import Layout, StoragedSave, commit_entries
+from loadtest.harness.checkpoint import Layout, StoragedRestore, StoragedSave, commit_entries
 from loadtest.harness.cluster import (
     CpuMeter,
     MetricsSampler,
@@ -58,7 +58,6 @@ from loadtest.harness.machine import GB, GiB, MiB, git_commit, machine_info, rem
 from loadtest.harness.plots import figure
 from loadtest.harness.report import RESULTS, fmt, markdown_table, parse_levels
 from loadtest.harness.workers import WorkerPool, wall_seconds
-from loadtest.restore import StoragedRestore
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 
 #: port of the raw TCP measurement (namespaces are the run's own: nothing else listens)
