@@ -315,10 +315,12 @@ def run(opts: Options) -> dict[str, Any]:
         fabric.build()
         doc = _measure(fabric, opts, work)
     finally:
-        netns.enter(Path(f"/proc/self/fd/{home}"))  # out of the hub before it goes
-        os.close(home)
-        fabric.close()
-        remove_tree(work)
+        try:
+            netns.enter(Path(f"/proc/self/fd/{home}"))  # out of the hub before it goes
+        finally:
+            os.close(home)
+            fabric.close()
+            remove_tree(work)
     doc["swept_stale"] = swept
     return doc
 

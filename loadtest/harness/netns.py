@@ -31,7 +31,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,21 +88,6 @@ def enter(ns: str | Path) -> None:
             raise OSError(err, f"setns({path}): {os.strerror(err)}")
     finally:
         os.close(fd)
-
-
-@contextlib.contextmanager
-def entered(ns: str) -> Iterator[None]:
-    """The calling thread inside ``ns`` for the block, back in its own namespace after."""
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        enter(ns)
-        try:
-            yield
-        finally:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.setns(home, CLONE_NEWNET)
-    finally:
-        os.close(home)
 
 
 def owned(prefix: str = PREFIX) -> dict[str, int]:
