@@ -60,7 +60,9 @@ from loadtest.harness.baselines import (
     dcp_warm_up,
     raw_baselines,
 )
-from loadtest.harness.checkpoint import ROW_BYTES, Layout, save_checkpoint_with
+from loadtest.harness.checkpoint import ROW_BYTES, Layout, StoragedRestore, save_checkpoint_with
+from loadtest.harness.checkpoint import empty_box as _targets
+from loadtest.harness.checkpoint import verify_box as _verify
 from loadtest.harness.cluster import (
     ADMIN_TOKEN,
     HOST,
@@ -94,75 +96,13 @@ from loadtest.harness.machine import (
 )
 from loadtest.harness.plots import figure, finish_levels_axes, plot_baselines
 from loadtest.harness.report import by_concurrency, fmt, markdown_table, ratio, run_notes
-from loadtest.harness.trace import client_cpu, summarize_latencies, traced_runner
+from loadtest.harness.trace import client_cpu, summarize_latencies
 from loadtest.harness.workers import Prepared, WorkerPool, wall_seconds
-from storaged.client import Client, Shard, restore_checkpoint
+from storaged.client import Client
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.cluster import LocalCluster, default_erasure
 
 # -- jobs (one per restoring process) -------------------------------------------------------------
-
-
-def _targets(layout: Layout, rank: int, ranks: int) -> tuple[int, dict[str, np.ndarray[Any, Any]]]:
-    start, _ = layout.box(rank, ranks)
-    return start, layout.empty(rank, ranks)
-
-
-def _verify(layout: Layout, start: int, arrays: dict[str, np.ndarray[Any, Any]]) -> bool:
-    return all(layout.check(i, start, arrays[layout.key(i)]) for i in range(layout.keys))
-
-
-@dataclass(frozen=True)
-class StoragedRestore:
-    """``restore_checkpoint`` of rank ``rank`` of ``ranks``' box of every tensor."""
-
-    urls: tuple[str, ...]
-    token: str | None
-    name: str
-    layout: Layout
-    rank: int
-    ranks: int
-    client_concurrency: int = 8
-    loop: str = "uvloop"
-    verify: bool = True
-
-    def prepare(self) -> Prepared:
-        return _StoragedRestorer(self)
-
-
-class _StoragedRestorer:
-    def __init__(self, job: StoragedRestore) -> None:
-        self.job = job
-        self.start, self.arrays = _targets(job.layout, job.rank, job.ranks)
-        shape = job.layout.global_shape
-        self.targets = {k: Shard(a, shape, (self.start, 0)) for k, a in self.arrays.items()}
-        self.runner, self.client = traced_runner(
-            job.urls, job.token, job.client_concurrency, job.loop
-        )
-
-    def run(self) -> dict[str, Any]:
-        t0 = time.monotonic()
-        self.runner.run(restore_checkpoint(self.client, self.job.name, self.targets))
-        log, stats = self.client.log, self.client.stats
-        return {
-            "bytes": sum(a.nbytes for a in self.arrays.values()),
-            "ttfb": None if log.first_byte is None else log.first_byte - t0,
-            "latencies": list(log.get_latencies),
-            "tier_bytes": dict(log.tier_bytes),
-            "requests": stats.requests,
-            "retries": stats.retries,
-            "failovers": stats.failovers,
-        }
-
-    def check(self) -> dict[str, Any]:
-        return {"verified": _verify(self.job.layout, self.start, self.arrays)
-                if self.job.verify else None}  # fmt: skip
-
-    def close(self) -> None:
-        try:
-            self.runner.run(self.client.close())
-        finally:
-            self.runner.close()
 
 
 def serve_memory(layout: Layout, loop_name: str, control: Connection) -> None:

@@ -16,6 +16,8 @@ them imports a benchmark.
   the CPU seconds of this process, of the nodes and of the machine.
 - ``command``, ``report``, ``plots``, ``profile``: command line, results (JSON, markdown),
   plots (matplotlib optional), py-spy profiles.
+- ``netns``: network namespaces joined by capped links (root), and a cluster whose nodes
+  run in them (``fabric``).
 - ``response_node``: a node variant that answers chunk GETs the old way (``web.Response``),
   the baseline of ``nodesend``.
 """

@@ -6,6 +6,8 @@
   64 KiB block starts with a distinct stamp, so no two chunks of it are equal (no dedup).
 - ``StoragedSave`` (one rank's ``AsyncSaver`` save, a ``WorkerPool`` job),
   ``commit_entries`` and ``save_checkpoint_with`` (all ranks, then the commit).
+- ``StoragedRestore`` (one rank's ``restore_checkpoint``, a ``WorkerPool`` job) into
+  ``empty_box`` arrays, checked with ``verify_box``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from loadtest.harness.machine import GB
 from loadtest.harness.trace import traced_runner
 from loadtest.harness.workers import Prepared, WorkerPool, wall_seconds
-from storaged.client import AsyncSaver, Client, Shard, commit_checkpoint
+from storaged.client import AsyncSaver, Client, Shard, commit_checkpoint, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 
 ROW_BYTES = 64 << 10
@@ -258,3 +260,67 @@ def save_checkpoint_with(
         "ack_gbps": round(sum(r["bytes"] for r in results) / GB / seconds, 4),
         "commit_seconds": round(commit_s, 3),
     }
+
+
+def empty_box(layout: Layout, rank: int, ranks: int) -> tuple[int, dict[str, np.ndarray[Any, Any]]]:
+    """(first row, pre-faulted destination arrays) of ``rank``'s box of every tensor."""
+    start, _ = layout.box(rank, ranks)
+    return start, layout.empty(rank, ranks)
+
+
+def verify_box(layout: Layout, start: int, arrays: dict[str, np.ndarray[Any, Any]]) -> bool:
+    """Whether ``arrays`` hold every tensor's rows from ``start`` on."""
+    return all(layout.check(i, start, arrays[layout.key(i)]) for i in range(layout.keys))
+
+
+@dataclass(frozen=True)
+class StoragedRestore:
+    """``restore_checkpoint`` of rank ``rank`` of ``ranks``' box of every tensor."""
+
+    urls: tuple[str, ...]
+    token: str | None
+    name: str
+    layout: Layout
+    rank: int
+    ranks: int
+    client_concurrency: int = 8
+    loop: str = "uvloop"
+    verify: bool = True
+
+    def prepare(self) -> Prepared:
+        return _StoragedRestorer(self)
+
+
+class _StoragedRestorer:
+    def __init__(self, job: StoragedRestore) -> None:
+        self.job = job
+        self.start, self.arrays = empty_box(job.layout, job.rank, job.ranks)
+        shape = job.layout.global_shape
+        self.targets = {k: Shard(a, shape, (self.start, 0)) for k, a in self.arrays.items()}
+        self.runner, self.client = traced_runner(
+            job.urls, job.token, job.client_concurrency, job.loop
+        )
+
+    def run(self) -> dict[str, Any]:
+        t0 = time.monotonic()
+        self.runner.run(restore_checkpoint(self.client, self.job.name, self.targets))
+        log, stats = self.client.log, self.client.stats
+        return {
+            "bytes": sum(a.nbytes for a in self.arrays.values()),
+            "ttfb": None if log.first_byte is None else log.first_byte - t0,
+            "latencies": list(log.get_latencies),
+            "tier_bytes": dict(log.tier_bytes),
+            "requests": stats.requests,
+            "retries": stats.retries,
+            "failovers": stats.failovers,
+        }
+
+    def check(self) -> dict[str, Any]:
+        return {"verified": verify_box(self.job.layout, self.start, self.arrays)
+                if self.job.verify else None}  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            self.runner.run(self.client.close())
+        finally:
+            self.runner.close()

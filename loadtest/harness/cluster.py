@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,13 @@ def start_cluster(
     settings: Mapping[str, Any] | None = None,
     node_module: str = "storaged",
     die_with_parent: bool = False,
+    make: Callable[..., LocalCluster] = LocalCluster,
 ) -> LocalCluster:
     """A ``LocalCluster`` with token ``TOKEN`` under ``root``, healthy; stopped if start fails.
     ``node_module``: what the nodes run (``response_node.RESPONSE_NODE``: the old GET path).
     ``die_with_parent``: the nodes get SIGTERM when the thread that started them ends (call
-    from the main thread only), so a benchmark killed mid-run takes its nodes along."""
+    from the main thread only), so a benchmark killed mid-run takes its nodes along.
+    ``make``: the cluster class (or a partial of it), e.g. ``netns.NetnsCluster``."""
     merged: dict[str, Any] = {
         "max_chunk_size": max_chunk,
         "tiers": {"memory_capacity": memory, "nvme_capacity": "256GiB",
@@ -65,7 +67,7 @@ def start_cluster(
     }  # fmt: skip
     merged.update(settings or {})
     port = free_port_block(nodes * 2 + 1)
-    cluster = LocalCluster(
+    cluster = make(
         nodes=nodes,
         data=root,
         port=port,
