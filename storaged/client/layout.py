@@ -25,13 +25,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from storaged.ids import is_chunk_id
+from storaged.manifest_schema import FORMAT as FORMAT
+from storaged.manifest_schema import (
+    ItemFields,
+    SchemaError,
+    ShardFields,
+    check_item,
+    check_schema,
+    check_shard,
+)
 
 if TYPE_CHECKING:
     # Imported where used: ``storaged ls`` parses no manifest and starts without numpy.
     import numpy as np
 
-FORMAT: Final = 1
 #: dtype of an item holding one msgpack-encoded non-array value.
 MSGPACK_DTYPE: Final = "msgpack"
 #: dtype of a non-tensor value the DCP writer saved: ``torch.save``'s bytes of it
@@ -256,20 +263,6 @@ def pack_stream(lengths: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) ->
 # --------------------------------------------------------------------------- manifest
 
 
-def _int_list(value: Any, what: str) -> Shape:
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise InvalidManifest(f"{what} must be a list of non-negative integers, got {value!r}")
-    return tuple(value)
-
-
-def _nonneg_int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidManifest(f"{what} must be a non-negative integer, got {value!r}")
-    return value
-
-
 def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dtype[Any] | None:
     """The numpy dtype a saved dtype name stands for, None for a value (``VALUE_DTYPES``).
 
@@ -325,50 +318,19 @@ class Item:
 
     @classmethod
     def from_wire(cls, doc: Any) -> Item:
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest(f"item must be a map, got {type(doc).__name__}")
-        key, dtype = doc.get("key"), doc.get("dtype")
-        if not isinstance(key, str) or not key:
-            raise InvalidManifest(f"item key must be a non-empty string, got {key!r}")
-        if not isinstance(dtype, str) or not dtype:
-            raise InvalidManifest(f"{key}: dtype must be a non-empty string")
-        global_shape = _int_list(doc.get("global_shape"), f"{key}: global_shape")
-        offsets = _int_list(doc.get("offsets"), f"{key}: offsets")
-        shape = _int_list(doc.get("shape"), f"{key}: shape")
-        item = cls(
-            key,
-            dtype,
-            global_shape,
-            offsets,
-            shape,
-            _nonneg_int(doc.get("start"), f"{key}: start"),
-            _nonneg_int(doc.get("length"), f"{key}: length"),
-        )
-        item.check()
-        return item
-
-    def check(self) -> None:
-        """Internal consistency of one item; ``InvalidManifest`` when broken."""
-        if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
-            raise InvalidManifest(f"{self.key}: global_shape, offsets and shape differ in rank")
-        if not self.box.within(self.global_shape):
-            raise InvalidManifest(
-                f"{self.key}: box {list(self.offsets)}+{list(self.shape)} "
-                f"outside global shape {list(self.global_shape)}"
-            )
-        if self.dtype in VALUE_DTYPES:
-            if self.global_shape:
-                raise InvalidManifest(f"{self.key}: a {self.dtype} item has shape []")
-            return
+        """An ``items`` entry, checked on its own (the schema's ``check_item``)."""
         try:
-            dtype = numpy_dtype(self.dtype)
-        except DtypeMismatch:
-            return  # a dtype numpy lacks (e.g. bfloat16): the length cannot be checked here
-        assert dtype is not None
-        if self.length != self.box.size * dtype.itemsize:
-            raise InvalidManifest(
-                f"{self.key}: length {self.length} != {self.box.size} elements of {self.dtype}"
-            )
+            fields = check_item(doc, "item")
+        except SchemaError as exc:
+            raise InvalidManifest(str(exc)) from exc
+        return cls.from_fields(fields)
+
+    @classmethod
+    def from_fields(cls, f: ItemFields) -> Item:
+        """The item of checked fields; a value (``VALUE_DTYPES``) must have shape ``[]``."""
+        if f.dtype in VALUE_DTYPES and f.global_shape:
+            raise InvalidManifest(f"{f.key}: a {f.dtype} item has shape []")
+        return cls(f.key, f.dtype, f.global_shape, f.offsets, f.shape, f.start, f.length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,27 +361,16 @@ class ShardEntry:
 
     @classmethod
     def from_wire(cls, doc: Any) -> ShardEntry:
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest("shard must be a map")
-        rank = _nonneg_int(doc.get("rank"), "rank")
-        raw_chunks = doc.get("chunks")
-        raw_items = doc.get("items")
-        if not isinstance(raw_chunks, list | tuple) or not isinstance(raw_items, list | tuple):
-            raise InvalidManifest(f"rank {rank}: chunks and items must be lists")
-        chunks: list[tuple[str, int]] = []
-        for entry in raw_chunks:
-            if not isinstance(entry, list | tuple) or len(entry) != 2 or not is_chunk_id(entry[0]):
-                raise InvalidManifest(f"rank {rank}: chunk entry {entry!r} is not [id, size]")
-            chunks.append((entry[0], _nonneg_int(entry[1], f"rank {rank}: chunk size")))
-        shard = cls(rank, tuple(chunks), tuple(Item.from_wire(i) for i in raw_items))
-        size = shard.stream_size
-        for item in shard.items:
-            if item.end > size:
-                raise InvalidManifest(
-                    f"rank {rank}: {item.key} at [{item.start}, {item.end}) "
-                    f"outside its stream of {size} bytes"
-                )
-        return shard
+        """A ``shards`` entry, checked on its own (the schema's ``check_shard``)."""
+        try:
+            fields = check_shard(doc, "shard")
+        except SchemaError as exc:
+            raise InvalidManifest(str(exc)) from exc
+        return cls.from_fields(fields)
+
+    @classmethod
+    def from_fields(cls, f: ShardFields) -> ShardEntry:
+        return cls(f.rank, f.chunks, tuple(Item.from_fields(i) for i in f.items))
 
 
 def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None:
@@ -559,30 +510,20 @@ class Manifest:
 
     @classmethod
     def from_wire(cls, doc: Any, *, complete: bool = False) -> Manifest:
-        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong.
+        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong:
+        the schema (``storaged.manifest_schema``, the server's too), then per key one dtype
+        and global shape, and boxes that share no element.
 
         A key whose boxes leave part of its global shape unsaved is let through (restore
         refuses to read that part, ``RegionNotCovered``) unless ``complete``.
         """
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest("manifest must be a map")
-        if doc.get("format") != FORMAT:
-            raise InvalidManifest(f"unsupported manifest format {doc.get('format')!r}")
-        created = doc.get("created")
-        if not isinstance(created, int | float) or isinstance(created, bool):
-            raise InvalidManifest("created must be a number")
-        meta = doc.get("meta", {})
-        if not isinstance(meta, Mapping):
-            raise InvalidManifest("meta must be a map")
-        raw_shards = doc.get("shards")
-        if not isinstance(raw_shards, list | tuple):
-            raise InvalidManifest("shards must be a list")
-        shards = tuple(ShardEntry.from_wire(s) for s in raw_shards)
-        ranks = [s.rank for s in shards]
-        if len(set(ranks)) != len(ranks):
-            raise InvalidManifest(f"duplicate ranks in {ranks}")
+        try:
+            fields = check_schema(doc)
+        except SchemaError as exc:
+            raise InvalidManifest(str(exc)) from exc
+        shards = tuple(ShardEntry.from_fields(s) for s in fields.shards)
         _check_keys(shards, complete=complete)
-        return cls(float(created), meta, shards)
+        return cls(fields.created, fields.meta, shards)
 
 
 def _without_repeats(shards: Iterable[ShardEntry]) -> list[ShardEntry]:
