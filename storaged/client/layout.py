@@ -745,30 +745,68 @@ def plan_restore(
 
     Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch`` or ``RegionNotCovered``.
     """
-    chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
-    pieces: list[_Piece] = []
-    staged: list[StagedCopy] = []
-    values: list[ValueRead] = []
-    needed = 0
+    planner = _Planner(manifest, dtype_map, coalesce_gap, max_tile)
     for req_index, req in enumerate(requests):
         saved = manifest.items_of(req.key)
         first = saved[0][1]
         if first.dtype in VALUE_DTYPES or req.dtype is None:
-            if first.dtype not in VALUE_DTYPES:
-                raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
-            if req.dtype is not None:
-                raise DtypeMismatch(f"{req.key}: saved as a {first.dtype} value, not an array")
-            position, item = saved[0]
-            value_index = len(values)
-            values.append(ValueRead(req_index, item.length, first.dtype))
-            needed += item.length
-            shard = manifest.shards[position]
-            for chunk, start, end, at in _split_stream_range(
-                shard, chunk_offsets[position], item.start, item.end
-            ):
-                pieces.append(_Piece(chunk, start, end, "value", value_index, at))
-            continue
-        saved_dtype = numpy_dtype(first.dtype, dtype_map)
+            planner.value(req_index, req, saved)
+        else:
+            planner.array(req_index, req, saved)
+    fetches = _merge_pieces(planner.pieces, coalesce_gap)
+    staged = planner.staged
+    fetched = sum(f.length for f in fetches) + sum(f.length for s in staged for f in s.fetches)
+    return RestorePlan(
+        tuple(requests),
+        tuple(fetches),
+        tuple(staged),
+        tuple(planner.values),
+        planner.needed,
+        fetched,
+    )
+
+
+class _Planner:
+    """What ``plan_restore`` gathers, request by request: direct pieces (merged into
+    fetches at the end), staged tiles, value buffers, and the bytes the requests need."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        dtype_map: Mapping[str, Any] | None,
+        coalesce_gap: int,
+        max_tile: int,
+    ) -> None:
+        self.manifest = manifest
+        self.dtype_map = dtype_map
+        self.coalesce_gap = coalesce_gap
+        self.max_tile = max_tile
+        self.chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
+        self.pieces: list[_Piece] = []
+        self.staged: list[StagedCopy] = []
+        self.values: list[ValueRead] = []
+        self.needed = 0
+
+    def value(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
+        """A value (``VALUE_DTYPES``): its bytes go whole to a value buffer."""
+        first = saved[0][1]
+        if first.dtype not in VALUE_DTYPES:
+            raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
+        if req.dtype is not None:
+            raise DtypeMismatch(f"{req.key}: saved as a {first.dtype} value, not an array")
+        position, item = saved[0]
+        value_index = len(self.values)
+        self.values.append(ValueRead(req_index, item.length, first.dtype))
+        self.needed += item.length
+        for chunk, start, end, at in _split_stream_range(
+            self.manifest.shards[position], self.chunk_offsets[position], item.start, item.end
+        ):
+            self.pieces.append(_Piece(chunk, start, end, "value", value_index, at))
+
+    def array(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
+        """A box of an array: its intersection with each saved box of the key."""
+        first = saved[0][1]
+        saved_dtype = numpy_dtype(first.dtype, self.dtype_map)
         assert saved_dtype is not None
         if saved_dtype != req.dtype:
             raise DtypeMismatch(f"{req.key}: saved as {first.dtype}, destination is {req.dtype}")
@@ -781,7 +819,6 @@ def plan_restore(
             raise ShapeMismatch(f"{req.key}: requested {req.box} outside {req.global_shape}")
         itemsize = saved_dtype.itemsize
         covered = 0
-        target_box = _promote(req.box)
         for position, item in saved:
             if item.length != item.box.size * itemsize:
                 raise DtypeMismatch(
@@ -792,68 +829,69 @@ def plan_restore(
             if both is None:
                 continue
             covered += both.size
-            needed += both.size * itemsize
-            source_box = _promote(item.box)
-            both = _promote(both)
-            shard = manifest.shards[position]
-            offsets = chunk_offsets[position]
-            rel_src = both.relative_to(source_box)
-            rel_dst = both.relative_to(target_box)
-            k = run_dim(source_box.shape, both.shape)
-            run_elems = both.shape[k] * _volume(source_box.shape[k + 1 :])
-            run_bytes = run_elems * itemsize
-            src_runs = run_starts(source_box.shape, rel_src.offsets, both.shape, k)
-            direct = (
-                req.contiguous
-                and run_dim(target_box.shape, both.shape) <= k
-                and (len(src_runs) == 1 or run_bytes >= coalesce_gap)
-            )
-            if direct:
-                dst_runs = run_starts(target_box.shape, rel_dst.offsets, both.shape, k)
-                for src_run, dst_run in zip(src_runs.tolist(), dst_runs.tolist(), strict=True):
-                    begin = item.start + src_run * itemsize
-                    for chunk, start, end, at in _split_stream_range(
-                        shard, offsets, begin, begin + run_bytes
-                    ):
-                        pieces.append(
-                            _Piece(chunk, start, end, "target", req_index, dst_run * itemsize + at)
-                        )
-                continue
-            src_strides = tuple(s * itemsize for s in row_major_strides(source_box.shape))
-            for tile in _tiles(source_box.shape, rel_src.offsets, both.shape, itemsize, max_tile):
-                staged.append(
-                    _staged_tile(
-                        req_index,
-                        shard,
-                        offsets,
-                        item.start,
-                        source_box.shape,
-                        src_strides,
-                        tile,
-                        Box(
-                            tuple(
-                                t - s + d
-                                for t, s, d in zip(
-                                    tile.offsets, rel_src.offsets, rel_dst.offsets, strict=True
-                                )
-                            ),
-                            tile.shape,
-                        ),
-                        itemsize,
-                        coalesce_gap,
-                        len(staged),
-                    )
-                )
+            self.needed += both.size * itemsize
+            self._intersection(req_index, req, position, item, both, itemsize)
         if covered != req.box.size:
             raise RegionNotCovered(
                 f"{req.key}: the saved shards cover {covered} of the {req.box.size} elements "
                 f"of box offsets={list(req.box.offsets)} shape={list(req.box.shape)}"
             )
-    fetches = _merge_pieces(pieces, coalesce_gap)
-    fetched = sum(f.length for f in fetches) + sum(f.length for s in staged for f in s.fetches)
-    return RestorePlan(
-        tuple(requests), tuple(fetches), tuple(staged), tuple(values), needed, fetched
-    )
+
+    def _intersection(
+        self, req_index: int, req: Request, position: int, item: Item, both: Box, itemsize: int
+    ) -> None:
+        """Box ``both`` of a saved ``item``: straight into the target run by run when the
+        runs allow it, else through staging tiles."""
+        target_box = _promote(req.box)
+        source_box = _promote(item.box)
+        both = _promote(both)
+        shard = self.manifest.shards[position]
+        offsets = self.chunk_offsets[position]
+        rel_src = both.relative_to(source_box)
+        rel_dst = both.relative_to(target_box)
+        k = run_dim(source_box.shape, both.shape)
+        run_bytes = both.shape[k] * _volume(source_box.shape[k + 1 :]) * itemsize
+        src_runs = run_starts(source_box.shape, rel_src.offsets, both.shape, k)
+        direct = (
+            req.contiguous
+            and run_dim(target_box.shape, both.shape) <= k
+            and (len(src_runs) == 1 or run_bytes >= self.coalesce_gap)
+        )
+        if direct:
+            dst_runs = run_starts(target_box.shape, rel_dst.offsets, both.shape, k)
+            for src_run, dst_run in zip(src_runs.tolist(), dst_runs.tolist(), strict=True):
+                begin = item.start + src_run * itemsize
+                for chunk, start, end, at in _split_stream_range(
+                    shard, offsets, begin, begin + run_bytes
+                ):
+                    self.pieces.append(
+                        _Piece(chunk, start, end, "target", req_index, dst_run * itemsize + at)
+                    )
+            return
+        src_strides = tuple(s * itemsize for s in row_major_strides(source_box.shape))
+        for tile in _tiles(source_box.shape, rel_src.offsets, both.shape, itemsize, self.max_tile):
+            dest = Box(
+                tuple(
+                    t - s + d
+                    for t, s, d in zip(tile.offsets, rel_src.offsets, rel_dst.offsets, strict=True)
+                ),
+                tile.shape,
+            )
+            self.staged.append(
+                _staged_tile(
+                    req_index,
+                    shard,
+                    offsets,
+                    item.start,
+                    source_box.shape,
+                    src_strides,
+                    tile,
+                    dest,
+                    itemsize,
+                    self.coalesce_gap,
+                    len(self.staged),
+                )
+            )
 
 
 def _staged_tile(
