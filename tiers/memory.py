@@ -425,12 +425,7 @@ class MemoryTier(Tier):
             if digest != key:
                 self._recycle(buf)
                 raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
-        if self._closed or key in self._entries:
-            self._recycle(buf)
-            if key in self._local_copies:
-                self._held_from_now(key)
-            return
-        self._insert(key, buf, view.nbytes)
+        self._keep(key, buf, view.nbytes)
 
     async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
         self._check_open()
@@ -458,12 +453,18 @@ class MemoryTier(Tier):
         if not verified and copied != key:
             self._recycle(buf)
             raise CorruptChunk(key, f"BLAKE3 of the data is {copied}")
+        self._keep(key, buf, src.nbytes)
+
+    def _keep(self, key: str, buf: _Buffer, size: int) -> None:
+        """The end of a checked put: ``buf`` becomes the value of ``key``, or, when the tier
+        closed or ``key`` got a value meanwhile, goes back (a local copy of ``key`` is held
+        from now on: the put's bytes are the key's)."""
         if self._closed or key in self._entries:
             self._recycle(buf)
             if key in self._local_copies:
                 self._held_from_now(key)
             return
-        self._insert(key, buf, src.nbytes)
+        self._insert(key, buf, size)
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
         """A read-only view of the value (or a slice), valid for as long as the caller keeps
