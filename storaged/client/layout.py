@@ -286,16 +286,10 @@ def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dty
 
 
 @dataclass(frozen=True, slots=True)
-class Item:
-    """One item of a rank's stream (API.md ``items`` entry)."""
-
-    key: str
-    dtype: str
-    global_shape: Shape
-    offsets: Shape
-    shape: Shape
-    start: int
-    length: int
+class Item(ItemFields):
+    """One item of a rank's stream (API.md ``items`` entry): the schema's fields
+    (``key``, ``dtype``, ``global_shape``, ``offsets``, ``shape``, ``start``, ``length``)
+    with the geometry a restore is planned by."""
 
     @property
     def box(self) -> Box:
