@@ -221,7 +221,8 @@ class _Pool:
     (every buffer not free) plus the free buffers never exceed ``capacity``; room is made
     by trimming free buffers of other classes, then by ``evict`` (the tier's least
     recently used clean, unleased value; ``evictable``: the bytes it could free in all).
-    Waiters for room are woken by ``wake``."""
+    Waiters for room are woken by ``wake``. ``closed`` is the tier's: closed, it hands
+    out nothing and keeps nothing."""
 
     def __init__(
         self,
@@ -411,6 +412,77 @@ class _Pool:
         self.recycle(buf)
 
 
+def _check_key(key: str) -> None:
+    if not is_chunk_id(key):
+        raise InvalidKey(key)
+
+
+class _Index:
+    """The values held: each key's buffer and size, dirty ones in arrival order (the
+    drain's), clean ones least recently used first (eviction's), and the byte counts the
+    pool makes room by (``evictable``: clean values no lease holds). A buffer no lease
+    holds any more goes to ``recycle`` when its value leaves."""
+
+    def __init__(self, recycle: Callable[[_Buffer], None]) -> None:
+        self._recycle = recycle
+        self.entries: dict[str, _Entry] = {}
+        # Clean values, least recently used first; dirty ones in arrival order (drain order).
+        self.clean: OrderedDict[str, None] = OrderedDict()
+        self.dirty: dict[str, None] = {}
+        #: keys whose value is a local copy kept for reads only (``put_local_copy``)
+        self.local_copies: set[str] = set()
+        self.value_bytes = 0
+        self.dirty_bytes = 0
+        self.evictable = 0  # class bytes of clean, unleased entries
+
+    def lookup(self, key: str) -> _Entry:
+        entry = self.entries.get(key)
+        if entry is None:
+            _check_key(key)
+            raise ChunkNotFound(key)
+        return entry
+
+    def touch(self, key: str, entry: _Entry) -> None:
+        if not entry.dirty:
+            self.clean.move_to_end(key)
+
+    def insert(self, key: str, buf: _Buffer, size: int) -> None:
+        buf.stored = True
+        self.entries[key] = _Entry(buf, size, dirty=True)
+        self.dirty[key] = None
+        self.dirty_bytes += size
+        self.value_bytes += size
+
+    def make_held(self, key: str) -> None:
+        """A local copy becomes this tier's held value of ``key``: dirty (to be drained)."""
+        self.local_copies.discard(key)
+        entry = self.entries[key]
+        if not entry.dirty:
+            entry.dirty = True
+            del self.clean[key]
+            if entry.buf.leases == 0:
+                self.evictable -= entry.buf.nbytes
+            self.dirty[key] = None
+            self.dirty_bytes += entry.size
+
+    def remove(self, key: str) -> _Entry:
+        entry = self.entries.pop(key)
+        self.local_copies.discard(key)
+        buf = entry.buf
+        self.value_bytes -= entry.size
+        if entry.dirty:
+            del self.dirty[key]
+            self.dirty_bytes -= entry.size
+        else:
+            del self.clean[key]
+            if buf.leases == 0:
+                self.evictable -= buf.nbytes
+        buf.stored = False
+        if buf.leases == 0:
+            self._recycle(buf)
+        return entry
+
+
 class MemoryTier(Tier):
     """Chunks in RAM, bounded by ``capacity`` bytes; the node's buffer pool.
 
@@ -432,25 +504,16 @@ class MemoryTier(Tier):
             raise ValueError(f"negative capacity {capacity}")
         self._put_timeout = put_timeout
         self._on_evict = on_evict
-        self._entries: dict[str, _Entry] = {}
-        # Clean values, least recently used first; dirty ones in arrival order (drain order).
-        self._clean: OrderedDict[str, None] = OrderedDict()
-        self._dirty: dict[str, None] = {}
-        self._value_bytes = 0
-        self._dirty_bytes = 0
-        self._evictable = 0  # class bytes of clean, unleased entries
         self._allocated: dict[int, tuple[memoryview, _Buffer]] = {}
         self._leases = 0
         self._shared: dict[int, SharedSegment] = {}
-        #: keys whose value is a local copy kept for reads only (``put_local_copy``)
-        self._local_copies: set[str] = set()
-        self._closed = False
         self._pool = _Pool(
             capacity,
-            evictable=lambda: self._evictable,
+            evictable=lambda: self._index.evictable,
             evict=self._evict_one,
-            dirty_bytes=lambda: self._dirty_bytes,
+            dirty_bytes=lambda: self._index.dirty_bytes,
         )
+        self._index = _Index(self._pool.recycle)
 
     # --- the buffer pool -------------------------------------------------------------
 
@@ -463,7 +526,7 @@ class MemoryTier(Tier):
         takes it over, stored or not) or to ``release``. Its bytes are not zeroed when
         reused from the pool.
         """
-        self._check_open()
+        self._pool.check_open()
         nbytes = size_class(size)
         buf = await self._pool.acquire(nbytes, self._put_timeout if timeout is None else timeout)
         view = memoryview(buf.mem)[:size]
@@ -485,7 +548,7 @@ class MemoryTier(Tier):
     async def prefault(self, size: int, count: int) -> int:
         """Map ``count`` free buffers for values of ``size`` bytes ahead of need, as far as
         capacity allows without evicting. Returns how many were added."""
-        self._check_open()
+        self._pool.check_open()
         return await self._pool.prefault(size_class(size), count)
 
     def trim(self) -> int:
@@ -498,7 +561,7 @@ class MemoryTier(Tier):
         """A memfd for a value of ``size`` (> 0) bytes, its class size counted against
         capacity as an allocation is (same waiting, same ``TierFull``). The memfd's size
         is sealed at that class size: whoever holds it can write its bytes, not resize it."""
-        self._check_open()
+        self._pool.check_open()
         if size <= 0:
             raise ValueError("a shared segment holds at least one byte")
         nbytes = size_class(size)
@@ -510,7 +573,7 @@ class MemoryTier(Tier):
             if isinstance(exc, OSError):
                 raise TierFull(f"cannot create a {nbytes}-byte shared segment: {exc}") from exc
             raise
-        if self._closed:
+        if self._pool.closed:
             os.close(fd)
             raise TierError("memory tier is closed")
         seg = SharedSegment(fd, nbytes, size)
@@ -523,7 +586,7 @@ class MemoryTier(Tier):
         if self._shared.pop(id(seg), None) is not seg:
             return
         os.close(seg.fd)
-        if not self._closed:
+        if not self._pool.closed:
             self._pool.unreserve(seg.nbytes)
 
     async def seal_shared(self, seg: SharedSegment, length: int) -> memoryview:
@@ -532,7 +595,7 @@ class MemoryTier(Tier):
 
         Raises ``SealRefused`` (a writable mapping remains, the memfd is not the size
         leased, or a bad length): the lease is then still the caller's."""
-        self._check_open()
+        self._pool.check_open()
         if self._shared.get(id(seg)) is not seg:
             raise ValueError("not an outstanding shared segment of this tier")
         if not 0 < length <= seg.size:
@@ -549,7 +612,7 @@ class MemoryTier(Tier):
 
     def is_shared(self, key: str) -> bool:
         """Whether the value of ``key`` lives in a sealed shared segment."""
-        entry = self._entries.get(key)
+        entry = self._index.entries.get(key)
         return entry is not None and entry.buf.fd >= 0
 
     @contextlib.asynccontextmanager
@@ -557,7 +620,7 @@ class MemoryTier(Tier):
         """Like ``lease``, for a value in a shared segment: (its sealed memfd, its size),
         valid until the block ends (hand out a duplicate, never the fd itself). Raises
         ``ChunkNotFound`` when ``key`` is not held or not in a shared segment."""
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         if entry.buf.fd < 0:
             raise ChunkNotFound(key)
         async with self.lease(key) as view:
@@ -588,8 +651,8 @@ class MemoryTier(Tier):
         self, key: str, view: memoryview, buf: _Buffer, verified: bool
     ) -> None:
         try:
-            self._check_open()
-            self._check_key(key)
+            self._pool.check_open()
+            _check_key(key)
         except BaseException:
             self._pool.recycle(buf)
             raise
@@ -601,16 +664,16 @@ class MemoryTier(Tier):
         self._keep(key, buf, view.nbytes)
 
     async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
-        self._check_open()
-        self._check_key(key)
+        self._pool.check_open()
+        _check_key(key)
         src = memoryview(data).cast("B")
-        if key in self._entries:
+        if key in self._index.entries:
             if not verified:
                 digest = await _hash(src)
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
-            if key in self._local_copies:
-                self._held_from_now(key)
+            if key in self._index.local_copies:
+                self._index.make_held(key)
             return
         try:
             buf = await self._pool.acquire(size_class(src.nbytes), self._put_timeout)
@@ -632,21 +695,21 @@ class MemoryTier(Tier):
         """The end of a checked put: ``buf`` becomes the value of ``key``, or, when the tier
         closed or ``key`` got a value meanwhile, goes back (a local copy of ``key`` is held
         from now on: the put's bytes are the key's)."""
-        if self._closed or key in self._entries:
+        if self._pool.closed or key in self._index.entries:
             self._pool.recycle(buf)
-            if key in self._local_copies:
-                self._held_from_now(key)
+            if key in self._index.local_copies:
+                self._index.make_held(key)
             return
-        self._insert(key, buf, size)
+        self._index.insert(key, buf, size)
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
         """A read-only view of the value (or a slice), valid for as long as the caller keeps
         it, without a copy: see the module docstring ("detached" buffers)."""
-        self._check_open()
-        entry = self._lookup(key)
+        self._pool.check_open()
+        entry = self._index.lookup(key)
         start, end = (byte_range or ByteRange()).resolve(entry.size)
         entry.buf.detached = True
-        self._touch(key, entry)
+        self._index.touch(key, entry)
         return memoryview(entry.buf.mem)[start:end].toreadonly()
 
     @contextlib.asynccontextmanager
@@ -660,15 +723,15 @@ class MemoryTier(Tier):
         released when the block ends: keep no other view or buffer export of it after that.
         Raises ``ChunkNotFound``, ``InvalidRange``.
         """
-        self._check_open()
-        entry = self._lookup(key)
+        self._pool.check_open()
+        entry = self._index.lookup(key)
         start, end = (byte_range or ByteRange()).resolve(entry.size)
         buf = entry.buf
         if buf.leases == 0 and not entry.dirty:
-            self._evictable -= buf.nbytes
+            self._index.evictable -= buf.nbytes
         buf.leases += 1
         self._leases += 1
-        self._touch(key, entry)
+        self._index.touch(key, entry)
         view = memoryview(buf.mem)[start:end].toreadonly()
         try:
             yield view
@@ -678,27 +741,27 @@ class MemoryTier(Tier):
             buf.leases -= 1
             self._leases -= 1
             if buf.leases == 0:
-                if self._closed:
+                if self._pool.closed:
                     pass
                 elif not buf.stored:
                     self._pool.recycle(buf)
                 else:
-                    current = self._entries.get(key)
+                    current = self._index.entries.get(key)
                     if current is not None and current.buf is buf and not current.dirty:
-                        self._evictable += buf.nbytes
+                        self._index.evictable += buf.nbytes
                         self._pool.wake()
 
     def has(self, key: str) -> bool:
         """Whether ``key`` has a value here now, a local copy included (a value may be
         evicted right after, once clean)."""
-        return key in self._entries
+        return key in self._index.entries
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is held as a copy of its own: ``has``, and not a local copy."""
-        return key in self._entries and key not in self._local_copies
+        return key in self._index.entries and key not in self._index.local_copies
 
     def is_local_copy(self, key: str) -> bool:
-        return key in self._local_copies
+        return key in self._index.local_copies
 
     async def put_local_copy(self, key: str, view: memoryview) -> bool:
         """Keep ``view`` (an allocation of this tier, checked against ``key``: a sealed
@@ -713,46 +776,34 @@ class MemoryTier(Tier):
                 self._allocated[id(rec[0])] = rec
             raise TierError("put_local_copy takes a buffer from this tier's allocate")
         buf = rec[1]
-        if self._closed or key in self._entries:
+        if self._pool.closed or key in self._index.entries:
             self._pool.recycle(buf)
             return False
-        self._check_key(key)
-        self._insert(key, buf, view.nbytes)
-        self._local_copies.add(key)
+        _check_key(key)
+        self._index.insert(key, buf, view.nbytes)
+        self._index.local_copies.add(key)
         self.mark_clean(key)
         return True
 
-    def _held_from_now(self, key: str) -> None:
-        """A local copy becomes this tier's held value of ``key``: dirty (to be drained)."""
-        self._local_copies.discard(key)
-        entry = self._entries[key]
-        if not entry.dirty:
-            entry.dirty = True
-            del self._clean[key]
-            if entry.buf.leases == 0:
-                self._evictable -= entry.buf.nbytes
-            self._dirty[key] = None
-            self._dirty_bytes += entry.size
-
     async def stat(self, key: str) -> ChunkStat:
-        self._check_open()
-        return ChunkStat(key, self._lookup(key).size)
+        self._pool.check_open()
+        return ChunkStat(key, self._index.lookup(key).size)
 
     async def delete(self, key: str) -> None:
         """Remove ``key`` (dirty or not); idempotent. Leased bytes stay until the lease ends."""
-        self._check_open()
-        self._check_key(key)
-        if key in self._entries:
-            self._remove(key)
+        self._pool.check_open()
+        _check_key(key)
+        if key in self._index.entries:
+            self._index.remove(key)
             self._pool.wake()
 
     async def keys(self) -> AsyncIterator[str]:
-        for key in list(self._entries):
+        for key in list(self._index.entries):
             yield key
 
     def usage(self) -> TierUsage:
         return TierUsage(
-            used=self._pool.used, capacity=self._pool.capacity, count=len(self._entries)
+            used=self._pool.used, capacity=self._pool.capacity, count=len(self._index.entries)
         )
 
     def stats(self) -> MemoryStats:
@@ -761,11 +812,11 @@ class MemoryTier(Tier):
             used=self._pool.used,
             free_bytes=self._pool.free_bytes,
             free_buffers=self._pool.free_count,
-            count=len(self._entries),
-            value_bytes=self._value_bytes,
-            dirty_count=len(self._dirty),
-            dirty_bytes=self._dirty_bytes,
-            evictable_bytes=self._evictable,
+            count=len(self._index.entries),
+            value_bytes=self._index.value_bytes,
+            dirty_count=len(self._index.dirty),
+            dirty_bytes=self._index.dirty_bytes,
+            evictable_bytes=self._index.evictable,
             allocations=len(self._allocated),
             allocated_bytes=sum(buf.nbytes for _, buf in self._allocated.values()),
             leases=self._leases,
@@ -773,25 +824,26 @@ class MemoryTier(Tier):
 
     async def close(self) -> None:
         """Drop every value and buffer; waiters get ``TierError``. Idempotent."""
-        if self._closed:
+        if self._pool.closed:
             return
-        self._closed = self._pool.closed = True
+        self._pool.closed = True
         for seg in self._shared.values():
             os.close(seg.fd)
         self._shared.clear()
-        for buf in [e.buf for e in self._entries.values()] + [
+        for buf in [e.buf for e in self._index.entries.values()] + [
             b for _, b in self._allocated.values()
         ]:
             if buf.fd >= 0:
                 os.close(buf.fd)
                 buf.fd = -1
-        self._entries.clear()
-        self._local_copies.clear()
-        self._clean.clear()
-        self._dirty.clear()
+        self._index.entries.clear()
+        self._index.local_copies.clear()
+        self._index.clean.clear()
+        self._index.dirty.clear()
         self._allocated.clear()
         self._pool.trim()
-        self._pool.used = self._value_bytes = self._dirty_bytes = self._evictable = 0
+        self._pool.used = 0
+        self._index.value_bytes = self._index.dirty_bytes = self._index.evictable = 0
         self._pool.wake()
 
     # --- dirty and clean --------------------------------------------------------------
@@ -801,82 +853,38 @@ class MemoryTier(Tier):
 
         Returns False when ``key`` is not held (deleted meanwhile); idempotent.
         """
-        entry = self._entries.get(key)
+        entry = self._index.entries.get(key)
         if entry is None:
             return False
         if entry.dirty:
             entry.dirty = False
-            del self._dirty[key]
-            self._dirty_bytes -= entry.size
-            self._clean[key] = None
+            del self._index.dirty[key]
+            self._index.dirty_bytes -= entry.size
+            self._index.clean[key] = None
             if entry.buf.leases == 0:
-                self._evictable += entry.buf.nbytes
+                self._index.evictable += entry.buf.nbytes
             self._pool.wake()
         return True
 
     def is_dirty(self, key: str) -> bool:
         """Whether the value is only in RAM; raises ``ChunkNotFound``."""
-        return self._lookup(key).dirty
+        return self._index.lookup(key).dirty
 
     def dirty_keys(self) -> list[str]:
         """The dirty keys, oldest first (a snapshot)."""
-        return list(self._dirty)
+        return list(self._index.dirty)
 
     # --- internals --------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierError("memory tier is closed")
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not is_chunk_id(key):
-            raise InvalidKey(key)
-
-    def _lookup(self, key: str) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None:
-            self._check_key(key)
-            raise ChunkNotFound(key)
-        return entry
-
-    def _touch(self, key: str, entry: _Entry) -> None:
-        if not entry.dirty:
-            self._clean.move_to_end(key)
-
-    def _insert(self, key: str, buf: _Buffer, size: int) -> None:
-        buf.stored = True
-        self._entries[key] = _Entry(buf, size, dirty=True)
-        self._dirty[key] = None
-        self._dirty_bytes += size
-        self._value_bytes += size
-
     def _evict_one(self) -> bool:
         """Evict the least recently used clean, unleased value; False when there is none."""
-        for key in self._clean:
-            if self._entries[key].buf.leases == 0:
-                self._remove(key)
+        for key in self._index.clean:
+            if self._index.entries[key].buf.leases == 0:
+                self._index.remove(key)
                 if self._on_evict is not None:
                     self._on_evict(key)
                 return True
         return False
-
-    def _remove(self, key: str) -> _Entry:
-        entry = self._entries.pop(key)
-        self._local_copies.discard(key)
-        buf = entry.buf
-        self._value_bytes -= entry.size
-        if entry.dirty:
-            del self._dirty[key]
-            self._dirty_bytes -= entry.size
-        else:
-            del self._clean[key]
-            if buf.leases == 0:
-                self._evictable -= buf.nbytes
-        buf.stored = False
-        if buf.leases == 0:
-            self._pool.recycle(buf)
-        return entry
 
 
 async def _hash(view: memoryview) -> str:
