@@ -81,6 +81,12 @@ class ManifestFields:
     chunks: dict[str, int]
 
 
+def _a_map(doc: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise SchemaError(f"{where} must be a map")
+    return doc
+
+
 def check_int(value: object, what: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
         raise SchemaError(f"{what} must be an integer in [{minimum}, 2**62], got {value!r}")
@@ -117,8 +123,7 @@ def check_item(
 ) -> ItemFields:
     """One ``items`` entry; ``where`` names it in messages. With ``stream_len``, the
     item must lie inside its rank's stream of that many bytes."""
-    if not isinstance(doc, Mapping):
-        raise SchemaError(f"{where} must be a map")
+    doc = _a_map(doc, where)
     key, dtype = doc.get("key"), doc.get("dtype")
     if not isinstance(key, str) or not key:
         raise SchemaError(f"{where}.key must be a non-empty string")
@@ -163,8 +168,7 @@ def check_shard(
     seen: _Seen | None = None,
 ) -> ShardFields:
     """One ``shards`` entry; ``seen``, the shards before it in the document."""
-    if not isinstance(doc, Mapping):
-        raise SchemaError(f"{where} must be a map")
+    doc = _a_map(doc, where)
     rank = check_int(doc.get("rank"), f"{where}.rank")
     seen = _Seen() if seen is None else seen
     if rank in seen.ranks:

@@ -50,7 +50,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -175,33 +175,26 @@ class _KeyLock:
         self.users = 0
 
 
+@dataclass(slots=True)
 class _Files:
     """A tier's directory of value files: where a key's file lives (two levels of
     directories by its first hex digits), the durable write, the checked read, quarantine,
     and the scan that rebuilds the index at open. Runs in worker threads; what a key means
     and what makes a value valid are the tier's (``parse_key``, ``check_value``)."""
 
-    def __init__(
-        self,
-        root: str,
-        kind: int,
-        name: str,
-        parse_key: Callable[[str], tuple[bytes, int]],
-        check_value: Callable[[str, Sequence[memoryview]], None],
-    ) -> None:
-        self.root = root
-        self.kind = kind
-        self.name = name
-        self._parse_key = parse_key
-        self._check_value = check_value
-        #: second-level directories known to exist (made durably, or found at open)
-        self._dirs: set[str] = set()
-        #: leftover temp files the scan removed (crash evidence, for logs and tests)
-        self.removed_temp_files = 0
+    root: str
+    kind: int
+    name: str
+    parse_key: Callable[[str], tuple[bytes, int]]
+    check_value: Callable[[str, Sequence[memoryview]], None]
+    #: second-level directories known to exist (made durably, or found at open)
+    dirs: set[str] = field(default_factory=set)
+    #: leftover temp files the scan removed (crash evidence, for logs and tests)
+    removed_temp_files: int = 0
 
     def check_or_raise(self, key: str, parts: Sequence[memoryview]) -> None:
         try:
-            self._check_value(key, parts)
+            self.check_value(key, parts)
         except InvalidValue as exc:
             raise CorruptChunk(key, exc.reason) from None
 
@@ -235,7 +228,7 @@ class _Files:
             raise
 
     def _ensure_dirs(self, d1: str, d2: str) -> None:
-        if d2 in self._dirs:
+        if d2 in self.dirs:
             return
         for parent, child in ((self.root, d1), (d1, d2)):
             try:
@@ -243,7 +236,7 @@ class _Files:
             except FileExistsError:
                 continue
             fsync_dir(parent)  # the new directory entry must survive a crash too
-        self._dirs.add(d2)
+        self.dirs.add(d2)
 
     def read(self, key: str, path: str, out: memoryview | None) -> bytes | memoryview:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -270,7 +263,7 @@ class _Files:
                 raise _CorruptFile(st.st_ino, f"short read: {got} of {st.st_size} bytes")
             try:
                 self._check_header(key, head, length)
-                self._check_value(key, [memoryview(payload)])
+                self.check_value(key, [memoryview(payload)])
             except InvalidValue as exc:
                 raise _CorruptFile(st.st_ino, exc.reason) from None
             return payload
@@ -279,7 +272,7 @@ class _Files:
 
     def _check_header(self, key: str, head: bytes, length: int) -> None:
         header = parse_file_header(head)
-        digest, index = self._parse_key(key)
+        digest, index = self.parse_key(key)
         if header.kind != self.kind:
             raise InvalidValue(f"file of kind {header.kind} in a {self.name} tier")
         if header.digest != digest or header.index != index:
@@ -313,7 +306,7 @@ class _Files:
         """(key, path, payload size) of every value file; removes temp files on the way."""
         for first in _subdirs(self.root):
             for second in _subdirs(first.path):
-                self._dirs.add(second.path)
+                self.dirs.add(second.path)
                 for entry in os.scandir(second.path):
                     name = entry.name
                     if name.startswith(".") and name.endswith(TMP_SUFFIX):
@@ -330,7 +323,7 @@ class _Files:
 
     def _owns(self, name: str) -> bool:
         try:
-            self._parse_key(name)
+            self.parse_key(name)
         except ValueError:
             return False
         return True

@@ -118,19 +118,12 @@ class MissingChunks(Conflict):
 
     default_code = ErrorCode.MISSING_CHUNKS
 
-    def __init__(
-        self,
-        code: str | None = None,
-        message: str = "",
-        status: int | None = None,
-        body: Mapping[str, Any] | None = None,
-        *,
-        retry_after: float | None = None,
-        missing: Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, *args: Any, missing: Sequence[str] | None = None, **kwargs: Any) -> None:
+        """``StoragedError``'s arguments; ``missing`` goes into the body as the server's
+        document has it."""
+        super().__init__(*args, **kwargs)
         if missing is not None:
-            body = {**(body or {}), "missing": list(missing)}
-        super().__init__(code, message, status, body, retry_after=retry_after)
+            self.body = {**self.body, "missing": list(missing)}
         value = self.body.get("missing", [])
         #: Ids of the chunks the cluster does not hold, as the server listed them.
         self.missing: list[str] = [str(v) for v in value] if isinstance(value, list) else []

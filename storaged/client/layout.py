@@ -21,9 +21,9 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from storaged.manifest_schema import FORMAT as FORMAT
 from storaged.manifest_schema import (
@@ -55,6 +55,7 @@ DEFAULT_COALESCE_GAP: Final = 256 << 10
 DEFAULT_MAX_TILE: Final = 32 << 20
 
 Shape = tuple[int, ...]
+_Fields = TypeVar("_Fields")
 
 
 class LayoutError(ValueError):
@@ -263,6 +264,14 @@ def pack_stream(lengths: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) ->
 # --------------------------------------------------------------------------- manifest
 
 
+def _schema_checked(check: Callable[[Any, str], _Fields], doc: Any, where: str) -> _Fields:
+    """``check(doc, where)`` of the schema, its ``SchemaError`` an ``InvalidManifest``."""
+    try:
+        return check(doc, where)
+    except SchemaError as exc:
+        raise InvalidManifest(str(exc)) from exc
+
+
 def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dtype[Any] | None:
     """The numpy dtype a saved dtype name stands for, None for a value (``VALUE_DTYPES``).
 
@@ -313,11 +322,7 @@ class Item(ItemFields):
     @classmethod
     def from_wire(cls, doc: Any) -> Item:
         """An ``items`` entry, checked on its own (the schema's ``check_item``)."""
-        try:
-            fields = check_item(doc, "item")
-        except SchemaError as exc:
-            raise InvalidManifest(str(exc)) from exc
-        return cls.from_fields(fields)
+        return cls.from_fields(_schema_checked(check_item, doc, "item"))
 
     @classmethod
     def from_fields(cls, f: ItemFields) -> Item:
@@ -356,11 +361,7 @@ class ShardEntry:
     @classmethod
     def from_wire(cls, doc: Any) -> ShardEntry:
         """A ``shards`` entry, checked on its own (the schema's ``check_shard``)."""
-        try:
-            fields = check_shard(doc, "shard")
-        except SchemaError as exc:
-            raise InvalidManifest(str(exc)) from exc
-        return cls.from_fields(fields)
+        return cls.from_fields(_schema_checked(check_shard, doc, "shard"))
 
     @classmethod
     def from_fields(cls, f: ShardFields) -> ShardEntry:
@@ -511,10 +512,7 @@ class Manifest:
         A key whose boxes leave part of its global shape unsaved is let through (restore
         refuses to read that part, ``RegionNotCovered``) unless ``complete``.
         """
-        try:
-            fields = check_schema(doc)
-        except SchemaError as exc:
-            raise InvalidManifest(str(exc)) from exc
+        fields = _schema_checked(lambda d, _: check_schema(d), doc, "manifest")
         shards = tuple(ShardEntry.from_fields(s) for s in fields.shards)
         _check_keys(shards, complete=complete)
         return cls(fields.created, fields.meta, shards)
