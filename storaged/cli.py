@@ -15,7 +15,8 @@ from storaged import __version__
 from storaged.config import Config, ConfigError, config_field_names, load_config
 
 if TYPE_CHECKING:
-    from storaged.cluster import LocalEtcd
+    from storaged.cluster import LocalCluster, LocalEtcd
+    from storaged.cluster_file import ClusterFile
 
 
 def _state_dir() -> Path:
@@ -225,40 +226,19 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the cluster; 0 once its own nodes serve and a signal stopped them, else 1 or 2."""
-    import secrets
-    import shlex
-
     from storaged.cluster import ClusterError, LocalCluster, supervise
-    from storaged.cluster_file import ClusterFileError, UpFlags, plan
+    from storaged.cluster_file import ClusterFileError
 
     if args.insecure and args.token:
         print("storaged up: --insecure and --token exclude each other", file=sys.stderr)
         return EXIT_CONFIG
     data = (Path(args.data) if args.data else _state_dir()).absolute()
-    flags = UpFlags(
-        nodes=args.nodes,
-        port=args.port,
-        peer_port=args.peer_port,
-        memory=args.memory,
-        nvme=args.nvme,
-        cold=args.cold,
-        replication=args.replication,
-        coordinator=args.coordinator,
-        etcd_port=args.etcd_port,
-    )
     try:
-        file = plan(data / "cluster.toml", flags)
-        layout = file.layout
-        etcd = None
-        if layout.etcd_port is not None:
-            etcd = _local_etcd(data)
-            etcd.client_port, etcd.peer_port = layout.etcd_port, layout.etcd_port + 1
-    except ClusterFileError as exc:
+        file, etcd = _up_plan(args, data)
+    except (ClusterFileError, ClusterError) as exc:
         print(f"storaged up: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except ClusterError as exc:
-        print(f"storaged up: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+    layout = file.layout
     cluster = LocalCluster(
         nodes=layout.nodes,
         data=data,
@@ -273,24 +253,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     try:
         cluster.check_not_running()
-        auth = file.auth() if file.before is not None else None
-        has_token = auth is not None and ("token" in auth or "token_env" in auth)
-        if args.insecure and has_token and not args.replace_token:
-            raise ClusterError(
-                f"{file.path} has a client token; --insecure drops it only with --replace-token"
-            )
-        if not (args.insecure or args.token or has_token):
-            if auth is not None:
-                raise ClusterError(
-                    f"{file.path} has no client token: give one with --token, or run it "
-                    "without with --insecure"
-                )
-            cluster.token = secrets.token_urlsafe(24)
-        if not args.insecure:
-            # Draining a node, evicting a tier: the admin endpoints need their own token
-            # (a file that has one keeps it; keep_auth says which).
-            cluster.admin_token = secrets.token_urlsafe(24)
-        file.set_auth(cluster.keep_auth(file.auth()))
+        _up_auth(args, file, cluster)
         file.check(cluster.node_environ())
         if etcd is not None:
             _check_etcd_ports(etcd.client_port, file.path, given=args.etcd_port is not None)
@@ -314,7 +277,67 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.stop()
         print("storaged up: interrupted", file=sys.stderr)
         return 130
-    print(f"storaged: {layout.nodes} nodes up (cluster file {cluster.config_path})", flush=True)
+    _print_up(cluster, layout.nodes, etcd, restart=not args.no_restart)
+    return supervise(cluster, restart=not args.no_restart)
+
+
+def _up_plan(args: argparse.Namespace, data: Path) -> tuple[ClusterFile, LocalEtcd | None]:
+    """The cluster file ``up`` will run (the operator's, with the flags as overrides), and
+    the local etcd member it names; ``ClusterFileError`` or ``ClusterError`` if neither."""
+    from storaged.cluster_file import UpFlags, plan
+
+    flags = UpFlags(
+        nodes=args.nodes,
+        port=args.port,
+        peer_port=args.peer_port,
+        memory=args.memory,
+        nvme=args.nvme,
+        cold=args.cold,
+        replication=args.replication,
+        coordinator=args.coordinator,
+        etcd_port=args.etcd_port,
+    )
+    file = plan(data / "cluster.toml", flags)
+    etcd = None
+    if file.layout.etcd_port is not None:
+        etcd = _local_etcd(data)
+        etcd.client_port, etcd.peer_port = file.layout.etcd_port, file.layout.etcd_port + 1
+    return file, etcd
+
+
+def _up_auth(args: argparse.Namespace, file: ClusterFile, cluster: LocalCluster) -> None:
+    """The client and admin tokens ``up`` starts the nodes with, kept in the cluster file:
+    the file's unless a flag says otherwise; a new one where there is none and
+    ``--insecure`` was not given. ``ClusterError`` when the flags contradict the file."""
+    import secrets
+
+    from storaged.cluster import ClusterError
+
+    auth = file.auth() if file.before is not None else None
+    has_token = auth is not None and ("token" in auth or "token_env" in auth)
+    if args.insecure and has_token and not args.replace_token:
+        raise ClusterError(
+            f"{file.path} has a client token; --insecure drops it only with --replace-token"
+        )
+    if not (args.insecure or args.token or has_token):
+        if auth is not None:
+            raise ClusterError(
+                f"{file.path} has no client token: give one with --token, or run it "
+                "without with --insecure"
+            )
+        cluster.token = secrets.token_urlsafe(24)
+    if not args.insecure:
+        # Draining a node, evicting a tier: the admin endpoints need their own token
+        # (a file that has one keeps it; keep_auth says which).
+        cluster.admin_token = secrets.token_urlsafe(24)
+    file.set_auth(cluster.keep_auth(file.auth()))
+
+
+def _print_up(cluster: LocalCluster, nodes: int, etcd: LocalEtcd | None, *, restart: bool) -> None:
+    """What ``up`` says once its nodes serve: where they are and the exports to reach them."""
+    import shlex
+
+    print(f"storaged: {nodes} nodes up (cluster file {cluster.config_path})", flush=True)
     for i, url in enumerate(cluster.urls):
         print(f"  {cluster.node_id(i)}  {url}", flush=True)
     if etcd is not None:
@@ -327,9 +350,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if cluster.admin_token:
         exports += f" STORAGED_ADMIN_TOKEN={shlex.quote(cluster.admin_token)}"
     print(exports, flush=True)
-    restarts = "a node that exits is reported" + ("" if args.no_restart else " and restarted")
+    restarts = "a node that exits is reported" + (" and restarted" if restart else "")
     print(f"Ctrl-C stops them; {restarts}.", flush=True)
-    return supervise(cluster, restart=not args.no_restart)
 
 
 def _check_etcd_ports(port: int, path: Path, *, given: bool) -> None:

@@ -447,47 +447,7 @@ async def _run(
             f"cluster: {len(info.live)} live nodes, replication {info.replication}, "
             f"cold tier {erasure}"
         )
-        began = time.perf_counter()
-        model = await asyncio.to_thread(build_model, size, args.ranks)
-        arrays = await asyncio.to_thread(model.materialize)
-        figures.size = model.nbytes
-        _say(
-            f"built a synthetic checkpoint of {human_bytes(model.nbytes)} in "
-            f"{time.perf_counter() - began:.1f} s: {len(model.tensors)} large float32/bfloat16 "
-            f"tensors sharded unevenly over {args.ranks} ranks, plus small values"
-        )
-        name = f"demo/step-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        stats = client.stats
-
-        _say(f"\nsaving {name} with AsyncSaver")
-        saver = AsyncSaver(client)
-        try:
-            began = time.perf_counter()
-            handle = await saver.save(name, model.rank_states(arrays), meta={"step": 1000})
-            figures.stall = handle.stall_seconds
-            # The state may change now; the demo drops it (the check makes it again).
-            del arrays
-            _say(
-                f"  save() returned after {figures.stall:.2f} s: {human_bytes(handle.staged_bytes)}"
-                " copied to staging buffers (fresh memory on a first save, reused by later"
-                " ones); training would go on from here while the upload runs"
-            )
-            async with ByteProgress(
-                lambda: stats.bytes_uploaded + stats.bytes_skipped,
-                handle.staged_bytes,
-                "  upload",
-                enabled=args.progress,
-            ):
-                result = await handle.acked()
-            figures.ack = time.perf_counter() - began
-        finally:
-            await saver.aclose()
-            del saver  # frees the staging buffers
-        assert result.commit is not None
-        _say(
-            f"  acknowledged after {figures.ack:.2f} s: {result.commit.chunks} chunks in RAM on "
-            f"{info.replication} nodes each, manifest committed"
-        )
+        model, name, began = await _build_and_save(args, size, client, figures)
 
         _say("\nwaiting for the drain: memory -> nvme -> cold")
         seen = await watch_durability(client, name, "cold", args.timeout, _say, began=began)
@@ -502,31 +462,89 @@ async def _run(
         else:
             _say("\nno node is killed" + ("" if cluster is not None else " (not our cluster)"))
 
-        targets = model.restore_targets(args.restore_ranks)
-        _say(f"restoring onto {args.restore_ranks} ranks (saved by {args.ranks})")
-        stats.reset()
-        began = time.perf_counter()
-        async with ByteProgress(
-            lambda: stats.bytes_downloaded, model.nbytes, "  restore", enabled=args.progress
-        ):
-            returned = await run_all(
-                [
-                    restore_checkpoint(client, name, target, dtype_map=STORAGE_DTYPES)
-                    for target in targets
-                ]
-            )
-        figures.restore = time.perf_counter() - began
-        figures.restored_bytes = stats.bytes_downloaded
-        _say(
-            f"  restored in {figures.restore:.2f} s "
-            f"({human_bytes(stats.bytes_downloaded)} fetched, {stats.failovers} failovers)"
-        )
-
-        _say("checking every byte against the source")
-        figures.checked, figures.wrong = await asyncio.to_thread(model.verify, targets, returned[0])
+        await _restore_and_check(args, client, name, model, figures)
         if cluster is None and not args.keep:
             await client.delete(name)
     return figures
+
+
+async def _build_and_save(
+    args: argparse.Namespace, size: int, client: Client, figures: Figures
+) -> tuple[SyntheticModel, str, float]:
+    """Build the synthetic checkpoint and save it with ``AsyncSaver`` until acknowledged:
+    the model (its arrays dropped), the checkpoint's name and when the save began."""
+    replication = client.cluster.replication
+    began = time.perf_counter()
+    model = await asyncio.to_thread(build_model, size, args.ranks)
+    arrays = await asyncio.to_thread(model.materialize)
+    figures.size = model.nbytes
+    _say(
+        f"built a synthetic checkpoint of {human_bytes(model.nbytes)} in "
+        f"{time.perf_counter() - began:.1f} s: {len(model.tensors)} large float32/bfloat16 "
+        f"tensors sharded unevenly over {args.ranks} ranks, plus small values"
+    )
+    name = f"demo/step-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    stats = client.stats
+
+    _say(f"\nsaving {name} with AsyncSaver")
+    saver = AsyncSaver(client)
+    try:
+        began = time.perf_counter()
+        handle = await saver.save(name, model.rank_states(arrays), meta={"step": 1000})
+        figures.stall = handle.stall_seconds
+        # The state may change now; the demo drops it (the check makes it again).
+        del arrays
+        _say(
+            f"  save() returned after {figures.stall:.2f} s: {human_bytes(handle.staged_bytes)}"
+            " copied to staging buffers (fresh memory on a first save, reused by later"
+            " ones); training would go on from here while the upload runs"
+        )
+        async with ByteProgress(
+            lambda: stats.bytes_uploaded + stats.bytes_skipped,
+            handle.staged_bytes,
+            "  upload",
+            enabled=args.progress,
+        ):
+            result = await handle.acked()
+        figures.ack = time.perf_counter() - began
+    finally:
+        await saver.aclose()
+        del saver  # frees the staging buffers
+    assert result.commit is not None
+    _say(
+        f"  acknowledged after {figures.ack:.2f} s: {result.commit.chunks} chunks in RAM on "
+        f"{replication} nodes each, manifest committed"
+    )
+    return model, name, began
+
+
+async def _restore_and_check(
+    args: argparse.Namespace, client: Client, name: str, model: SyntheticModel, figures: Figures
+) -> None:
+    """Restore the checkpoint onto ``args.restore_ranks`` ranks and check every byte."""
+    stats = client.stats
+    targets = model.restore_targets(args.restore_ranks)
+    _say(f"restoring onto {args.restore_ranks} ranks (saved by {args.ranks})")
+    stats.reset()
+    began = time.perf_counter()
+    async with ByteProgress(
+        lambda: stats.bytes_downloaded, model.nbytes, "  restore", enabled=args.progress
+    ):
+        returned = await run_all(
+            [
+                restore_checkpoint(client, name, target, dtype_map=STORAGE_DTYPES)
+                for target in targets
+            ]
+        )
+    figures.restore = time.perf_counter() - began
+    figures.restored_bytes = stats.bytes_downloaded
+    _say(
+        f"  restored in {figures.restore:.2f} s "
+        f"({human_bytes(stats.bytes_downloaded)} fetched, {stats.failovers} failovers)"
+    )
+
+    _say("checking every byte against the source")
+    figures.checked, figures.wrong = await asyncio.to_thread(model.verify, targets, returned[0])
 
 
 def _report(f: Figures, args: argparse.Namespace) -> None:

@@ -2,56 +2,58 @@
 
 Domain code (the node, the manifest checks) raises a ``StoragedError`` subclass: a stable
 code (the strings of API.md), a message, extra fields, and for transient refusals a
-``retry_after``. Which HTTP status each kind gets is decided in one place, the server's
-error middleware. ``ApiError`` is for what only the HTTP layer knows (auth, routes,
-ranges, request framing).
+``retry_after``. The root is ``storaged.wire``'s, the one the client's exceptions share.
+Which HTTP status each kind gets is decided in one place, the server's error middleware.
+``ApiError`` is for what only the HTTP layer knows (auth, routes, ranges, request framing).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from storaged.wire import ErrorCode
 
-class StoragedError(Exception):
-    """A refusal with a stable ``code``; its class says what kind (bad input, conflict...)."""
-
-    def __init__(
-        self, code: str, message: str, *, retry_after: float | None = None, **extra: Any
-    ) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-        self.extra = extra
-
-    def body(self) -> dict[str, Any]:
-        return {"error": self.code, "message": self.message, **self.extra}
+# One root for server and client (``storaged.wire``): a refusal raised here carries its
+# ``code``, ``message``, ``retry_after`` and ``extra`` fields; re-exported from here.
+from storaged.wire import StoragedError as StoragedError
 
 
 class BadInput(StoragedError):
     """The request itself is wrong (a checksum mismatch, a bad manifest, a short body)."""
 
+    default_code = ErrorCode.BAD_REQUEST
+
 
 class NotFound(StoragedError):
     """What the request names does not exist."""
+
+    default_code = ErrorCode.NOT_FOUND
 
 
 class Conflict(StoragedError):
     """The request contradicts the stored state (a taken name, chunks not held)."""
 
+    default_code = ErrorCode.CONFLICT
+
 
 class TooLarge(StoragedError):
     """The request is over a configured bound."""
 
+    default_code = ErrorCode.TOO_LARGE
+
 
 class Unavailable(StoragedError):
     """Not now: too few nodes, full memory, stopping; retry after ``retry_after``."""
+
+    default_code = ErrorCode.UNAVAILABLE
 
 
 class InsufficientStorage(StoragedError):
     """A disk tier is full (``nvme_full``, ``cold_full``): what the request needs cannot be
     kept until space is freed or nodes are added. Not backpressure: waiting does not
     clear it, an operator does (docs/API.md E16)."""
+
+    default_code = ErrorCode.STORAGE_FULL
 
 
 class ApiError(Exception):

@@ -1,12 +1,13 @@
-"""Checkpoint manifests: the schema of API.md, checked strictly before anything is stored."""
+"""Checkpoint manifests: the schema of API.md (``storaged.manifest_schema``), checked
+strictly before anything is stored, with the server's limits and the per-key overlap check."""
 
 from __future__ import annotations
 
 import bisect
 import heapq
 import json
-import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,17 @@ import msgpack
 import numpy as np
 
 from storaged.errors import BadInput, TooLarge
-from storaged.ids import chunk_id_of, is_chunk_id
+from storaged.ids import chunk_id_of
 
-MANIFEST_FORMAT = 1
+# The schema is one for server and client (MAX_INT stays importable from here).
+from storaged.manifest_schema import MAX_INT as MAX_INT
+from storaged.manifest_schema import (
+    ManifestLimits,
+    SchemaError,
+    Shape,
+    ShardFields,
+    check_schema,
+)
 
 
 def bad_manifest(message: str) -> BadInput:
@@ -130,136 +139,45 @@ class CheckedManifest:
         return sum(self.chunks.values())
 
 
-#: no size, offset or extent in a manifest comes near this; the overlap check works in int64
-MAX_INT = 2**62
-
-
-def _int(value: object, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
-        raise bad_manifest(f"{what} must be an integer in [{minimum}, 2**62], got {value!r}")
-    return value
-
-
-def _int_list(value: object, what: str) -> list[int]:
-    if not isinstance(value, list) or len(value) > 64:
-        raise bad_manifest(f"{what} must be a list of at most 64 integers")
-    return [_int(v, f"{what}[{i}]") for i, v in enumerate(value)]
-
-
-def _item_size(dtype: str, shape: list[int]) -> int | None:
-    """Bytes an item of this numpy dtype and shape must span; None for non-numpy dtypes."""
-    try:
-        parsed = np.dtype(dtype)
-    except TypeError:
-        return None
-    if parsed.kind not in "biufc":
-        return None  # flexible or object kinds ("bytes", "str", ...) carry their own length
-    return math.prod(shape) * parsed.itemsize
-
-
 def check_manifest(
     doc: object, max_chunk_size: int, *, max_items_per_key: int = 16384
 ) -> CheckedManifest:
     """Validate a decoded manifest; raise BadInput(bad_manifest) saying what is wrong.
 
-    A key with more than ``max_items_per_key`` items is refused (bad_manifest) before its
-    boxes are compared."""
+    The schema (``storaged.manifest_schema``, the client's too) with the server's limits,
+    then per key: one dtype and global shape, and boxes that share no element. A key with
+    more than ``max_items_per_key`` items is refused (bad_manifest) before its boxes are
+    compared."""
     if not isinstance(doc, dict):
         raise bad_manifest("the manifest must be a map")
-    unknown = set(doc) - {"format", "created", "meta", "shards"}
-    if unknown:
-        raise bad_manifest(f"unknown manifest field(s): {sorted(unknown)}")
-    if doc.get("format") != MANIFEST_FORMAT:
-        raise bad_manifest(f"format must be {MANIFEST_FORMAT}, got {doc.get('format')!r}")
-    created = doc.get("created")
-    if (
-        isinstance(created, bool)
-        or not isinstance(created, int | float)
-        or not math.isfinite(created)
-        or created < 0
-    ):
-        raise bad_manifest("created must be a finite non-negative number (seconds since the epoch)")
-    if not isinstance(doc.get("meta", {}), dict):
-        raise bad_manifest("meta must be a map")
-    shards = doc.get("shards")
-    if not isinstance(shards, list) or not shards:
-        raise bad_manifest("shards must be a non-empty list")
-
-    chunks: dict[str, int] = {}
-    ranks: set[int] = set()
-    boxes: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
-    key_kind: dict[str, tuple[str, list[int]]] = {}
-    for s_index, shard in enumerate(shards):
-        where = f"shards[{s_index}]"
-        if not isinstance(shard, dict):
-            raise bad_manifest(f"{where} must be a map")
-        rank = _int(shard.get("rank"), f"{where}.rank")
-        if rank in ranks:
-            raise bad_manifest(f"rank {rank} appears twice")
-        ranks.add(rank)
-        stream = shard.get("chunks")
-        if not isinstance(stream, list):
-            raise bad_manifest(f"{where}.chunks must be a list of [id, size]")
-        stream_len = 0
-        for c_index, entry in enumerate(stream):
-            if not (isinstance(entry, list | tuple) and len(entry) == 2):
-                raise bad_manifest(f"{where}.chunks[{c_index}] must be [id, size]")
-            cid, size = entry
-            if not is_chunk_id(cid):
-                raise bad_manifest(f"{where}.chunks[{c_index}]: {cid!r} is not a chunk id")
-            size = _int(size, f"{where}.chunks[{c_index}] size")
-            if size > max_chunk_size:
-                raise bad_manifest(f"{where}.chunks[{c_index}]: size over the max chunk size")
-            if chunks.setdefault(cid, size) != size:
-                raise bad_manifest(f"chunk {cid} is listed with two different sizes")
-            stream_len += size
-        items = shard.get("items")
-        if not isinstance(items, list):
-            raise bad_manifest(f"{where}.items must be a list")
-        for i_index, item in enumerate(items):
-            iw = f"{where}.items[{i_index}]"
-            if not isinstance(item, dict):
-                raise bad_manifest(f"{iw} must be a map")
-            key, dtype = item.get("key"), item.get("dtype")
-            if not isinstance(key, str) or not key:
-                raise bad_manifest(f"{iw}.key must be a non-empty string")
-            if not isinstance(dtype, str) or not dtype:
-                raise bad_manifest(f"{iw}.dtype must be a non-empty string")
-            gshape = _int_list(item.get("global_shape"), f"{iw}.global_shape")
-            offsets = _int_list(item.get("offsets"), f"{iw}.offsets")
-            shape = _int_list(item.get("shape"), f"{iw}.shape")
-            if not len(gshape) == len(offsets) == len(shape):
-                raise bad_manifest(f"{iw}: global_shape, offsets and shape differ in rank")
-            for d, (g, o, s) in enumerate(zip(gshape, offsets, shape, strict=True)):
-                if o + s > g:
-                    raise bad_manifest(f"{iw}: dimension {d} spans {o}+{s} > global {g}")
-            start = _int(item.get("start"), f"{iw}.start")
-            length = _int(item.get("length"), f"{iw}.length")
-            if start + length > stream_len:
-                raise bad_manifest(
-                    f"{iw} ({key}): bytes [{start}, {start + length}) lie outside its rank's "
-                    f"stream of {stream_len} bytes"
-                )
-            expected = _item_size(dtype, shape)
-            if expected is not None and expected != length:
-                raise bad_manifest(
-                    f"{iw} ({key}): {dtype}{shape} needs {expected} bytes, not {length}"
-                )
-            kind = key_kind.setdefault(key, (dtype, gshape))
-            if kind != (dtype, gshape):
-                raise bad_manifest(f"key {key!r} is saved with two dtypes or global shapes")
-            boxes[key].append((offsets, shape))
-            if len(boxes[key]) > max_items_per_key:
-                raise bad_manifest(
-                    f"key {key!r} has over {max_items_per_key} items (max_items_per_key)"
-                )
-    for key, key_boxes in boxes.items():
+    try:
+        fields = check_schema(doc, ManifestLimits(max_chunk_size))
+    except SchemaError as exc:
+        raise bad_manifest(str(exc)) from exc
+    for key, key_boxes in _boxes_by_key(fields.shards, max_items_per_key).items():
         check_disjoint(key, key_boxes)
     try:
         encoded = msgpack.packb(doc, use_bin_type=True)
     except (ValueError, TypeError, OverflowError) as exc:  # e.g. meta nested too deeply
         raise bad_manifest(f"the manifest cannot be stored: {exc}") from exc
-    return CheckedManifest(doc, encoded, chunk_id_of(encoded), chunks)
+    return CheckedManifest(doc, encoded, chunk_id_of(encoded), fields.chunks)
+
+
+def _boxes_by_key(shards: Iterable[ShardFields], max_items_per_key: int) -> dict[str, list[Box]]:
+    """Each key's boxes, once every item of a key has its one dtype and global shape."""
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    kinds: dict[str, tuple[str, Shape]] = {}
+    for shard in shards:
+        for item in shard.items:
+            key, kind = item.key, (item.dtype, item.global_shape)
+            if kinds.setdefault(key, kind) != kind:
+                raise bad_manifest(f"key {key!r} is saved with two dtypes or global shapes")
+            boxes[key].append((list(item.offsets), list(item.shape)))
+            if len(boxes[key]) > max_items_per_key:
+                raise bad_manifest(
+                    f"key {key!r} has over {max_items_per_key} items (max_items_per_key)"
+                )
+    return boxes
 
 
 Box = tuple[list[int], list[int]]  # (offsets, shape)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +39,121 @@ class MembershipView:
     revision: int
 
 
+class DrainMarks(abc.ABC):
+    """Which members are draining (on their way out: decommission) and since when.
+
+    A mark is the operator's: it outlives the member's restarts. ``Membership.drains`` is
+    the membership's; the embedded one keeps the marks on each node and passes them on,
+    the etcd one keeps them in the member records.
+    """
+
+    #: whether ``mark`` reaches every node by itself (a coordinator does); when not, the
+    #: node that marks tells its live peers, and the marks travel in heartbeats (``known``)
+    shared = False
+
+    @abc.abstractmethod
+    def is_draining(self, node_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    def draining_since(self, node_id: str) -> float | None:
+        """When ``node_id`` was (last) marked draining, epoch seconds; None when it is not
+        draining (or its mark predates the time being kept)."""
+
+    @abc.abstractmethod
+    def draining(self) -> frozenset[str]:
+        """The members marked draining now."""
+
+    @abc.abstractmethod
+    async def mark(self, node_id: str, draining: bool = True) -> None:
+        """Mark ``node_id`` draining (or active again); KeyError for a stranger. Cluster-wide
+        when ``shared``; else in this node's view, for the caller to pass on."""
+
+    def known(self) -> dict[str, tuple[bool, float]]:
+        """The marks to pass on to peers (where not ``shared``): node id -> (draining, when
+        it was set)."""
+        return {}
+
+    async def merge(self, marks: dict[str, tuple[bool, float]]) -> bool:
+        """Take a peer's marks where newer than the ones known here; True if any changed."""
+        return False
+
+
+class LocalDrainMarks(DrainMarks):
+    """The embedded drain marks: each node keeps them (in ``path`` across restarts) and they
+    travel between nodes; the last set wins, by the clock of the node that set it."""
+
+    def __init__(self, members: Callable[[], Iterable[str]], path: Path | None = None) -> None:
+        self._members = members
+        #: where the marks are kept across restarts (None: in memory only)
+        self._path = path
+        self._saving = asyncio.Lock()
+        self._marks: dict[str, tuple[bool, float]] = {}
+
+    def is_draining(self, node_id: str) -> bool:
+        return self._marks.get(node_id, (False, 0.0))[0]
+
+    def draining_since(self, node_id: str) -> float | None:
+        on, at = self._marks.get(node_id, (False, 0.0))
+        return at if on and at else None
+
+    def draining(self) -> frozenset[str]:
+        return frozenset(n for n, (on, _) in self._marks.items() if on)
+
+    def known(self) -> dict[str, tuple[bool, float]]:
+        return dict(self._marks)
+
+    async def mark(self, node_id: str, draining: bool = True) -> None:
+        if node_id not in set(self._members()):
+            raise KeyError(node_id)
+        await self.merge({node_id: (draining, time.time())})
+
+    async def merge(self, marks: dict[str, tuple[bool, float]]) -> bool:
+        """Marks of strangers are ignored."""
+        known = self._marks
+        members = set(self._members())
+        changed = False
+        for node_id, (draining, stamp) in marks.items():
+            if node_id in members and stamp > known.get(node_id, (False, 0.0))[1]:
+                known[node_id] = (bool(draining), float(stamp))
+                changed = True
+        if changed:
+            await self._save()
+        return changed
+
+    async def load(self) -> None:
+        """Take the marks kept in ``path`` (at start)."""
+        if self._path is None:
+            return
+        try:
+            blob = await asyncio.to_thread(self._path.read_bytes)
+        except FileNotFoundError:
+            return
+        try:
+            doc = json.loads(blob)
+            marks = {str(n): (bool(on), float(at)) for n, (on, at) in doc["marks"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Written durably, so only a hand edit gets here: say so, start without marks.
+            log.error("ignoring unreadable drain marks in %s: %s", self._path, exc)
+            return
+        self._marks.update(marks)
+
+    async def _save(self) -> None:
+        if self._path is None:
+            return
+        # One save at a time, each of the marks as they are when it starts: two heartbeats'
+        # saves finishing out of order would otherwise leave the older marks on disk.
+        async with self._saving:
+            doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks.items()}}
+            blob = json.dumps(doc).encode()
+            await asyncio.to_thread(write_file_durably, self._path, blob)
+
+
 class Membership(abc.ABC):
-    """The node list and liveness; ``alive_ids`` is what placement uses."""
+    """The node list and liveness; ``alive_ids`` is what placement uses. Which members are
+    draining is ``drains``'s."""
 
     self_id: str
+    drains: DrainMarks
 
     @abc.abstractmethod
     def nodes(self) -> tuple[NodeSpec, ...]:
@@ -93,57 +204,9 @@ class Membership(abc.ABC):
         return MembershipView(
             nodes,
             frozenset(n.id for n in nodes if self.is_alive(n.id)),
-            frozenset(n for n, (on, _) in self._marks().items() if on),
+            self.drains.draining(),
             0,
         )
-
-    #: whether ``mark_draining`` reaches every node by itself (a coordinator does); when
-    #: not, the node that marks tells its live peers, and the marks travel in heartbeats
-    shares_marks = False
-
-    def is_draining(self, node_id: str) -> bool:
-        return self._marks().get(node_id, (False, 0.0))[0]
-
-    def draining_since(self, node_id: str) -> float | None:
-        """When ``node_id`` was (last) marked draining, epoch seconds; None when it is not
-        draining (or its mark predates the time being kept)."""
-        on, at = self._marks().get(node_id, (False, 0.0))
-        return at if on and at else None
-
-    def _marks(self) -> dict[str, tuple[bool, float]]:
-        # Created on first use, so that implementations need not call an __init__ here.
-        try:
-            return self._drain_marks
-        except AttributeError:
-            self._drain_marks: dict[str, tuple[bool, float]] = {}
-            return self._drain_marks
-
-    def drain_marks(self) -> dict[str, tuple[bool, float]]:
-        """Every drain mark this node knows: node id -> (draining, when it was set)."""
-        return dict(self._marks())
-
-    async def mark_draining(self, node_id: str, draining: bool = True) -> None:
-        """Mark ``node_id`` draining (or active again); KeyError for a stranger. Here, in
-        this node's view (see ``shares_marks``); a coordinator makes it cluster-wide."""
-        self.node(node_id)
-        await self.merge_drain_marks({node_id: (draining, time.time())})
-
-    async def merge_drain_marks(self, marks: dict[str, tuple[bool, float]]) -> bool:
-        """Take the marks newer than the ones known here (the last set wins, by the clock of
-        the node that set it); True if any changed. Marks of strangers are ignored."""
-        known = self._marks()
-        members = {n.id for n in self.nodes()}
-        changed = False
-        for node_id, (draining, stamp) in marks.items():
-            if node_id in members and stamp > known.get(node_id, (False, 0.0))[1]:
-                known[node_id] = (bool(draining), float(stamp))
-                changed = True
-        if changed:
-            await self._save_marks()
-        return changed
-
-    async def _save_marks(self) -> None:  # noqa: B027
-        """Persist the marks (where the implementation keeps them)."""
 
     @abc.abstractmethod
     async def leaving(self) -> None:
@@ -176,10 +239,8 @@ class StaticMembership(Membership):
         marks_path: Path | None = None,
     ) -> None:
         self.self_id = self_id
-        #: where the drain marks are kept across restarts (None: in memory only)
-        self._marks_path = marks_path
-        self._saving = asyncio.Lock()
         self._nodes = nodes
+        self.drains: LocalDrainMarks = LocalDrainMarks(self.all_ids, marks_path)
         self._ping = ping
         self._interval = interval
         self._down_after = down_after
@@ -220,33 +281,8 @@ class StaticMembership(Membership):
         return time.time() - (time.monotonic() - seen)
 
     async def start(self) -> None:
-        if self._marks_path is not None:
-            await self._load_marks(self._marks_path)
+        await self.drains.load()
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeats")
-
-    async def _load_marks(self, path: Path) -> None:
-        try:
-            blob = await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            return
-        try:
-            doc = json.loads(blob)
-            marks = {str(n): (bool(on), float(at)) for n, (on, at) in doc["marks"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            # Written durably, so only a hand edit gets here: say so, start without marks.
-            log.error("ignoring unreadable drain marks in %s: %s", path, exc)
-            return
-        self._marks().update(marks)
-
-    async def _save_marks(self) -> None:
-        if self._marks_path is None:
-            return
-        # One save at a time, each of the marks as they are when it starts: two heartbeats'
-        # saves finishing out of order would otherwise leave the older marks on disk.
-        async with self._saving:
-            doc = {"version": 1, "marks": {n: [on, at] for n, (on, at) in self._marks().items()}}
-            blob = json.dumps(doc).encode()
-            await asyncio.to_thread(write_file_durably, self._marks_path, blob)
 
     async def leaving(self) -> None:
         # Nothing to do here: from ``Node.shutdown`` on, this node answers pings with
@@ -284,7 +320,7 @@ class StaticMembership(Membership):
         marks = info.get("drain_marks")
         if isinstance(marks, dict):
             try:
-                await self.merge_drain_marks(
+                await self.drains.merge(
                     {str(n): (bool(m[0]), float(m[1])) for n, m in marks.items()}
                 )
             except (TypeError, ValueError, IndexError, OSError, TierFull) as exc:

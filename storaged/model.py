@@ -394,86 +394,8 @@ def project(nodes: int, a: Assumptions, r: Rates) -> dict[str, Phase]:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     a.check()
     r.check()
-    unique = a.model_bytes / nodes / GB  # GB of distinct state each node owns (placement)
-    held = unique * a.replicas  # GB of state each node holds, saves (if a writer), restores
-    nic = a.nic_gbps
-    cpu = float(a.cores)
-    disk_write = r.nvme_write_gbps * a.nvme_drives
-    disk_read = r.nvme_read_gbps * a.nvme_drives
-    remote_copies = a.replication - 1 if a.local_copy else a.replication
-    # RAM copies a node ends up holding: its own chunks (local copy) and its share of the
-    # remote copies that placement spreads over all nodes.
-    in_ram = held + remote_copies * unique if a.local_copy else a.replication * unique
-    h2d = a.gpus * a.pcie_gbps
-
-    stall = phase(
-        {
-            "memcpy": held / (a.gpus * r.memcpy_gbps),  # one staging thread per rank
-            "PCIe": held / h2d,
-        }
-    )
-    ack = phase(
-        {
-            # A writer sends every remote copy of its bytes; full duplex, so the receive
-            # side (remote_copies x unique) never exceeds it.
-            "NIC": remote_copies * held / nic,
-            "CPU": (
-                r.ack_node_cpu_s_per_gb / MEASURED_REPLICATION * in_ram
-                + r.ack_client_cpu_s_per_gb * held
-            )
-            / cpu,
-            # Past the memory tier's capacity the ack waits for the drain to free RAM.
-            "RAM": max(0.0, in_ram - a.memory_bytes / GB) / disk_write,
-        }
-    )
-    drain = phase({"disk": in_ram / disk_write})
-    fragments = unique * a.n / a.k  # GB of fragments a node's owned chunks become
-    encode = phase(
-        {
-            "CPU": unique / (r.encode_gbps * cpu),
-            "NIC": fragments * (a.n - 1) / a.n / nic,  # one fragment may stay local
-            "disk": fragments / disk_write,
-        }
-    )
-    cold_read = held * (a.n / a.k if a.hedged_cold_reads else 1.0)
-    restore_ram = phase(
-        {
-            "NIC": held / nic,
-            "CPU": held * r.restore_cpu_s_per_gb / cpu,
-            "PCIe": held / h2d,
-        }
-    )
-    restore_nvme = phase(
-        {
-            "NIC": held / nic,
-            "CPU": held * (r.restore_cpu_s_per_gb + 1 / r.hash_gbps) / cpu,
-            "disk": held / disk_read,
-            "PCIe": held / h2d,
-        }
-    )
-    restore_cold = phase(
-        {
-            "NIC": cold_read / nic,  # fan-in: k (or n) sources per chunk
-            "CPU": (held * r.restore_cpu_s_per_gb + held / r.decode_gbps) / cpu,
-            "disk": cold_read / disk_read,
-            "PCIe": held / h2d,
-        }
-    )
-    total = a.model_bytes / GB
-    fs_save = phase(
-        {
-            "FS": total / a.fs_gbps,  # one copy written, whatever the replicas
-            "FS metadata": nodes / a.replicas * a.files_per_node / a.fs_metadata_ops,
-            "NIC": held / nic,
-        }
-    )
-    fs_restore = phase(
-        {
-            "FS": total * a.replicas / a.fs_gbps,  # every replica reads its copy
-            "FS metadata": nodes * a.files_per_node / a.fs_metadata_ops,
-            "NIC": held / nic,
-        }
-    )
+    n = _PerNode.of(nodes, a, r)
+    stall, ack, drain, encode = _save_phases(n, a, r)
     return {
         "stall": stall,
         "ack": ack,
@@ -481,9 +403,128 @@ def project(nodes: int, a: Assumptions, r: Rates) -> dict[str, Phase]:
         "encode": encode,
         "durable_nvme": pipelined(ack, drain),
         "durable_cold": pipelined(ack, drain, encode),
-        "restore_ram": restore_ram,
-        "restore_nvme": restore_nvme,
-        "restore_cold": restore_cold,
-        "fs_save": fs_save,
-        "fs_restore": fs_restore,
+        **_restore_phases(n, a, r),
+        **_fs_phases(nodes, n, a),
+    }
+
+
+@dataclass(frozen=True)
+class _PerNode:
+    """What one node owns, holds and can move: GB of state and GB/s or cores."""
+
+    unique: float  # GB of distinct state each node owns (placement)
+    held: float  # GB of state each node holds, saves (if a writer), restores
+    in_ram: float  # GB of RAM copies a node ends up holding
+    remote_copies: int  # copies of a chunk on other nodes than its writer's
+    nic: float
+    cpu: float
+    disk_write: float
+    disk_read: float
+    h2d: float  # host to GPUs
+
+    @classmethod
+    def of(cls, nodes: int, a: Assumptions, r: Rates) -> _PerNode:
+        unique = a.model_bytes / nodes / GB
+        held = unique * a.replicas
+        remote_copies = a.replication - 1 if a.local_copy else a.replication
+        # RAM copies a node ends up holding: its own chunks (local copy) and its share of
+        # the remote copies that placement spreads over all nodes.
+        in_ram = held + remote_copies * unique if a.local_copy else a.replication * unique
+        return cls(
+            unique=unique,
+            held=held,
+            in_ram=in_ram,
+            remote_copies=remote_copies,
+            nic=a.nic_gbps,
+            cpu=float(a.cores),
+            disk_write=r.nvme_write_gbps * a.nvme_drives,
+            disk_read=r.nvme_read_gbps * a.nvme_drives,
+            h2d=a.gpus * a.pcie_gbps,
+        )
+
+
+def _save_phases(n: _PerNode, a: Assumptions, r: Rates) -> tuple[Phase, Phase, Phase, Phase]:
+    """The stall, the ack, the drain to nvme and the erasure coding into cold."""
+    held, nic, cpu = n.held, n.nic, n.cpu
+    stall = phase(
+        {
+            "memcpy": held / (a.gpus * r.memcpy_gbps),  # one staging thread per rank
+            "PCIe": held / n.h2d,
+        }
+    )
+    ack = phase(
+        {
+            # A writer sends every remote copy of its bytes; full duplex, so the receive
+            # side (remote_copies x unique) never exceeds it.
+            "NIC": n.remote_copies * held / nic,
+            "CPU": (
+                r.ack_node_cpu_s_per_gb / MEASURED_REPLICATION * n.in_ram
+                + r.ack_client_cpu_s_per_gb * held
+            )
+            / cpu,
+            # Past the memory tier's capacity the ack waits for the drain to free RAM.
+            "RAM": max(0.0, n.in_ram - a.memory_bytes / GB) / n.disk_write,
+        }
+    )
+    drain = phase({"disk": n.in_ram / n.disk_write})
+    fragments = n.unique * a.n / a.k  # GB of fragments a node's owned chunks become
+    encode = phase(
+        {
+            "CPU": n.unique / (r.encode_gbps * cpu),
+            "NIC": fragments * (a.n - 1) / a.n / nic,  # one fragment may stay local
+            "disk": fragments / n.disk_write,
+        }
+    )
+    return stall, ack, drain, encode
+
+
+def _restore_phases(n: _PerNode, a: Assumptions, r: Rates) -> dict[str, Phase]:
+    """A restore from each tier."""
+    held, nic, cpu = n.held, n.nic, n.cpu
+    cold_read = held * (a.n / a.k if a.hedged_cold_reads else 1.0)
+    return {
+        "restore_ram": phase(
+            {
+                "NIC": held / nic,
+                "CPU": held * r.restore_cpu_s_per_gb / cpu,
+                "PCIe": held / n.h2d,
+            }
+        ),
+        "restore_nvme": phase(
+            {
+                "NIC": held / nic,
+                "CPU": held * (r.restore_cpu_s_per_gb + 1 / r.hash_gbps) / cpu,
+                "disk": held / n.disk_read,
+                "PCIe": held / n.h2d,
+            }
+        ),
+        "restore_cold": phase(
+            {
+                "NIC": cold_read / nic,  # fan-in: k (or n) sources per chunk
+                "CPU": (held * r.restore_cpu_s_per_gb + held / r.decode_gbps) / cpu,
+                "disk": cold_read / n.disk_read,
+                "PCIe": held / n.h2d,
+            }
+        ),
+    }
+
+
+def _fs_phases(nodes: int, n: _PerNode, a: Assumptions) -> dict[str, Phase]:
+    """The same save and restore through a shared filesystem, for comparison."""
+    total = a.model_bytes / GB
+    return {
+        "fs_save": phase(
+            {
+                "FS": total / a.fs_gbps,  # one copy written, whatever the replicas
+                "FS metadata": nodes / a.replicas * a.files_per_node / a.fs_metadata_ops,
+                "NIC": n.held / n.nic,
+            }
+        ),
+        "fs_restore": phase(
+            {
+                "FS": total * a.replicas / a.fs_gbps,  # every replica reads its copy
+                "FS metadata": nodes * a.files_per_node / a.fs_metadata_ops,
+                "NIC": n.held / n.nic,
+            }
+        ),
     }

@@ -622,7 +622,7 @@ async def cluster(request: web.Request) -> web.Response:
                 entry[tier]["state"] = u.get("state", "ok")
         # As of the node's last heartbeat (its own figures for this node).
         entry["down_since"] = node.membership.down_since(spec.id)
-        entry["draining_since"] = node.membership.draining_since(spec.id)
+        entry["draining_since"] = node.membership.drains.draining_since(spec.id)
         entry["up_since"] = info.get("up_since")
         entry["drain_backlog"] = info.get("drain_backlog")
         entry["encode_backlog"] = info.get("encode_backlog")

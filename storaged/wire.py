@@ -1,6 +1,6 @@
 """The vocabulary server, client and peer protocol share: bytes, byte ranges, chunk and
-checkpoint states, and error codes (API.md). Chunk ids and checkpoint names are in
-``storaged.ids``.
+checkpoint states, error codes (API.md) and the root of every error that carries one.
+Chunk ids and checkpoint names are in ``storaged.ids``.
 
 A leaf: it imports nothing of the project, so the client can speak it without loading
 the server's tiers and a command line can offer its names without loading the client.
@@ -11,8 +11,9 @@ their own ``BytesLike`` and ``ByteRange`` (the same shapes) for that reason.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 #: What is accepted as bytes without a copy being made.
 BytesLike = bytes | bytearray | memoryview
@@ -138,3 +139,48 @@ class ErrorCode(enum.StrEnum):
     BAD_RESPONSE = "bad_response"
     NOT_STORAGED = "not_storaged"
     SERVER_ERROR = "server_error"
+
+
+class StoragedError(Exception):
+    """A refusal with a stable ``code`` (API.md): the root of the server's domain errors
+    (``storaged.errors``: their class says which HTTP status they get) and of the client's
+    exceptions (``storaged.client.errors``: their class follows the code received).
+
+    ``message`` is the human text; ``retry_after`` the seconds to wait before retrying a
+    transient refusal. On the server, ``extra`` holds the fields the refusal adds to its
+    error document (``missing``, ``full``...). On the client, ``status`` is the HTTP status
+    received (``None`` when no response was), ``body`` the decoded error document (empty
+    when there was none).
+    """
+
+    #: Code used when none is given (also the class's canonical code).
+    default_code: str = ErrorCode.ERROR
+
+    def __init__(
+        self,
+        code: str | None = None,
+        message: str = "",
+        status: int | None = None,
+        body: Mapping[str, Any] | None = None,
+        *,
+        retry_after: float | None = None,
+        **extra: Any,
+    ) -> None:
+        self.code = str(code or self.default_code)  # a plain str, as it always was
+        self.message = message or self.code
+        self.status = status
+        self.body: Mapping[str, Any] = body if body is not None else {}
+        #: Seconds the server asked us to wait before retrying (503 ``Retry-After``).
+        self.retry_after = retry_after
+        self.extra: dict[str, Any] = extra
+        #: True when an earlier attempt of the same call may have reached the server
+        #: before its answer was lost (so e.g. a 404 on DELETE may be our own doing).
+        self.replayed = False
+        #: When the answer was not one of storaged's documents (a web page, etcd's plain
+        #: text: another server at the URL), what it was; empty otherwise.
+        self.foreign = ""
+        super().__init__(self.code, self.message)
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status} " if self.status is not None else ""
+        return f"{where}{self.code}: {self.message}"

@@ -216,6 +216,273 @@ class MemoryStats:
     leases: int
 
 
+class _Pool:
+    """The buffer pool: pooled buffers by size class and the memory they count. ``used``
+    (every buffer not free) plus the free buffers never exceed ``capacity``; room is made
+    by trimming free buffers of other classes, then by ``evict`` (the tier's least
+    recently used clean, unleased value; ``evictable``: the bytes it could free in all).
+    Waiters for room are woken by ``wake``. ``closed`` is the tier's: closed, it hands
+    out nothing and keeps nothing."""
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        evictable: Callable[[], int],
+        evict: Callable[[], bool],
+        dirty_bytes: Callable[[], int],
+    ) -> None:
+        self.capacity = capacity
+        self._evictable = evictable
+        self._evict = evict
+        self._dirty_bytes = dirty_bytes
+        self.free: dict[int, list[_Buffer]] = {}
+        self.free_bytes = 0
+        self.free_count = 0
+        self.used = 0  # class bytes of every buffer not in the free lists
+        self.waiters: list[asyncio.Future[None]] = []
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise TierError("memory tier is closed")
+
+    def put_free(self, buf: _Buffer) -> None:
+        self.free.setdefault(buf.nbytes, []).append(buf)
+        self.free_bytes += buf.nbytes
+        self.free_count += 1
+
+    def trim(self) -> int:
+        """Unmap every free buffer; returns the bytes released."""
+        released = self.free_bytes
+        self.free.clear()
+        self.free_bytes = 0
+        self.free_count = 0
+        return released
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back ``nbytes`` counted as used for memory that never became a buffer."""
+        self.used -= nbytes
+        self.wake()
+
+    async def prefault(self, nbytes: int, count: int) -> int:
+        added = 0
+        while added < count and self.used + self.free_bytes + nbytes <= self.capacity:
+            self.used += nbytes  # held while it is being mapped
+            try:
+                mem = await asyncio.to_thread(_map_buffer, nbytes)
+            finally:
+                if not self.closed:
+                    self.used -= nbytes
+            if self.closed:
+                break
+            self.put_free(_Buffer(mem, nbytes))
+            self.wake()
+            added += 1
+        return added
+
+    def recycle(self, buf: _Buffer) -> None:
+        """A buffer nobody holds any more: back to the free lists, or dropped."""
+        if buf.fd >= 0:
+            os.close(buf.fd)  # the mapping keeps the pages for views still alive
+            buf.fd = -1
+        if self.closed:
+            return
+        self.used -= buf.nbytes
+        if not (buf.detached or self.closed):
+            self.put_free(buf)
+        self.wake()
+
+    def wake(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def take_free(self, nbytes: int) -> _Buffer | None:
+        free = self.free.get(nbytes)
+        if not free:
+            return None
+        buf = free.pop()
+        self.free_bytes -= nbytes
+        self.free_count -= 1
+        self.used += nbytes
+        return buf
+
+    def trim_one(self, keep: int) -> None:
+        """Unmap one free buffer, of another class than ``keep`` when there is one."""
+        victim = next((n for n, bufs in self.free.items() if bufs and n != keep), keep)
+        self.free[victim].pop()
+        self.free_bytes -= victim
+        self.free_count -= 1
+
+    def try_reserve(self, nbytes: int) -> _Buffer | bool | None:
+        """Without waiting: a pooled buffer, True (``nbytes`` of new memory reserved: map
+        it), or None (no room even after trimming and evicting all that may be)."""
+        buf = self.take_free(nbytes)
+        if buf is not None:
+            return buf
+        if self.used + nbytes - self._evictable() > self.capacity:
+            return None  # evicting everything evictable would not be enough: evict nothing
+        while self.used + self.free_bytes + nbytes > self.capacity:
+            if self.free_bytes:
+                self.trim_one(nbytes)
+            elif not self._evict():
+                return None
+            else:
+                buf = self.take_free(nbytes)
+                if buf is not None:
+                    return buf
+        self.used += nbytes
+        return True
+
+    async def reserve(self, nbytes: int, timeout: float) -> None:
+        """Count ``nbytes`` of new memory as used (for a shared segment): a pooled buffer
+        of that class, if one is free, is unmapped to make the room."""
+        # A pooled buffer it returns is dropped: its bytes stay counted, now for the segment.
+        await self.acquire(nbytes, timeout, map_new=False)
+
+    async def acquire(self, nbytes: int, timeout: float, map_new: bool = True) -> _Buffer:
+        if nbytes > self.capacity:
+            raise TierFull(f"{nbytes} bytes can never fit in a {self.capacity}-byte memory tier")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self.check_open()
+            got = self.try_reserve(nbytes)
+            if isinstance(got, _Buffer):
+                return got
+            if got and not map_new:
+                return _Buffer(bytearray(), nbytes)
+            if got:
+                try:
+                    if nbytes <= _INLINE_MAP_BYTES:
+                        mem = _map_buffer(nbytes)
+                    else:
+                        mem = await asyncio.to_thread(_map_buffer, nbytes)
+                except BaseException as exc:
+                    self.used -= nbytes
+                    self.wake()
+                    if isinstance(exc, (MemoryError, OSError)):
+                        raise TierFull(f"cannot map {nbytes} bytes: {exc}") from exc
+                    raise
+                return _Buffer(mem, nbytes)
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TierFull(
+                    f"no room for {nbytes} bytes within {timeout}s: {self.used} used"
+                    f" ({self._dirty_bytes()} dirty) of {self.capacity}"
+                )
+            fut: asyncio.Future[None] = loop.create_future()
+            self.waiters.append(fut)
+            try:
+                async with asyncio.timeout(remaining):
+                    await fut
+            except TimeoutError:
+                pass  # loop once more: room may have come with the deadline
+            finally:
+                if fut in self.waiters:
+                    self.waiters.remove(fut)
+
+    async def run_on_buffer(self, buf: _Buffer, fn: Callable[[], _T], nbytes: int) -> _T:
+        """``fn()`` (which reads or writes ``buf``) in a worker thread unless small.
+
+        If it fails, ``buf`` is recycled, and if the caller is cancelled meanwhile, only
+        once the thread has let go of it: a buffer is never reused under a running copy.
+        """
+        if nbytes <= _INLINE_BYTES:
+            try:
+                return fn()
+            except BaseException:
+                self.recycle(buf)
+                raise
+        task = asyncio.ensure_future(asyncio.to_thread(fn))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self.recycle_after(t, buf))
+            raise
+        except BaseException:
+            self.recycle(buf)
+            raise
+
+    def recycle_after(self, task: asyncio.Future[Any], buf: _Buffer) -> None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller was cancelled and no longer cares
+        self.recycle(buf)
+
+
+def _check_key(key: str) -> None:
+    if not is_chunk_id(key):
+        raise InvalidKey(key)
+
+
+class _Index:
+    """The values held: each key's buffer and size, dirty ones in arrival order (the
+    drain's), clean ones least recently used first (eviction's), and the byte counts the
+    pool makes room by (``evictable``: clean values no lease holds). A buffer no lease
+    holds any more goes to ``recycle`` when its value leaves."""
+
+    def __init__(self, recycle: Callable[[_Buffer], None]) -> None:
+        self._recycle = recycle
+        self.entries: dict[str, _Entry] = {}
+        # Clean values, least recently used first; dirty ones in arrival order (drain order).
+        self.clean: OrderedDict[str, None] = OrderedDict()
+        self.dirty: dict[str, None] = {}
+        #: keys whose value is a local copy kept for reads only (``put_local_copy``)
+        self.local_copies: set[str] = set()
+        self.value_bytes = 0
+        self.dirty_bytes = 0
+        self.evictable = 0  # class bytes of clean, unleased entries
+
+    def lookup(self, key: str) -> _Entry:
+        entry = self.entries.get(key)
+        if entry is None:
+            _check_key(key)
+            raise ChunkNotFound(key)
+        return entry
+
+    def touch(self, key: str, entry: _Entry) -> None:
+        if not entry.dirty:
+            self.clean.move_to_end(key)
+
+    def insert(self, key: str, buf: _Buffer, size: int) -> None:
+        buf.stored = True
+        self.entries[key] = _Entry(buf, size, dirty=True)
+        self.dirty[key] = None
+        self.dirty_bytes += size
+        self.value_bytes += size
+
+    def make_held(self, key: str) -> None:
+        """A local copy becomes this tier's held value of ``key``: dirty (to be drained)."""
+        self.local_copies.discard(key)
+        entry = self.entries[key]
+        if not entry.dirty:
+            entry.dirty = True
+            del self.clean[key]
+            if entry.buf.leases == 0:
+                self.evictable -= entry.buf.nbytes
+            self.dirty[key] = None
+            self.dirty_bytes += entry.size
+
+    def remove(self, key: str) -> _Entry:
+        entry = self.entries.pop(key)
+        self.local_copies.discard(key)
+        buf = entry.buf
+        self.value_bytes -= entry.size
+        if entry.dirty:
+            del self.dirty[key]
+            self.dirty_bytes -= entry.size
+        else:
+            del self.clean[key]
+            if buf.leases == 0:
+                self.evictable -= buf.nbytes
+        buf.stored = False
+        if buf.leases == 0:
+            self._recycle(buf)
+        return entry
+
+
 class MemoryTier(Tier):
     """Chunks in RAM, bounded by ``capacity`` bytes; the node's buffer pool.
 
@@ -235,27 +502,18 @@ class MemoryTier(Tier):
     ) -> None:
         if capacity < 0:
             raise ValueError(f"negative capacity {capacity}")
-        self._capacity = capacity
         self._put_timeout = put_timeout
         self._on_evict = on_evict
-        self._entries: dict[str, _Entry] = {}
-        # Clean values, least recently used first; dirty ones in arrival order (drain order).
-        self._clean: OrderedDict[str, None] = OrderedDict()
-        self._dirty: dict[str, None] = {}
-        self._free: dict[int, list[_Buffer]] = {}
-        self._free_bytes = 0
-        self._free_count = 0
-        self._used = 0  # class bytes of every buffer not in the free lists
-        self._value_bytes = 0
-        self._dirty_bytes = 0
-        self._evictable = 0  # class bytes of clean, unleased entries
         self._allocated: dict[int, tuple[memoryview, _Buffer]] = {}
         self._leases = 0
         self._shared: dict[int, SharedSegment] = {}
-        self._waiters: list[asyncio.Future[None]] = []
-        #: keys whose value is a local copy kept for reads only (``put_local_copy``)
-        self._local_copies: set[str] = set()
-        self._closed = False
+        self._pool = _Pool(
+            capacity,
+            evictable=lambda: self._index.evictable,
+            evict=self._evict_one,
+            dirty_bytes=lambda: self._index.dirty_bytes,
+        )
+        self._index = _Index(self._pool.recycle)
 
     # --- the buffer pool -------------------------------------------------------------
 
@@ -268,9 +526,9 @@ class MemoryTier(Tier):
         takes it over, stored or not) or to ``release``. Its bytes are not zeroed when
         reused from the pool.
         """
-        self._check_open()
+        self._pool.check_open()
         nbytes = size_class(size)
-        buf = await self._acquire(nbytes, self._put_timeout if timeout is None else timeout)
+        buf = await self._pool.acquire(nbytes, self._put_timeout if timeout is None else timeout)
         view = memoryview(buf.mem)[:size]
         self._allocated[id(view)] = (view, buf)
         return view
@@ -285,37 +543,17 @@ class MemoryTier(Tier):
         if rec is None or rec[0] is not buf:
             raise ValueError("not an outstanding allocation of this tier")
         del self._allocated[id(buf)]
-        self._recycle(rec[1])
+        self._pool.recycle(rec[1])
 
     async def prefault(self, size: int, count: int) -> int:
         """Map ``count`` free buffers for values of ``size`` bytes ahead of need, as far as
         capacity allows without evicting. Returns how many were added."""
-        self._check_open()
-        nbytes = size_class(size)
-        added = 0
-        while added < count and self._used + self._free_bytes + nbytes <= self._capacity:
-            self._used += nbytes  # held while it is being mapped
-            try:
-                mem = await asyncio.to_thread(_map_buffer, nbytes)
-            finally:
-                if not self._closed:
-                    self._used -= nbytes
-            if self._closed:
-                break
-            self._free.setdefault(nbytes, []).append(_Buffer(mem, nbytes))
-            self._free_bytes += nbytes
-            self._free_count += 1
-            self._wake()
-            added += 1
-        return added
+        self._pool.check_open()
+        return await self._pool.prefault(size_class(size), count)
 
     def trim(self) -> int:
         """Unmap every free pooled buffer; returns the bytes released."""
-        released = self._free_bytes
-        self._free.clear()
-        self._free_bytes = 0
-        self._free_count = 0
-        return released
+        return self._pool.trim()
 
     # --- shared segments --------------------------------------------------------------
 
@@ -323,20 +561,19 @@ class MemoryTier(Tier):
         """A memfd for a value of ``size`` (> 0) bytes, its class size counted against
         capacity as an allocation is (same waiting, same ``TierFull``). The memfd's size
         is sealed at that class size: whoever holds it can write its bytes, not resize it."""
-        self._check_open()
+        self._pool.check_open()
         if size <= 0:
             raise ValueError("a shared segment holds at least one byte")
         nbytes = size_class(size)
-        await self._reserve(nbytes, self._put_timeout if timeout is None else timeout)
+        await self._pool.reserve(nbytes, self._put_timeout if timeout is None else timeout)
         try:
             fd = await asyncio.to_thread(_new_memfd, nbytes)
         except BaseException as exc:
-            self._used -= nbytes
-            self._wake()
+            self._pool.unreserve(nbytes)
             if isinstance(exc, OSError):
                 raise TierFull(f"cannot create a {nbytes}-byte shared segment: {exc}") from exc
             raise
-        if self._closed:
+        if self._pool.closed:
             os.close(fd)
             raise TierError("memory tier is closed")
         seg = SharedSegment(fd, nbytes, size)
@@ -349,9 +586,8 @@ class MemoryTier(Tier):
         if self._shared.pop(id(seg), None) is not seg:
             return
         os.close(seg.fd)
-        if not self._closed:
-            self._used -= seg.nbytes
-            self._wake()
+        if not self._pool.closed:
+            self._pool.unreserve(seg.nbytes)
 
     async def seal_shared(self, seg: SharedSegment, length: int) -> memoryview:
         """Seal ``seg`` against every write, map it read-only here and return its first
@@ -359,7 +595,7 @@ class MemoryTier(Tier):
 
         Raises ``SealRefused`` (a writable mapping remains, the memfd is not the size
         leased, or a bad length): the lease is then still the caller's."""
-        self._check_open()
+        self._pool.check_open()
         if self._shared.get(id(seg)) is not seg:
             raise ValueError("not an outstanding shared segment of this tier")
         if not 0 < length <= seg.size:
@@ -376,7 +612,7 @@ class MemoryTier(Tier):
 
     def is_shared(self, key: str) -> bool:
         """Whether the value of ``key`` lives in a sealed shared segment."""
-        entry = self._entries.get(key)
+        entry = self._index.entries.get(key)
         return entry is not None and entry.buf.fd >= 0
 
     @contextlib.asynccontextmanager
@@ -384,7 +620,7 @@ class MemoryTier(Tier):
         """Like ``lease``, for a value in a shared segment: (its sealed memfd, its size),
         valid until the block ends (hand out a duplicate, never the fd itself). Raises
         ``ChunkNotFound`` when ``key`` is not held or not in a shared segment."""
-        entry = self._lookup(key)
+        entry = self._index.lookup(key)
         if entry.buf.fd < 0:
             raise ChunkNotFound(key)
         async with self.lease(key) as view:
@@ -415,37 +651,32 @@ class MemoryTier(Tier):
         self, key: str, view: memoryview, buf: _Buffer, verified: bool
     ) -> None:
         try:
-            self._check_open()
-            self._check_key(key)
+            self._pool.check_open()
+            _check_key(key)
         except BaseException:
-            self._recycle(buf)
+            self._pool.recycle(buf)
             raise
         if not verified:
-            digest = await self._run_on_buffer(buf, partial(chunk_id_of, view), view.nbytes)
+            digest = await self._pool.run_on_buffer(buf, partial(chunk_id_of, view), view.nbytes)
             if digest != key:
-                self._recycle(buf)
+                self._pool.recycle(buf)
                 raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
-        if self._closed or key in self._entries:
-            self._recycle(buf)
-            if key in self._local_copies:
-                self._held_from_now(key)
-            return
-        self._insert(key, buf, view.nbytes)
+        self._keep(key, buf, view.nbytes)
 
     async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
-        self._check_open()
-        self._check_key(key)
+        self._pool.check_open()
+        _check_key(key)
         src = memoryview(data).cast("B")
-        if key in self._entries:
+        if key in self._index.entries:
             if not verified:
                 digest = await _hash(src)
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
-            if key in self._local_copies:
-                self._held_from_now(key)
+            if key in self._index.local_copies:
+                self._index.make_held(key)
             return
         try:
-            buf = await self._acquire(size_class(src.nbytes), self._put_timeout)
+            buf = await self._pool.acquire(size_class(src.nbytes), self._put_timeout)
         except TierFull:
             if not verified and await _hash(src) != key:  # bad input is reported as such
                 raise CorruptChunk(key, "BLAKE3 of the data does not match") from None
@@ -454,25 +685,31 @@ class MemoryTier(Tier):
         # The one deliberate copy of this path. Hashing our copy rather than the source
         # guarantees that what is stored is what was checked.
         fill = partial(_copy_and_hash, dst, src, not verified)
-        copied: str | None = await self._run_on_buffer(buf, fill, src.nbytes)
+        copied: str | None = await self._pool.run_on_buffer(buf, fill, src.nbytes)
         if not verified and copied != key:
-            self._recycle(buf)
+            self._pool.recycle(buf)
             raise CorruptChunk(key, f"BLAKE3 of the data is {copied}")
-        if self._closed or key in self._entries:
-            self._recycle(buf)
-            if key in self._local_copies:
-                self._held_from_now(key)
+        self._keep(key, buf, src.nbytes)
+
+    def _keep(self, key: str, buf: _Buffer, size: int) -> None:
+        """The end of a checked put: ``buf`` becomes the value of ``key``, or, when the tier
+        closed or ``key`` got a value meanwhile, goes back (a local copy of ``key`` is held
+        from now on: the put's bytes are the key's)."""
+        if self._pool.closed or key in self._index.entries:
+            self._pool.recycle(buf)
+            if key in self._index.local_copies:
+                self._index.make_held(key)
             return
-        self._insert(key, buf, src.nbytes)
+        self._index.insert(key, buf, size)
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
         """A read-only view of the value (or a slice), valid for as long as the caller keeps
         it, without a copy: see the module docstring ("detached" buffers)."""
-        self._check_open()
-        entry = self._lookup(key)
+        self._pool.check_open()
+        entry = self._index.lookup(key)
         start, end = (byte_range or ByteRange()).resolve(entry.size)
         entry.buf.detached = True
-        self._touch(key, entry)
+        self._index.touch(key, entry)
         return memoryview(entry.buf.mem)[start:end].toreadonly()
 
     @contextlib.asynccontextmanager
@@ -486,15 +723,15 @@ class MemoryTier(Tier):
         released when the block ends: keep no other view or buffer export of it after that.
         Raises ``ChunkNotFound``, ``InvalidRange``.
         """
-        self._check_open()
-        entry = self._lookup(key)
+        self._pool.check_open()
+        entry = self._index.lookup(key)
         start, end = (byte_range or ByteRange()).resolve(entry.size)
         buf = entry.buf
         if buf.leases == 0 and not entry.dirty:
-            self._evictable -= buf.nbytes
+            self._index.evictable -= buf.nbytes
         buf.leases += 1
         self._leases += 1
-        self._touch(key, entry)
+        self._index.touch(key, entry)
         view = memoryview(buf.mem)[start:end].toreadonly()
         try:
             yield view
@@ -504,27 +741,27 @@ class MemoryTier(Tier):
             buf.leases -= 1
             self._leases -= 1
             if buf.leases == 0:
-                if self._closed:
+                if self._pool.closed:
                     pass
                 elif not buf.stored:
-                    self._recycle(buf)
+                    self._pool.recycle(buf)
                 else:
-                    current = self._entries.get(key)
+                    current = self._index.entries.get(key)
                     if current is not None and current.buf is buf and not current.dirty:
-                        self._evictable += buf.nbytes
-                        self._wake()
+                        self._index.evictable += buf.nbytes
+                        self._pool.wake()
 
     def has(self, key: str) -> bool:
         """Whether ``key`` has a value here now, a local copy included (a value may be
         evicted right after, once clean)."""
-        return key in self._entries
+        return key in self._index.entries
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is held as a copy of its own: ``has``, and not a local copy."""
-        return key in self._entries and key not in self._local_copies
+        return key in self._index.entries and key not in self._index.local_copies
 
     def is_local_copy(self, key: str) -> bool:
-        return key in self._local_copies
+        return key in self._index.local_copies
 
     async def put_local_copy(self, key: str, view: memoryview) -> bool:
         """Keep ``view`` (an allocation of this tier, checked against ``key``: a sealed
@@ -539,57 +776,47 @@ class MemoryTier(Tier):
                 self._allocated[id(rec[0])] = rec
             raise TierError("put_local_copy takes a buffer from this tier's allocate")
         buf = rec[1]
-        if self._closed or key in self._entries:
-            self._recycle(buf)
+        if self._pool.closed or key in self._index.entries:
+            self._pool.recycle(buf)
             return False
-        self._check_key(key)
-        self._insert(key, buf, view.nbytes)
-        self._local_copies.add(key)
+        _check_key(key)
+        self._index.insert(key, buf, view.nbytes)
+        self._index.local_copies.add(key)
         self.mark_clean(key)
         return True
 
-    def _held_from_now(self, key: str) -> None:
-        """A local copy becomes this tier's held value of ``key``: dirty (to be drained)."""
-        self._local_copies.discard(key)
-        entry = self._entries[key]
-        if not entry.dirty:
-            entry.dirty = True
-            del self._clean[key]
-            if entry.buf.leases == 0:
-                self._evictable -= entry.buf.nbytes
-            self._dirty[key] = None
-            self._dirty_bytes += entry.size
-
     async def stat(self, key: str) -> ChunkStat:
-        self._check_open()
-        return ChunkStat(key, self._lookup(key).size)
+        self._pool.check_open()
+        return ChunkStat(key, self._index.lookup(key).size)
 
     async def delete(self, key: str) -> None:
         """Remove ``key`` (dirty or not); idempotent. Leased bytes stay until the lease ends."""
-        self._check_open()
-        self._check_key(key)
-        if key in self._entries:
-            self._remove(key)
-            self._wake()
+        self._pool.check_open()
+        _check_key(key)
+        if key in self._index.entries:
+            self._index.remove(key)
+            self._pool.wake()
 
     async def keys(self) -> AsyncIterator[str]:
-        for key in list(self._entries):
+        for key in list(self._index.entries):
             yield key
 
     def usage(self) -> TierUsage:
-        return TierUsage(used=self._used, capacity=self._capacity, count=len(self._entries))
+        return TierUsage(
+            used=self._pool.used, capacity=self._pool.capacity, count=len(self._index.entries)
+        )
 
     def stats(self) -> MemoryStats:
         return MemoryStats(
-            capacity=self._capacity,
-            used=self._used,
-            free_bytes=self._free_bytes,
-            free_buffers=self._free_count,
-            count=len(self._entries),
-            value_bytes=self._value_bytes,
-            dirty_count=len(self._dirty),
-            dirty_bytes=self._dirty_bytes,
-            evictable_bytes=self._evictable,
+            capacity=self._pool.capacity,
+            used=self._pool.used,
+            free_bytes=self._pool.free_bytes,
+            free_buffers=self._pool.free_count,
+            count=len(self._index.entries),
+            value_bytes=self._index.value_bytes,
+            dirty_count=len(self._index.dirty),
+            dirty_bytes=self._index.dirty_bytes,
+            evictable_bytes=self._index.evictable,
             allocations=len(self._allocated),
             allocated_bytes=sum(buf.nbytes for _, buf in self._allocated.values()),
             leases=self._leases,
@@ -597,26 +824,27 @@ class MemoryTier(Tier):
 
     async def close(self) -> None:
         """Drop every value and buffer; waiters get ``TierError``. Idempotent."""
-        if self._closed:
+        if self._pool.closed:
             return
-        self._closed = True
+        self._pool.closed = True
         for seg in self._shared.values():
             os.close(seg.fd)
         self._shared.clear()
-        for buf in [e.buf for e in self._entries.values()] + [
+        for buf in [e.buf for e in self._index.entries.values()] + [
             b for _, b in self._allocated.values()
         ]:
             if buf.fd >= 0:
                 os.close(buf.fd)
                 buf.fd = -1
-        self._entries.clear()
-        self._local_copies.clear()
-        self._clean.clear()
-        self._dirty.clear()
+        self._index.entries.clear()
+        self._index.local_copies.clear()
+        self._index.clean.clear()
+        self._index.dirty.clear()
         self._allocated.clear()
-        self.trim()
-        self._used = self._value_bytes = self._dirty_bytes = self._evictable = 0
-        self._wake()
+        self._pool.trim()
+        self._pool.used = 0
+        self._index.value_bytes = self._index.dirty_bytes = self._index.evictable = 0
+        self._pool.wake()
 
     # --- dirty and clean --------------------------------------------------------------
 
@@ -625,214 +853,38 @@ class MemoryTier(Tier):
 
         Returns False when ``key`` is not held (deleted meanwhile); idempotent.
         """
-        entry = self._entries.get(key)
+        entry = self._index.entries.get(key)
         if entry is None:
             return False
         if entry.dirty:
             entry.dirty = False
-            del self._dirty[key]
-            self._dirty_bytes -= entry.size
-            self._clean[key] = None
+            del self._index.dirty[key]
+            self._index.dirty_bytes -= entry.size
+            self._index.clean[key] = None
             if entry.buf.leases == 0:
-                self._evictable += entry.buf.nbytes
-            self._wake()
+                self._index.evictable += entry.buf.nbytes
+            self._pool.wake()
         return True
 
     def is_dirty(self, key: str) -> bool:
         """Whether the value is only in RAM; raises ``ChunkNotFound``."""
-        return self._lookup(key).dirty
+        return self._index.lookup(key).dirty
 
     def dirty_keys(self) -> list[str]:
         """The dirty keys, oldest first (a snapshot)."""
-        return list(self._dirty)
+        return list(self._index.dirty)
 
     # --- internals --------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierError("memory tier is closed")
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not is_chunk_id(key):
-            raise InvalidKey(key)
-
-    def _lookup(self, key: str) -> _Entry:
-        entry = self._entries.get(key)
-        if entry is None:
-            self._check_key(key)
-            raise ChunkNotFound(key)
-        return entry
-
-    def _touch(self, key: str, entry: _Entry) -> None:
-        if not entry.dirty:
-            self._clean.move_to_end(key)
-
-    def _insert(self, key: str, buf: _Buffer, size: int) -> None:
-        buf.stored = True
-        self._entries[key] = _Entry(buf, size, dirty=True)
-        self._dirty[key] = None
-        self._dirty_bytes += size
-        self._value_bytes += size
-
-    def _remove(self, key: str) -> _Entry:
-        entry = self._entries.pop(key)
-        self._local_copies.discard(key)
-        buf = entry.buf
-        self._value_bytes -= entry.size
-        if entry.dirty:
-            del self._dirty[key]
-            self._dirty_bytes -= entry.size
-        else:
-            del self._clean[key]
-            if buf.leases == 0:
-                self._evictable -= buf.nbytes
-        buf.stored = False
-        if buf.leases == 0:
-            self._recycle(buf)
-        return entry
-
-    def _recycle(self, buf: _Buffer) -> None:
-        """A buffer nobody holds any more: back to the free lists, or dropped."""
-        if buf.fd >= 0:
-            os.close(buf.fd)  # the mapping keeps the pages for views still alive
-            buf.fd = -1
-        if self._closed:
-            return
-        self._used -= buf.nbytes
-        if not (buf.detached or self._closed):
-            self._free.setdefault(buf.nbytes, []).append(buf)
-            self._free_bytes += buf.nbytes
-            self._free_count += 1
-        self._wake()
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     def _evict_one(self) -> bool:
         """Evict the least recently used clean, unleased value; False when there is none."""
-        for key in self._clean:
-            if self._entries[key].buf.leases == 0:
-                self._remove(key)
+        for key in self._index.clean:
+            if self._index.entries[key].buf.leases == 0:
+                self._index.remove(key)
                 if self._on_evict is not None:
                     self._on_evict(key)
                 return True
         return False
-
-    def _take_free(self, nbytes: int) -> _Buffer | None:
-        free = self._free.get(nbytes)
-        if not free:
-            return None
-        buf = free.pop()
-        self._free_bytes -= nbytes
-        self._free_count -= 1
-        self._used += nbytes
-        return buf
-
-    def _trim_one(self, keep: int) -> None:
-        """Unmap one free buffer, of another class than ``keep`` when there is one."""
-        victim = next((n for n, bufs in self._free.items() if bufs and n != keep), keep)
-        self._free[victim].pop()
-        self._free_bytes -= victim
-        self._free_count -= 1
-
-    def _try_reserve(self, nbytes: int) -> _Buffer | bool | None:
-        """Without waiting: a pooled buffer, True (``nbytes`` of new memory reserved: map
-        it), or None (no room even after trimming and evicting all that may be)."""
-        buf = self._take_free(nbytes)
-        if buf is not None:
-            return buf
-        if self._used + nbytes - self._evictable > self._capacity:
-            return None  # evicting everything evictable would not be enough: evict nothing
-        while self._used + self._free_bytes + nbytes > self._capacity:
-            if self._free_bytes:
-                self._trim_one(nbytes)
-            elif not self._evict_one():
-                return None
-            else:
-                buf = self._take_free(nbytes)
-                if buf is not None:
-                    return buf
-        self._used += nbytes
-        return True
-
-    async def _reserve(self, nbytes: int, timeout: float) -> None:
-        """Count ``nbytes`` of new memory as used (for a shared segment): a pooled buffer
-        of that class, if one is free, is unmapped to make the room."""
-        # A pooled buffer it returns is dropped: its bytes stay counted, now for the segment.
-        await self._acquire(nbytes, timeout, map_new=False)
-
-    async def _acquire(self, nbytes: int, timeout: float, map_new: bool = True) -> _Buffer:
-        if nbytes > self._capacity:
-            raise TierFull(f"{nbytes} bytes can never fit in a {self._capacity}-byte memory tier")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            self._check_open()
-            got = self._try_reserve(nbytes)
-            if isinstance(got, _Buffer):
-                return got
-            if got and not map_new:
-                return _Buffer(bytearray(), nbytes)
-            if got:
-                try:
-                    if nbytes <= _INLINE_MAP_BYTES:
-                        mem = _map_buffer(nbytes)
-                    else:
-                        mem = await asyncio.to_thread(_map_buffer, nbytes)
-                except BaseException as exc:
-                    self._used -= nbytes
-                    self._wake()
-                    if isinstance(exc, (MemoryError, OSError)):
-                        raise TierFull(f"cannot map {nbytes} bytes: {exc}") from exc
-                    raise
-                return _Buffer(mem, nbytes)
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TierFull(
-                    f"no room for {nbytes} bytes within {timeout}s: {self._used} used"
-                    f" ({self._dirty_bytes} dirty) of {self._capacity}"
-                )
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
-            try:
-                async with asyncio.timeout(remaining):
-                    await fut
-            except TimeoutError:
-                pass  # loop once more: room may have come with the deadline
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-
-    async def _run_on_buffer(self, buf: _Buffer, fn: Callable[[], _T], nbytes: int) -> _T:
-        """``fn()`` (which reads or writes ``buf``) in a worker thread unless small.
-
-        If it fails, ``buf`` is recycled, and if the caller is cancelled meanwhile, only
-        once the thread has let go of it: a buffer is never reused under a running copy.
-        """
-        if nbytes <= _INLINE_BYTES:
-            try:
-                return fn()
-            except BaseException:
-                self._recycle(buf)
-                raise
-        task = asyncio.ensure_future(asyncio.to_thread(fn))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._recycle_after(t, buf))
-            raise
-        except BaseException:
-            self._recycle(buf)
-            raise
-
-    def _recycle_after(self, task: asyncio.Future[Any], buf: _Buffer) -> None:
-        if not task.cancelled():
-            task.exception()  # retrieved: the caller was cancelled and no longer cares
-        self._recycle(buf)
 
 
 async def _hash(view: memoryview) -> str:

@@ -86,9 +86,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     progress = _progress_options()
     as_json = _json_option()
 
+    _add_cluster_commands(sub, [conn, as_json])
+    _add_file_commands(sub, [conn, progress, as_json])
+    _add_demo(sub, [progress])
+
+
+def _add_cluster_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: list[argparse.ArgumentParser],
+) -> None:
+    """ls, status, nodes, drain and rm: what the cluster holds, and its nodes."""
     p = sub.add_parser(
         "ls",
-        parents=[conn, as_json],
+        parents=parents,
         help="list committed checkpoints: size, bytes shared with others, where they are now",
     )
     p.add_argument("prefix", nargs="?", default="", help="only names starting with this")
@@ -102,7 +112,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser(
         "status",
-        parents=[conn, as_json],
+        parents=parents,
         help="durability of a checkpoint: levels reached, and where its copies are now",
     )
     p.add_argument("name")
@@ -111,7 +121,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "nodes",
         aliases=["cluster"],
-        parents=[conn, as_json],
+        parents=parents,
         help="the cluster's nodes: alive or down, space and chunks per tier, backlogs "
         "(exit status 3 when a node is down)",
     )
@@ -119,7 +129,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser(
         "drain",
-        parents=[conn, as_json],
+        parents=parents,
         help="mark a node draining (no new placements; what it holds is copied elsewhere) "
         "and say when it can leave with nothing under-replicated",
     )
@@ -135,15 +145,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("rm", parents=[conn, as_json], help="delete checkpoints")
+    p = sub.add_parser("rm", parents=parents, help="delete checkpoints")
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--prefix", help="delete every checkpoint whose name starts with this")
     p.set_defaults(func=cmd_rm)
 
+
+def _add_file_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: list[argparse.ArgumentParser],
+) -> None:
+    """save and restore: a checkpoint from a file, and back."""
     kinds = "safetensors (file or directory of shards), npz, torch (.pt, pytorch_model.bin) or raw"
-    p = sub.add_parser(
-        "save", parents=[conn, progress, as_json], help=f"save a {kinds} file as a checkpoint"
-    )
+    p = sub.add_parser("save", parents=parents, help=f"save a {kinds} file as a checkpoint")
     p.add_argument("file", help="the file; - reads raw bytes from stdin")
     p.add_argument("name")
     p.add_argument("--format", choices=FORMATS, help="when the extension does not say it")
@@ -167,7 +181,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser(
         "restore",
-        parents=[conn, progress, as_json],
+        parents=parents,
         help=f"restore a checkpoint into a {kinds} file",
     )
     p.add_argument("name")
@@ -175,8 +189,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--format", choices=FORMATS, help="when the extension does not say it")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     p.set_defaults(func=cmd_restore)
-
-    _add_demo(sub, [progress])
 
 
 def _add_demo(

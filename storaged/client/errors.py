@@ -1,6 +1,7 @@
 """Typed errors of the storaged client.
 
-Every error the service returns becomes a ``StoragedError`` carrying the API's stable
+Every error the service returns becomes a ``StoragedError`` (``storaged.wire``'s, the
+root the server's domain errors share) carrying the API's stable
 error code (``code``), its human message, the HTTP status and the decoded error body.
 ``error_from_response`` is the one place where a response becomes an exception.
 Failures that never reached a server (refused connection, timeout, a request the
@@ -19,44 +20,8 @@ import msgpack
 
 from storaged.wire import ErrorCode
 
-
-class StoragedError(Exception):
-    """An error from the storaged API (or from the client on its way there).
-
-    ``code`` is the stable string of API.md (e.g. ``"chunk_not_found"``);
-    ``status`` the HTTP status, ``None`` when no response was received;
-    ``body`` the decoded error document (empty when there was none).
-    """
-
-    #: Code used when a response carries none (also the class's canonical code).
-    default_code: str = ErrorCode.ERROR
-
-    def __init__(
-        self,
-        code: str | None = None,
-        message: str = "",
-        status: int | None = None,
-        body: Mapping[str, Any] | None = None,
-        *,
-        retry_after: float | None = None,
-    ) -> None:
-        self.code = str(code or self.default_code)  # a plain str, as it always was
-        self.message = message or self.code
-        self.status = status
-        self.body: Mapping[str, Any] = body if body is not None else {}
-        #: Seconds the server asked us to wait before retrying (503 ``Retry-After``).
-        self.retry_after = retry_after
-        #: True when an earlier attempt of the same call may have reached the server
-        #: before its answer was lost (so e.g. a 404 on DELETE may be our own doing).
-        self.replayed = False
-        #: When the answer was not one of storaged's documents (a web page, etcd's plain
-        #: text: another server at the URL), what it was; empty otherwise.
-        self.foreign = ""
-        super().__init__(self.code, self.message)
-
-    def __str__(self) -> str:
-        where = f"HTTP {self.status} " if self.status is not None else ""
-        return f"{where}{self.code}: {self.message}"
+# The wire's root of every coded error, the server's too; re-exported from here.
+from storaged.wire import StoragedError as StoragedError
 
 
 class BadRequest(StoragedError):
@@ -153,19 +118,12 @@ class MissingChunks(Conflict):
 
     default_code = ErrorCode.MISSING_CHUNKS
 
-    def __init__(
-        self,
-        code: str | None = None,
-        message: str = "",
-        status: int | None = None,
-        body: Mapping[str, Any] | None = None,
-        *,
-        retry_after: float | None = None,
-        missing: Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, *args: Any, missing: Sequence[str] | None = None, **kwargs: Any) -> None:
+        """``StoragedError``'s arguments; ``missing`` goes into the body as the server's
+        document has it."""
+        super().__init__(*args, **kwargs)
         if missing is not None:
-            body = {**(body or {}), "missing": list(missing)}
-        super().__init__(code, message, status, body, retry_after=retry_after)
+            self.body = {**self.body, "missing": list(missing)}
         value = self.body.get("missing", [])
         #: Ids of the chunks the cluster does not hold, as the server listed them.
         self.missing: list[str] = [str(v) for v in value] if isinstance(value, list) else []

@@ -52,6 +52,7 @@ from storaged.client.formats import (
     DirectoryWriter,
     ItemWriter,
     NpzWriter,
+    OutputItem,
     StreamWriter,
     check_writable,
     decode_value,
@@ -153,54 +154,15 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
             raise CommandError(_exists(name))
         chunk_size = min(chunk_size, client.max_chunk_size)
         counters = Counters()
-        stats = client.stats
         began = time.perf_counter()
-        if args.file == "-":
-            meta: dict[str, Any] = {"source": {"format": "raw", "file": "-"}}
-            total: int | None = None
-            items = 1
-        else:
-            try:
-                source = await asyncio.to_thread(open_source, args.file, fmt)
-            except OSError as exc:
-                where = exc.filename or args.file  # a shard of a directory, say
-                raise CommandError(f"cannot read {where}: {exc.strerror or exc}") from None
-            meta, total, items = source.meta, source.nbytes, len(source.items)
-        try:
-            async with (
-                ByteProgress(
-                    lambda: counters.read, total, "read", enabled=args.progress, position=0
-                ),
-                ByteProgress(
-                    lambda: stats.bytes_uploaded + stats.bytes_skipped,
-                    total,
-                    "upload",
-                    enabled=args.progress,
-                    position=1,
-                ),
-            ):
-                if args.file == "-":
-                    entry = await upload_sequential(
-                        client,
-                        sys.stdin.buffer.readinto,  # type: ignore[union-attr]
-                        chunk_size,
-                        window=args.window,
-                        counters=counters,
-                    )
-                else:
-                    entry = await upload_source(
-                        client, source, chunk_size, window=args.window, counters=counters
-                    )
-        finally:
-            if args.file != "-":
-                await asyncio.to_thread(source.close)
+        entry, meta, items = await _upload(args, client, fmt, chunk_size, counters)
         try:
             result = await commit_checkpoint(client, name, [entry], meta=meta)
         except Exists:
             raise CommandError(_exists(name)) from None
         took = time.perf_counter() - began
         wall = _since_start(args)
-        size = counters.read
+        stats = client.stats
         report: dict[str, Any] = {
             "name": name,
             "items": items,
@@ -215,22 +177,76 @@ async def _save(args: argparse.Namespace, fmt: str, chunk_size: int) -> None:
             print(
                 f"saved {name}: {items} items, {human_bytes(result.bytes)} in "
                 f"{result.chunks} chunks ({stats.chunks_uploaded} uploaded, "
-                f"{stats.chunks_skipped} already held) in {_times(wall, took, size)}",
+                f"{stats.chunks_skipped} already held) in {_times(wall, took, counters.read)}",
                 flush=True,
             )
         if args.wait != "memory":
-            seen = await watch_durability(
-                client, name, args.wait, args.timeout, lambda line: print(line, file=sys.stderr)
-            )
-            report["state"] = seen.status.state
-            report["reached_after"] = {k: round(v, 3) for k, v in seen.reached.items()}
-            if not args.json:
-                print(
-                    f"{name} is {seen.status.state}: {args.wait} reached "
-                    f"{seen.reached[args.wait]:.1f} s after the commit"
-                )
+            report.update(await _wait_durable(args, client, name))
         if args.json:
             print_json(report)
+
+
+async def _upload(
+    args: argparse.Namespace, client: Client, fmt: str, chunk_size: int, counters: Counters
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Upload ``args.file`` (``-``: stdin) as one rank's stream, with progress bars: its
+    shard entry, the checkpoint's ``meta`` (where it came from) and its number of items."""
+    stats = client.stats
+    if args.file == "-":
+        meta: dict[str, Any] = {"source": {"format": "raw", "file": "-"}}
+        total: int | None = None
+        items = 1
+    else:
+        try:
+            source = await asyncio.to_thread(open_source, args.file, fmt)
+        except OSError as exc:
+            where = exc.filename or args.file  # a shard of a directory, say
+            raise CommandError(f"cannot read {where}: {exc.strerror or exc}") from None
+        meta, total, items = source.meta, source.nbytes, len(source.items)
+    try:
+        async with (
+            ByteProgress(lambda: counters.read, total, "read", enabled=args.progress, position=0),
+            ByteProgress(
+                lambda: stats.bytes_uploaded + stats.bytes_skipped,
+                total,
+                "upload",
+                enabled=args.progress,
+                position=1,
+            ),
+        ):
+            if args.file == "-":
+                entry = await upload_sequential(
+                    client,
+                    sys.stdin.buffer.readinto,  # type: ignore[union-attr]
+                    chunk_size,
+                    window=args.window,
+                    counters=counters,
+                )
+            else:
+                entry = await upload_source(
+                    client, source, chunk_size, window=args.window, counters=counters
+                )
+    finally:
+        if args.file != "-":
+            await asyncio.to_thread(source.close)
+    return entry, meta, items
+
+
+async def _wait_durable(args: argparse.Namespace, client: Client, name: str) -> dict[str, Any]:
+    """Wait until checkpoint ``name`` reaches ``args.wait`` (progress on stderr); the
+    report's ``state`` and ``reached_after``."""
+    seen = await watch_durability(
+        client, name, args.wait, args.timeout, lambda line: print(line, file=sys.stderr)
+    )
+    if not args.json:
+        print(
+            f"{name} is {seen.status.state}: {args.wait} reached "
+            f"{seen.reached[args.wait]:.1f} s after the commit"
+        )
+    return {
+        "state": seen.status.state,
+        "reached_after": {k: round(v, 3) for k, v in seen.reached.items()},
+    }
 
 
 # --------------------------------------------------------------------------- restore
@@ -387,60 +403,11 @@ async def _restore(
         if path is not None and tmp is not None:
             _check_room(path, tmp, need)
         skipped = [] if whole else [k for k in manifest.keys() if is_side_item(manifest, k)]  # noqa: SIM118
-        stats = client.stats
-        counters = Counters()
         began = time.perf_counter()
-        out: IO[bytes] = (
-            sys.stdout.buffer
-            if tmp is None
-            else io.BytesIO()
-            if whole
-            else await asyncio.to_thread(open, tmp, "wb")
-        )
-        try:
-            async with (
-                ByteProgress(
-                    lambda: stats.bytes_downloaded, need, "fetch", enabled=args.progress, position=0
-                ),
-                ByteProgress(
-                    lambda: counters.written, need, "write", enabled=args.progress, position=1
-                ),
-            ):
-                if fmt == "torch":
-                    await _restore_torch(client, manifest, holders, out, counters)
-                elif whole:
-                    assert tmp is not None and isinstance(layout, Mapping)
-                    saved = manifest.meta.get("safetensors_metadata")
-                    writer = DirectoryWriter(tmp, layout, items).with_metadata(
-                        saved if isinstance(saved, Mapping) else None
-                    )
-                    await _write_blocks(client, manifest, holders, writer, counters, True)
-                else:
-                    await _restore_streamed(client, manifest, holders, fmt, out, counters)
-            out.flush()
-        except OSError as exc:
-            raise CommandError(f"cannot write {args.file}: {exc.strerror or exc}") from None
-        finally:
-            if tmp is not None:
-                out.close()
+        await _write_restore(args, client, manifest, holders, fmt, items, need, tmp)
         took = time.perf_counter() - began
     wall = _since_start(args)
-    files = [k.removeprefix(FILE_PREFIX) for k in skipped if k.startswith(FILE_PREFIX)]
-    if files:
-        shown = ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
-        print(
-            f"storaged restore: note: {name} was saved from a directory: its tensors are in "
-            f"{args.file}, its {len(files)} other files ({shown}) only in a directory "
-            "restore (a name ending in /)",
-            file=sys.stderr,
-        )
-    special = sorted({i.dtype for i in items if i.dtype in STORAGE_DTYPES})
-    if fmt == "npz" and special:
-        print(
-            f"storaged restore: note: {', '.join(special)} items are written as their "
-            "same-width unsigned integers (.npz has no such dtype)",
-            file=sys.stderr,
-        )
+    _restore_notes(args, fmt, skipped, items)
     report = {
         "name": name,
         "file": args.file,
@@ -457,6 +424,81 @@ async def _restore(
             f"restored {name} into {args.file}: {len(items)} items, {human_bytes(need)} in "
             f"{_times(wall, took, need)}",
             file=where,
+        )
+
+
+async def _write_restore(
+    args: argparse.Namespace,
+    client: Client,
+    manifest: Manifest,
+    holders: Any,
+    fmt: str,
+    items: list[OutputItem],
+    need: int,
+    tmp: Path | None,
+) -> None:
+    """Fetch ``need`` bytes of the checkpoint and write ``items`` as ``fmt``: into ``tmp``
+    (a directory of shards for ``DIRECTORY``), or to stdout when ``tmp`` is None; with
+    progress bars."""
+    whole = fmt == DIRECTORY
+    stats = client.stats
+    counters = Counters()
+    out: IO[bytes] = (
+        sys.stdout.buffer
+        if tmp is None
+        else io.BytesIO()
+        if whole
+        else await asyncio.to_thread(open, tmp, "wb")
+    )
+    try:
+        async with (
+            ByteProgress(
+                lambda: stats.bytes_downloaded, need, "fetch", enabled=args.progress, position=0
+            ),
+            ByteProgress(
+                lambda: counters.written, need, "write", enabled=args.progress, position=1
+            ),
+        ):
+            if fmt == "torch":
+                await _restore_torch(client, manifest, holders, out, counters)
+            elif whole:
+                layout = manifest.meta.get("safetensors_shards")
+                assert tmp is not None and isinstance(layout, Mapping)
+                saved = manifest.meta.get("safetensors_metadata")
+                writer = DirectoryWriter(tmp, layout, items).with_metadata(
+                    saved if isinstance(saved, Mapping) else None
+                )
+                await _write_blocks(client, manifest, holders, writer, counters, True)
+            else:
+                await _restore_streamed(client, manifest, holders, fmt, out, counters)
+        out.flush()
+    except OSError as exc:
+        raise CommandError(f"cannot write {args.file}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None:
+            out.close()
+
+
+def _restore_notes(
+    args: argparse.Namespace, fmt: str, skipped: list[str], items: list[OutputItem]
+) -> None:
+    """What a restore into a file left out or wrote differently, on stderr."""
+    name = args.name
+    files = [k.removeprefix(FILE_PREFIX) for k in skipped if k.startswith(FILE_PREFIX)]
+    if files:
+        shown = ", ".join(files[:4]) + (" ..." if len(files) > 4 else "")
+        print(
+            f"storaged restore: note: {name} was saved from a directory: its tensors are in "
+            f"{args.file}, its {len(files)} other files ({shown}) only in a directory "
+            "restore (a name ending in /)",
+            file=sys.stderr,
+        )
+    special = sorted({i.dtype for i in items if i.dtype in STORAGE_DTYPES})
+    if fmt == "npz" and special:
+        print(
+            f"storaged restore: note: {', '.join(special)} items are written as their "
+            "same-width unsigned integers (.npz has no such dtype)",
+            file=sys.stderr,
         )
 
 

@@ -21,17 +21,24 @@ import bisect
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
-from storaged.ids import is_chunk_id
+from storaged.manifest_schema import FORMAT as FORMAT
+from storaged.manifest_schema import (
+    ItemFields,
+    SchemaError,
+    ShardFields,
+    check_item,
+    check_schema,
+    check_shard,
+)
 
 if TYPE_CHECKING:
     # Imported where used: ``storaged ls`` parses no manifest and starts without numpy.
     import numpy as np
 
-FORMAT: Final = 1
 #: dtype of an item holding one msgpack-encoded non-array value.
 MSGPACK_DTYPE: Final = "msgpack"
 #: dtype of a non-tensor value the DCP writer saved: ``torch.save``'s bytes of it
@@ -48,6 +55,7 @@ DEFAULT_COALESCE_GAP: Final = 256 << 10
 DEFAULT_MAX_TILE: Final = 32 << 20
 
 Shape = tuple[int, ...]
+_Fields = TypeVar("_Fields")
 
 
 class LayoutError(ValueError):
@@ -256,18 +264,12 @@ def pack_stream(lengths: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) ->
 # --------------------------------------------------------------------------- manifest
 
 
-def _int_list(value: Any, what: str) -> Shape:
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
-    ):
-        raise InvalidManifest(f"{what} must be a list of non-negative integers, got {value!r}")
-    return tuple(value)
-
-
-def _nonneg_int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidManifest(f"{what} must be a non-negative integer, got {value!r}")
-    return value
+def _schema_checked(check: Callable[[Any, str], _Fields], doc: Any, where: str) -> _Fields:
+    """``check(doc, where)`` of the schema, its ``SchemaError`` an ``InvalidManifest``."""
+    try:
+        return check(doc, where)
+    except SchemaError as exc:
+        raise InvalidManifest(str(exc)) from exc
 
 
 def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dtype[Any] | None:
@@ -293,16 +295,10 @@ def numpy_dtype(name: str, dtype_map: Mapping[str, Any] | None = None) -> np.dty
 
 
 @dataclass(frozen=True, slots=True)
-class Item:
-    """One item of a rank's stream (API.md ``items`` entry)."""
-
-    key: str
-    dtype: str
-    global_shape: Shape
-    offsets: Shape
-    shape: Shape
-    start: int
-    length: int
+class Item(ItemFields):
+    """One item of a rank's stream (API.md ``items`` entry): the schema's fields
+    (``key``, ``dtype``, ``global_shape``, ``offsets``, ``shape``, ``start``, ``length``)
+    with the geometry a restore is planned by."""
 
     @property
     def box(self) -> Box:
@@ -325,50 +321,15 @@ class Item:
 
     @classmethod
     def from_wire(cls, doc: Any) -> Item:
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest(f"item must be a map, got {type(doc).__name__}")
-        key, dtype = doc.get("key"), doc.get("dtype")
-        if not isinstance(key, str) or not key:
-            raise InvalidManifest(f"item key must be a non-empty string, got {key!r}")
-        if not isinstance(dtype, str) or not dtype:
-            raise InvalidManifest(f"{key}: dtype must be a non-empty string")
-        global_shape = _int_list(doc.get("global_shape"), f"{key}: global_shape")
-        offsets = _int_list(doc.get("offsets"), f"{key}: offsets")
-        shape = _int_list(doc.get("shape"), f"{key}: shape")
-        item = cls(
-            key,
-            dtype,
-            global_shape,
-            offsets,
-            shape,
-            _nonneg_int(doc.get("start"), f"{key}: start"),
-            _nonneg_int(doc.get("length"), f"{key}: length"),
-        )
-        item.check()
-        return item
+        """An ``items`` entry, checked on its own (the schema's ``check_item``)."""
+        return cls.from_fields(_schema_checked(check_item, doc, "item"))
 
-    def check(self) -> None:
-        """Internal consistency of one item; ``InvalidManifest`` when broken."""
-        if not (len(self.global_shape) == len(self.offsets) == len(self.shape)):
-            raise InvalidManifest(f"{self.key}: global_shape, offsets and shape differ in rank")
-        if not self.box.within(self.global_shape):
-            raise InvalidManifest(
-                f"{self.key}: box {list(self.offsets)}+{list(self.shape)} "
-                f"outside global shape {list(self.global_shape)}"
-            )
-        if self.dtype in VALUE_DTYPES:
-            if self.global_shape:
-                raise InvalidManifest(f"{self.key}: a {self.dtype} item has shape []")
-            return
-        try:
-            dtype = numpy_dtype(self.dtype)
-        except DtypeMismatch:
-            return  # a dtype numpy lacks (e.g. bfloat16): the length cannot be checked here
-        assert dtype is not None
-        if self.length != self.box.size * dtype.itemsize:
-            raise InvalidManifest(
-                f"{self.key}: length {self.length} != {self.box.size} elements of {self.dtype}"
-            )
+    @classmethod
+    def from_fields(cls, f: ItemFields) -> Item:
+        """The item of checked fields; a value (``VALUE_DTYPES``) must have shape ``[]``."""
+        if f.dtype in VALUE_DTYPES and f.global_shape:
+            raise InvalidManifest(f"{f.key}: a {f.dtype} item has shape []")
+        return cls(f.key, f.dtype, f.global_shape, f.offsets, f.shape, f.start, f.length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,27 +360,12 @@ class ShardEntry:
 
     @classmethod
     def from_wire(cls, doc: Any) -> ShardEntry:
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest("shard must be a map")
-        rank = _nonneg_int(doc.get("rank"), "rank")
-        raw_chunks = doc.get("chunks")
-        raw_items = doc.get("items")
-        if not isinstance(raw_chunks, list | tuple) or not isinstance(raw_items, list | tuple):
-            raise InvalidManifest(f"rank {rank}: chunks and items must be lists")
-        chunks: list[tuple[str, int]] = []
-        for entry in raw_chunks:
-            if not isinstance(entry, list | tuple) or len(entry) != 2 or not is_chunk_id(entry[0]):
-                raise InvalidManifest(f"rank {rank}: chunk entry {entry!r} is not [id, size]")
-            chunks.append((entry[0], _nonneg_int(entry[1], f"rank {rank}: chunk size")))
-        shard = cls(rank, tuple(chunks), tuple(Item.from_wire(i) for i in raw_items))
-        size = shard.stream_size
-        for item in shard.items:
-            if item.end > size:
-                raise InvalidManifest(
-                    f"rank {rank}: {item.key} at [{item.start}, {item.end}) "
-                    f"outside its stream of {size} bytes"
-                )
-        return shard
+        """A ``shards`` entry, checked on its own (the schema's ``check_shard``)."""
+        return cls.from_fields(_schema_checked(check_shard, doc, "shard"))
+
+    @classmethod
+    def from_fields(cls, f: ShardFields) -> ShardEntry:
+        return cls(f.rank, f.chunks, tuple(Item.from_fields(i) for i in f.items))
 
 
 def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None:
@@ -559,30 +505,17 @@ class Manifest:
 
     @classmethod
     def from_wire(cls, doc: Any, *, complete: bool = False) -> Manifest:
-        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong.
+        """Parse and check a manifest document; ``InvalidManifest`` says what is wrong:
+        the schema (``storaged.manifest_schema``, the server's too), then per key one dtype
+        and global shape, and boxes that share no element.
 
         A key whose boxes leave part of its global shape unsaved is let through (restore
         refuses to read that part, ``RegionNotCovered``) unless ``complete``.
         """
-        if not isinstance(doc, Mapping):
-            raise InvalidManifest("manifest must be a map")
-        if doc.get("format") != FORMAT:
-            raise InvalidManifest(f"unsupported manifest format {doc.get('format')!r}")
-        created = doc.get("created")
-        if not isinstance(created, int | float) or isinstance(created, bool):
-            raise InvalidManifest("created must be a number")
-        meta = doc.get("meta", {})
-        if not isinstance(meta, Mapping):
-            raise InvalidManifest("meta must be a map")
-        raw_shards = doc.get("shards")
-        if not isinstance(raw_shards, list | tuple):
-            raise InvalidManifest("shards must be a list")
-        shards = tuple(ShardEntry.from_wire(s) for s in raw_shards)
-        ranks = [s.rank for s in shards]
-        if len(set(ranks)) != len(ranks):
-            raise InvalidManifest(f"duplicate ranks in {ranks}")
+        fields = _schema_checked(lambda d, _: check_schema(d), doc, "manifest")
+        shards = tuple(ShardEntry.from_fields(s) for s in fields.shards)
         _check_keys(shards, complete=complete)
-        return cls(float(created), meta, shards)
+        return cls(fields.created, fields.meta, shards)
 
 
 def _without_repeats(shards: Iterable[ShardEntry]) -> list[ShardEntry]:
@@ -804,30 +737,68 @@ def plan_restore(
 
     Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch`` or ``RegionNotCovered``.
     """
-    chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
-    pieces: list[_Piece] = []
-    staged: list[StagedCopy] = []
-    values: list[ValueRead] = []
-    needed = 0
+    planner = _Planner(manifest, dtype_map, coalesce_gap, max_tile)
     for req_index, req in enumerate(requests):
         saved = manifest.items_of(req.key)
         first = saved[0][1]
         if first.dtype in VALUE_DTYPES or req.dtype is None:
-            if first.dtype not in VALUE_DTYPES:
-                raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
-            if req.dtype is not None:
-                raise DtypeMismatch(f"{req.key}: saved as a {first.dtype} value, not an array")
-            position, item = saved[0]
-            value_index = len(values)
-            values.append(ValueRead(req_index, item.length, first.dtype))
-            needed += item.length
-            shard = manifest.shards[position]
-            for chunk, start, end, at in _split_stream_range(
-                shard, chunk_offsets[position], item.start, item.end
-            ):
-                pieces.append(_Piece(chunk, start, end, "value", value_index, at))
-            continue
-        saved_dtype = numpy_dtype(first.dtype, dtype_map)
+            planner.value(req_index, req, saved)
+        else:
+            planner.array(req_index, req, saved)
+    fetches = _merge_pieces(planner.pieces, coalesce_gap)
+    staged = planner.staged
+    fetched = sum(f.length for f in fetches) + sum(f.length for s in staged for f in s.fetches)
+    return RestorePlan(
+        tuple(requests),
+        tuple(fetches),
+        tuple(staged),
+        tuple(planner.values),
+        planner.needed,
+        fetched,
+    )
+
+
+class _Planner:
+    """What ``plan_restore`` gathers, request by request: direct pieces (merged into
+    fetches at the end), staged tiles, value buffers, and the bytes the requests need."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        dtype_map: Mapping[str, Any] | None,
+        coalesce_gap: int,
+        max_tile: int,
+    ) -> None:
+        self.manifest = manifest
+        self.dtype_map = dtype_map
+        self.coalesce_gap = coalesce_gap
+        self.max_tile = max_tile
+        self.chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
+        self.pieces: list[_Piece] = []
+        self.staged: list[StagedCopy] = []
+        self.values: list[ValueRead] = []
+        self.needed = 0
+
+    def value(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
+        """A value (``VALUE_DTYPES``): its bytes go whole to a value buffer."""
+        first = saved[0][1]
+        if first.dtype not in VALUE_DTYPES:
+            raise DtypeMismatch(f"{req.key}: saved as an array of {first.dtype}, not a value")
+        if req.dtype is not None:
+            raise DtypeMismatch(f"{req.key}: saved as a {first.dtype} value, not an array")
+        position, item = saved[0]
+        value_index = len(self.values)
+        self.values.append(ValueRead(req_index, item.length, first.dtype))
+        self.needed += item.length
+        for chunk, start, end, at in _split_stream_range(
+            self.manifest.shards[position], self.chunk_offsets[position], item.start, item.end
+        ):
+            self.pieces.append(_Piece(chunk, start, end, "value", value_index, at))
+
+    def array(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
+        """A box of an array: its intersection with each saved box of the key."""
+        first = saved[0][1]
+        saved_dtype = numpy_dtype(first.dtype, self.dtype_map)
         assert saved_dtype is not None
         if saved_dtype != req.dtype:
             raise DtypeMismatch(f"{req.key}: saved as {first.dtype}, destination is {req.dtype}")
@@ -840,7 +811,6 @@ def plan_restore(
             raise ShapeMismatch(f"{req.key}: requested {req.box} outside {req.global_shape}")
         itemsize = saved_dtype.itemsize
         covered = 0
-        target_box = _promote(req.box)
         for position, item in saved:
             if item.length != item.box.size * itemsize:
                 raise DtypeMismatch(
@@ -851,68 +821,69 @@ def plan_restore(
             if both is None:
                 continue
             covered += both.size
-            needed += both.size * itemsize
-            source_box = _promote(item.box)
-            both = _promote(both)
-            shard = manifest.shards[position]
-            offsets = chunk_offsets[position]
-            rel_src = both.relative_to(source_box)
-            rel_dst = both.relative_to(target_box)
-            k = run_dim(source_box.shape, both.shape)
-            run_elems = both.shape[k] * _volume(source_box.shape[k + 1 :])
-            run_bytes = run_elems * itemsize
-            src_runs = run_starts(source_box.shape, rel_src.offsets, both.shape, k)
-            direct = (
-                req.contiguous
-                and run_dim(target_box.shape, both.shape) <= k
-                and (len(src_runs) == 1 or run_bytes >= coalesce_gap)
-            )
-            if direct:
-                dst_runs = run_starts(target_box.shape, rel_dst.offsets, both.shape, k)
-                for src_run, dst_run in zip(src_runs.tolist(), dst_runs.tolist(), strict=True):
-                    begin = item.start + src_run * itemsize
-                    for chunk, start, end, at in _split_stream_range(
-                        shard, offsets, begin, begin + run_bytes
-                    ):
-                        pieces.append(
-                            _Piece(chunk, start, end, "target", req_index, dst_run * itemsize + at)
-                        )
-                continue
-            src_strides = tuple(s * itemsize for s in row_major_strides(source_box.shape))
-            for tile in _tiles(source_box.shape, rel_src.offsets, both.shape, itemsize, max_tile):
-                staged.append(
-                    _staged_tile(
-                        req_index,
-                        shard,
-                        offsets,
-                        item.start,
-                        source_box.shape,
-                        src_strides,
-                        tile,
-                        Box(
-                            tuple(
-                                t - s + d
-                                for t, s, d in zip(
-                                    tile.offsets, rel_src.offsets, rel_dst.offsets, strict=True
-                                )
-                            ),
-                            tile.shape,
-                        ),
-                        itemsize,
-                        coalesce_gap,
-                        len(staged),
-                    )
-                )
+            self.needed += both.size * itemsize
+            self._intersection(req_index, req, position, item, both, itemsize)
         if covered != req.box.size:
             raise RegionNotCovered(
                 f"{req.key}: the saved shards cover {covered} of the {req.box.size} elements "
                 f"of box offsets={list(req.box.offsets)} shape={list(req.box.shape)}"
             )
-    fetches = _merge_pieces(pieces, coalesce_gap)
-    fetched = sum(f.length for f in fetches) + sum(f.length for s in staged for f in s.fetches)
-    return RestorePlan(
-        tuple(requests), tuple(fetches), tuple(staged), tuple(values), needed, fetched
-    )
+
+    def _intersection(
+        self, req_index: int, req: Request, position: int, item: Item, both: Box, itemsize: int
+    ) -> None:
+        """Box ``both`` of a saved ``item``: straight into the target run by run when the
+        runs allow it, else through staging tiles."""
+        target_box = _promote(req.box)
+        source_box = _promote(item.box)
+        both = _promote(both)
+        shard = self.manifest.shards[position]
+        offsets = self.chunk_offsets[position]
+        rel_src = both.relative_to(source_box)
+        rel_dst = both.relative_to(target_box)
+        k = run_dim(source_box.shape, both.shape)
+        run_bytes = both.shape[k] * _volume(source_box.shape[k + 1 :]) * itemsize
+        src_runs = run_starts(source_box.shape, rel_src.offsets, both.shape, k)
+        direct = (
+            req.contiguous
+            and run_dim(target_box.shape, both.shape) <= k
+            and (len(src_runs) == 1 or run_bytes >= self.coalesce_gap)
+        )
+        if direct:
+            dst_runs = run_starts(target_box.shape, rel_dst.offsets, both.shape, k)
+            for src_run, dst_run in zip(src_runs.tolist(), dst_runs.tolist(), strict=True):
+                begin = item.start + src_run * itemsize
+                for chunk, start, end, at in _split_stream_range(
+                    shard, offsets, begin, begin + run_bytes
+                ):
+                    self.pieces.append(
+                        _Piece(chunk, start, end, "target", req_index, dst_run * itemsize + at)
+                    )
+            return
+        src_strides = tuple(s * itemsize for s in row_major_strides(source_box.shape))
+        for tile in _tiles(source_box.shape, rel_src.offsets, both.shape, itemsize, self.max_tile):
+            dest = Box(
+                tuple(
+                    t - s + d
+                    for t, s, d in zip(tile.offsets, rel_src.offsets, rel_dst.offsets, strict=True)
+                ),
+                tile.shape,
+            )
+            self.staged.append(
+                _staged_tile(
+                    req_index,
+                    shard,
+                    offsets,
+                    item.start,
+                    source_box.shape,
+                    src_strides,
+                    tile,
+                    dest,
+                    itemsize,
+                    self.coalesce_gap,
+                    len(self.staged),
+                )
+            )
 
 
 def _staged_tile(

@@ -52,7 +52,7 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -474,30 +474,8 @@ class EtcdCatalogue(Catalogue):
         mine = [self._refs(name, digest, i) for i in range(int(summary["parts"]))]
         if all(k in stored for k in mine):
             return 0  # complete (a repair of another node's, or the damage was seen stale)
-        chunks = summary.get("manifest_chunks")
-        if chunks is not None:
-            manifest = await self._read_manifest_chunks([str(c[0]) for c in chunks])
-        else:
-            want = self._manifest(name, digest).encode()
-            found = [bytes(m.value) for m in kv_response(reply, 2) if m.key == want]
-            if not found:
-                log.error("checkpoint %r: chunk ids incomplete and its manifest missing", name)
-                return 0
-            manifest = found[0]
-        try:
-            ids = await asyncio.to_thread(_chunk_ids_of, manifest, digest)
-        except ValueError as exc:
-            log.error("checkpoint %r: chunk ids incomplete, not rebuilt: %s", name, exc)
-            return 0
-        parts = _parts(ids)
-        if len(ids) != summary["count"] or len(parts) != len(mine):
-            log.error(
-                "checkpoint %r: chunk ids incomplete, not rebuilt: its manifest names %d "
-                "chunk(s), the record %d",
-                name,
-                len(ids),
-                summary["count"],
-            )
+        parts = await self._parts_from_manifest(name, summary, kv_response(reply, 2), len(mine))
+        if parts is None:
             return 0
         written = 0
         for part_key, part in zip(mine, parts, strict=True):
@@ -521,6 +499,40 @@ class EtcdCatalogue(Catalogue):
             len(parts),
         )
         return written
+
+    async def _parts_from_manifest(
+        self, name: str, summary: dict[str, Any], kept: Sequence[Any], count: int
+    ) -> Sequence[bytes] | None:
+        """The ``count`` chunk-id parts of record ``summary`` as its commit derived them,
+        from its manifest (on the data plane, or among the ``kept`` manifest keys of the
+        name); None, with an ERROR, when that manifest is missing or does not give them."""
+        digest = str(summary["digest"])
+        chunks = summary.get("manifest_chunks")
+        if chunks is not None:
+            manifest = await self._read_manifest_chunks([str(c[0]) for c in chunks])
+        else:
+            want = self._manifest(name, digest).encode()
+            found = [bytes(m.value) for m in kept if m.key == want]
+            if not found:
+                log.error("checkpoint %r: chunk ids incomplete and its manifest missing", name)
+                return None
+            manifest = found[0]
+        try:
+            ids = await asyncio.to_thread(_chunk_ids_of, manifest, digest)
+        except ValueError as exc:
+            log.error("checkpoint %r: chunk ids incomplete, not rebuilt: %s", name, exc)
+            return None
+        parts = _parts(ids)
+        if len(ids) != summary["count"] or len(parts) != count:
+            log.error(
+                "checkpoint %r: chunk ids incomplete, not rebuilt: its manifest names %d "
+                "chunk(s), the record %d",
+                name,
+                len(ids),
+                summary["count"],
+            )
+            return None
+        return parts
 
     async def compact_orphans(self) -> int:
         """Remove chunk-id parts no live record owns (a commit that lost its race or died

@@ -34,7 +34,7 @@ from storaged.catalogue import CoordinatorUnavailable
 from storaged.config import Config, NodeSpec
 from storaged.coord.etcd import EtcdSession, compare_mod_revision, kv_response
 from storaged.coord.etcd_catalogue import EtcdCatalogue
-from storaged.membership import ACTIVE, DRAINING, Membership, MembershipView
+from storaged.membership import ACTIVE, DRAINING, DrainMarks, Membership, MembershipView
 from storaged.peer import PeerClient
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ class EtcdMembership(Membership):
         self._figures_from = 0
         #: when the lease was last granted or renewed (monotonic)
         self._renewed = 0.0
+        self.drains: EtcdDrainMarks = EtcdDrainMarks(self)
 
     # ---- keys ----------------------------------------------------------------------------
     def _node_key(self, node_id: str = "") -> str:
@@ -123,68 +124,13 @@ class EtcdMembership(Membership):
             return None
         return self._down_at.get(node_id)
 
-    shares_marks = True
-
-    def is_draining(self, node_id: str) -> bool:
-        entry = self._members.get(node_id)
-        return entry is not None and entry[1] == DRAINING
-
-    def draining_since(self, node_id: str) -> float | None:
-        return self._draining_since.get(node_id) if self.is_draining(node_id) else None
-
     def view(self) -> MembershipView:
         return MembershipView(
             members=self.nodes(),
             alive=frozenset(n for n in self._members if self.is_alive(n)),
-            draining=frozenset(n for n, (_, st) in self._members.items() if st == DRAINING),
+            draining=self.drains.draining(),
             revision=self._revision,
         )
-
-    async def mark_draining(self, node_id: str, draining: bool = True) -> None:
-        """Set ``node_id``'s state (``draining`` or back to ``active``) for every node."""
-        kv = await self.s.kv()
-        key = self._node_key(node_id)
-        for _ in range(8):
-            got = await self.s.call("member read", kv.get(key))
-            if not got.kvs:
-                if not draining and await self._lift_drained(node_id):
-                    return
-                raise KeyError(node_id)
-            doc = msgpack.unpackb(got.kvs[0].value, raw=False)
-            doc["state"] = DRAINING if draining else ACTIVE
-            doc["since"] = time.time()  # when it was marked (as the embedded marks keep it)
-            reply = await self.s.call(
-                "member update",
-                kv.txn(
-                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
-                    [KVService.txn_op_put(key, msgpack.packb(doc, use_bin_type=True))],
-                ),
-            )
-            if reply.succeeded:
-                if node_id == self.self_id:
-                    self._state = doc["state"]
-                return
-        raise CoordinatorUnavailable(f"member {node_id} keeps changing: state not set")
-
-    async def _lift_drained(self, node_id: str) -> bool:
-        """Lift the drain mark a member forgotten while draining left (``forget``), while it
-        is still not a member; False if it left none."""
-        kv = await self.s.kv()
-        reply = await self.s.call(
-            "drain mark removal",
-            kv.txn(
-                [
-                    KVService.txn_compare_create_revision(self._node_key(node_id), 0),
-                    KVService.txn_compare_create_revision(
-                        self._drained_key(node_id), 0, result=Compare.NOT_EQUAL
-                    ),
-                ],
-                [KVService.txn_op_delete(self._drained_key(node_id))],
-            ),
-        )
-        if reply.succeeded:
-            log.info("the drain mark left by forgotten member %s is lifted", node_id)
-        return bool(reply.succeeded)
 
     async def leave(self) -> None:
         """Deregister this node for good (decommission): it leaves ``nodes()`` everywhere."""
@@ -294,7 +240,7 @@ class EtcdMembership(Membership):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self.is_draining(self.self_id):
+        if self.drains.is_draining(self.self_id):
             # A drained node that stops leaves the cluster: it is no longer listed as a
             # member (down), so nothing waits for it; started again, it joins anew.
             with contextlib.suppress(CoordinatorUnavailable):
@@ -546,6 +492,75 @@ class EtcdMembership(Membership):
         count = min(FIGURES_PER_ROUND, len(peers))
         self._figures_from = start + count
         return [peers[(start + k) % len(peers)] for k in range(count)]
+
+
+class EtcdDrainMarks(DrainMarks):
+    """The drain marks in etcd: a member's mark is its record's ``state`` (``since``: when it
+    was set), so every node's watch sees it; a member forgotten while draining leaves
+    ``membership/drained/<id>`` (see ``EtcdMembership.forget``)."""
+
+    shared = True
+
+    def __init__(self, membership: EtcdMembership) -> None:
+        self._m = membership
+
+    def is_draining(self, node_id: str) -> bool:
+        entry = self._m._members.get(node_id)
+        return entry is not None and entry[1] == DRAINING
+
+    def draining_since(self, node_id: str) -> float | None:
+        return self._m._draining_since.get(node_id) if self.is_draining(node_id) else None
+
+    def draining(self) -> frozenset[str]:
+        return frozenset(n for n, (_, st) in self._m._members.items() if st == DRAINING)
+
+    async def mark(self, node_id: str, draining: bool = True) -> None:
+        """Set ``node_id``'s state (``draining`` or back to ``active``) for every node."""
+        m = self._m
+        kv = await m.s.kv()
+        key = m._node_key(node_id)
+        for _ in range(8):
+            got = await m.s.call("member read", kv.get(key))
+            if not got.kvs:
+                if not draining and await self._lift_drained(node_id):
+                    return
+                raise KeyError(node_id)
+            doc = msgpack.unpackb(got.kvs[0].value, raw=False)
+            doc["state"] = DRAINING if draining else ACTIVE
+            doc["since"] = time.time()  # when it was marked (as the embedded marks keep it)
+            reply = await m.s.call(
+                "member update",
+                kv.txn(
+                    [compare_mod_revision(key, got.kvs[0].mod_revision)],
+                    [KVService.txn_op_put(key, msgpack.packb(doc, use_bin_type=True))],
+                ),
+            )
+            if reply.succeeded:
+                if node_id == m.self_id:
+                    m._state = doc["state"]
+                return
+        raise CoordinatorUnavailable(f"member {node_id} keeps changing: state not set")
+
+    async def _lift_drained(self, node_id: str) -> bool:
+        """Lift the drain mark a member forgotten while draining left (``forget``), while it
+        is still not a member; False if it left none."""
+        m = self._m
+        kv = await m.s.kv()
+        reply = await m.s.call(
+            "drain mark removal",
+            kv.txn(
+                [
+                    KVService.txn_compare_create_revision(m._node_key(node_id), 0),
+                    KVService.txn_compare_create_revision(
+                        m._drained_key(node_id), 0, result=Compare.NOT_EQUAL
+                    ),
+                ],
+                [KVService.txn_op_delete(m._drained_key(node_id))],
+            ),
+        )
+        if reply.succeeded:
+            log.info("the drain mark left by forgotten member %s is lifted", node_id)
+        return bool(reply.succeeded)
 
 
 def open_etcd(

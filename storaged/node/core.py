@@ -539,7 +539,7 @@ class Node:
             "drain_backlog": self.drainer.backlog,
             "encode_backlog": self.encoder.backlog,
             "repair_backlog": self.repairer.backlog,
-            "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drain_marks().items()},
+            "drain_marks": {n: [on, at] for n, (on, at) in self.membership.drains.known().items()},
             "misplaced_backlog": self.repairer.misplaced,
             "repair_pass_at": self.repairer.last_pass_started,
             "gc": self.referenced.status(),

@@ -65,18 +65,18 @@ class Evacuation:
         except KeyError:
             was = DRAINING
         else:
-            was = DRAINING if membership.is_draining(node_id) else ACTIVE
+            was = DRAINING if membership.drains.is_draining(node_id) else ACTIVE
         try:
             # A stranger is refused, except that a member forgotten while draining (etcd:
             # down past gone_after) left its mark, which a cancel lifts.
-            await membership.mark_draining(node_id, draining)
+            await membership.drains.mark(node_id, draining)
         except KeyError:
             raise NotFound("node_not_found", f"no member named {node_id!r}") from None
         except CoordinatorUnavailable as exc:
             raise unavailable("coordinator_unavailable", str(exc), retry_after=1.0) from exc
         unreached: list[str] = []
-        if not membership.shares_marks:
-            marks = {n: [on, at] for n, (on, at) in membership.drain_marks().items()}
+        if not membership.drains.shared:
+            marks = {n: [on, at] for n, (on, at) in membership.drains.known().items()}
             placement = node.placement()
             peers = [m.id for m in placement.view.members if m.id != node.id]
             live = [p for p in peers if placement.is_alive(p)]

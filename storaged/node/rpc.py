@@ -76,7 +76,7 @@ class PeerRpc:
                 info[cid] = [mem, nvme, frags, state, size]
         # Whether this node knows itself draining: a caller whose view is older than the
         # mark (a node just back) must not count what it holds as staying (Node.holdings).
-        return {"info": info, "draining": node.membership.is_draining(node.id)}, None
+        return {"info": info, "draining": node.membership.drains.is_draining(node.id)}, None
 
     async def rpc_get_chunk(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         cid = args["id"]
@@ -130,7 +130,7 @@ class PeerRpc:
         """Rebalance: whether a checked copy (``slot`` -1) or fragment ``slot`` of ``id`` is
         here; if so it is kept from a drop here for ``pin`` seconds (``pipeline/rebalance.py``)."""
         node = self.node
-        if node.membership.is_draining(node.id):
+        if node.membership.drains.is_draining(node.id):
             # A node that is leaving vouches for nothing: a drop it witnessed could leave
             # the only other copy on a node that goes (its can_leave may have counted the
             # dropped one, taken before the drop).
@@ -168,7 +168,7 @@ class PeerRpc:
     async def rpc_drain_marks(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Embedded mode: the drain marks another node set, to take where newer."""
         marks = {str(n): (bool(m[0]), float(m[1])) for n, m in args["marks"].items()}
-        await self.node.membership.merge_drain_marks(marks)
+        await self.node.membership.drains.merge(marks)
         return {}, None
 
     async def rpc_drain_progress(self, args: dict[str, Any], body: memoryview | None) -> Reply:

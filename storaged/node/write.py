@@ -631,7 +631,7 @@ class WritePath:
         needs the node to know it drains, and nothing counted) cannot be outrun by data
         landing after it was computed."""
         node = self.node
-        if node.membership.is_draining(node.id):
+        if node.membership.drains.is_draining(node.id):
             raise PeerError("draining", f"node {node.id} is draining: it takes no new data")
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:

@@ -126,15 +126,15 @@ class MembershipTests:
         ids = members.ids()
         victim, others = ids[-1], ids[:-1]
         view = members.of(ids[0])
-        assert view.draining_since(victim) is None
+        assert view.drains.draining_since(victim) is None
         before = time.time()
-        await view.mark_draining(victim)
+        await view.drains.mark(victim)
         await _eventually(
             f"{victim} draining in every view",
-            lambda: all(members.of(n).is_draining(victim) for n in ids),
+            lambda: all(members.of(n).drains.is_draining(victim) for n in ids),
         )
         # when the drain began, the same in every view (the mark's time, not the node's start)
-        began = {members.of(n).draining_since(victim) for n in ids}
+        began = {members.of(n).drains.draining_since(victim) for n in ids}
         assert len(began) == 1, began
         (since,) = began
         assert since is not None and before - 1 <= since <= time.time() + 1
@@ -146,22 +146,23 @@ class MembershipTests:
                 f"{victim} no longer a member anywhere",
                 lambda: all(victim not in members.of(n).all_ids() for n in others),
             )
-            assert not view.is_draining(victim)  # not a member: neither draining nor not
+            assert not view.drains.is_draining(victim)  # not a member: neither draining nor not
         await members.start(victim)
         await _eventually(
             f"{victim} a live member again everywhere, draining",
             lambda: all(
-                members.of(n).alive_ids() == ids and members.of(n).is_draining(victim) for n in ids
+                members.of(n).alive_ids() == ids and members.of(n).drains.is_draining(victim)
+                for n in ids
             ),
         )
         assert members.of(victim).view().draining == frozenset({victim})
-        assert all(members.of(n).draining_since(victim) == since for n in ids)
-        await view.mark_draining(victim, draining=False)  # and the mark can be lifted
+        assert all(members.of(n).drains.draining_since(victim) == since for n in ids)
+        await view.drains.mark(victim, draining=False)  # and the mark can be lifted
         await _eventually(
             f"{victim} active again everywhere",
-            lambda: not any(members.of(n).is_draining(victim) for n in ids),
+            lambda: not any(members.of(n).drains.is_draining(victim) for n in ids),
         )
-        assert all(members.of(n).draining_since(victim) is None for n in ids)
+        assert all(members.of(n).drains.draining_since(victim) is None for n in ids)
 
     async def test_a_node_beginning_a_graceful_stop_leaves_placement_while_it_runs(
         self, members: Members

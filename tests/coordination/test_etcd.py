@@ -175,14 +175,14 @@ async def test_joins_leaves_and_draining_reach_every_node(rig: EtcdRig) -> None:
             "x9" in v.alive_ids() for v in views), SLOW)  # fmt: skip
         assert views[0].node("x9").url == "http://127.0.0.1:1"
         assert set(joiner.alive_ids()) == {"n0", "n1", "n2", "x9"}
-        await views[1].mark_draining("x9")
+        await views[1].drains.mark("x9")
         await wait_until("x9 draining everywhere", lambda: all(
             v.view().draining == {"x9"} for v in [*views, joiner]), SLOW)  # fmt: skip
-        await views[1].mark_draining("x9", draining=False)
+        await views[1].drains.mark("x9", draining=False)
         await wait_until("x9 active again", lambda: all(
             not v.view().draining for v in views), SLOW)  # fmt: skip
         with pytest.raises(KeyError):
-            await views[0].mark_draining("no-such-node")
+            await views[0].drains.mark("no-such-node")
         await joiner.leave()
         await wait_until("x9 left everywhere", lambda: all(
             "x9" not in v.all_ids() for v in views), SLOW)  # fmt: skip
@@ -200,9 +200,9 @@ async def test_the_mark_a_member_forgotten_while_draining_left_can_be_lifted(
     active. Marking a forgotten member draining is refused as for any stranger."""
     cluster = await rig.start(4)
     views = [cluster.node(i).membership for i in range(3)]
-    await views[0].mark_draining("n3")
+    await views[0].drains.mark("n3")
     await wait_until("n3 draining everywhere", lambda: all(
-        v.is_draining("n3") for v in views), SLOW)  # fmt: skip
+        v.drains.is_draining("n3") for v in views), SLOW)  # fmt: skip
     as_a_crash(cluster.node(3).membership)
     await cluster.kill(3)
     await wait_until("n3 down", lambda: not views[0].is_alive("n3"), SLOW)
@@ -210,16 +210,16 @@ async def test_the_mark_a_member_forgotten_while_draining_left_can_be_lifted(
     await wait_until("n3 forgotten everywhere", lambda: all(
         "n3" not in v.all_ids() for v in views), SLOW)  # fmt: skip
     with pytest.raises(KeyError):
-        await views[2].mark_draining("n3")  # a stranger now
-    await views[2].mark_draining("n3", draining=False)  # lifts the mark it left
+        await views[2].drains.mark("n3")  # a stranger now
+    await views[2].drains.mark("n3", draining=False)  # lifts the mark it left
     with pytest.raises(KeyError):
-        await views[2].mark_draining("n3", draining=False)  # nothing left to lift
+        await views[2].drains.mark("n3", draining=False)  # nothing left to lift
     await cluster.start_node(3)
     await cluster.wait_converged(SLOW)
     back = cluster.node(3).membership
     for v in [*views, back]:
         assert v.alive_ids() == ["n0", "n1", "n2", "n3"]
-        assert not v.is_draining("n3")
+        assert not v.drains.is_draining("n3")
 
 
 # ---- the catalogue: what does not fit in one etcd request ---------------------------------

@@ -138,23 +138,24 @@ async def test_embedded_marks_reach_a_node_down_during_the_broadcast_and_survive
         not cluster.node(i).membership.is_alive("n3") for i in range(3)))  # fmt: skip
     marked = await cluster.node(0).drain("n2")
     assert marked == {"node": "n2", "state": "draining", "was": "active", "unreached": ["n3"]}
-    assert all(cluster.node(i).membership.is_draining("n2") for i in range(3))
+    assert all(cluster.node(i).membership.drains.is_draining("n2") for i in range(3))
     assert all(cluster.node(i).placement().view.draining == {"n2"} for i in range(3))
     # n3 comes back with no mark of its own, and learns it from its peers' heartbeats
     await cluster.start_node(3)
-    await wait_until("n3 learnt that n2 drains", lambda: cluster.node(3).membership.is_draining(
-        "n2"))  # fmt: skip
+    await wait_until(
+        "n3 learnt that n2 drains", lambda: cluster.node(3).membership.drains.is_draining("n2")
+    )
     # a cancel set later wins over the older mark everywhere
     await cluster.node(1).drain("n2", cancel=True)
     await wait_until("n2 active everywhere", lambda: not any(
-        cluster.node(i).membership.is_draining("n2") for i in range(4)))  # fmt: skip
+        cluster.node(i).membership.drains.is_draining("n2") for i in range(4)))  # fmt: skip
     await cluster.node(3).drain("n1")
     # a whole-cluster stop: each node has the mark from its own data dir, no peer to ask
     for i in range(4):
         await cluster.kill(i)
     await cluster.start_node(2)
     node = cluster.node(2)
-    assert node.membership.is_draining("n1") and not node.membership.is_draining("n2")
+    assert node.membership.drains.is_draining("n1") and not node.membership.drains.is_draining("n2")
     with pytest.raises(NotFound, match="no member"):
         await node.drain("n9")
 
@@ -229,7 +230,7 @@ async def _seen(cluster: InprocCluster, node_id: str, draining: bool = True) -> 
     """Until every running node's view has ``node_id`` draining (or not): with etcd a mark
     reaches the other nodes by watch, a moment after the call that set it returned."""
     await wait_until(f"{node_id} draining={draining} everywhere", lambda: all(
-        cluster.node(i).membership.is_draining(node_id) == draining
+        cluster.node(i).membership.drains.is_draining(node_id) == draining
         for i in cluster.running()), 30)  # fmt: skip
 
 
@@ -274,7 +275,7 @@ async def test_drain_over_http_needs_the_admin_token_and_checks_what_it_is_given
     assert (r.status, r.error) == (403, "forbidden")
     r = await api.request("GET", "/v1/nodes/n2/drain")
     assert (r.status, r.error) == (403, "forbidden")
-    assert not any(cluster.node(i).membership.is_draining("n2") for i in range(4))
+    assert not any(cluster.node(i).membership.drains.is_draining("n2") for i in range(4))
     r = await api.request("POST", "/v1/nodes/n9/drain", headers=admin)
     assert (r.status, r.error) == (404, "node_not_found")
     r = await api.request("POST", "/v1/nodes/n2/drain", doc={"cancel": "yes"}, headers=admin)

@@ -54,7 +54,7 @@ async def test_a_draining_node_witnesses_no_drop(inproc: InprocFactory) -> None:
     )
     assert index in cluster.node(other).fragments[cid]
     # The mark known to the leaving node only (the others' views are older than it).
-    await cluster.node(leaving).membership.mark_draining(cluster.node_id(leaving))
+    await cluster.node(leaving).membership.drains.mark(cluster.node_id(leaving))
     dropped = await cluster.node(other).rebalance.drop_misplaced(
         cid, index, [cluster.node_id(leaving)]
     )
@@ -80,7 +80,7 @@ async def test_gc_trims_no_copy_on_the_strength_of_a_draining_nodes_fragment(
     assert hot, "the cold chunk's nvme copies are gone already: nothing to test"
     trimmer = cluster.index_of(hot[0])
     leaving = next(i for i in range(6) if i != trimmer and cluster.node(i).fragments.get(cid))
-    await cluster.node(leaving).membership.mark_draining(cluster.node_id(leaving))
+    await cluster.node(leaving).membership.drains.mark(cluster.node_id(leaving))
     assert not cluster.node(trimmer).placement().is_draining(cluster.node_id(leaving))
     await cluster.node(trimmer).gc_pass()
     # Five of the six fragments stay: the nvme copy is what the chunk has beyond them.

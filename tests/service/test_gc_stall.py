@@ -101,7 +101,7 @@ async def test_a_stalled_gc_hides_no_new_chunk_from_can_leave_or_repair(
     await entry.drain(leaving)
     await wait_until(
         "every node sees the mark",
-        lambda: all(cluster.node(i).membership.is_draining(leaving) for i in range(6)),
+        lambda: all(cluster.node(i).membership.drains.is_draining(leaving) for i in range(6)),
         30,
     )
 

@@ -1,0 +1,231 @@
+"""The manifest's schema (API.md), checked once for server and client.
+
+A manifest is a map ``{format, created, meta, shards}``; each shard a rank's stream, its
+chunks (``[id, size]``) and its items (a box of an array, or a value, at
+``[start, start + length)`` of the stream). ``check_schema`` checks a decoded document
+against that shape, item by item, and returns it parsed. What is checked across items of
+one key (one dtype and global shape; boxes that do not overlap, or that tile the shape)
+is each side's: the server's is ``storaged.manifest``, the client's
+``storaged.client.layout``. The server's bounds come on top, as ``ManifestLimits``.
+
+A leaf the client may import: stdlib and ``storaged.ids`` only (numpy where a dtype's
+size is wanted, imported there: ``storaged ls`` starts without it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from storaged.ids import is_chunk_id
+
+FORMAT: Final = 1
+#: no size, offset or extent in a manifest comes near this; the overlap check works in int64
+MAX_INT: Final = 2**62
+#: the fields of a manifest document
+FIELDS: Final = frozenset({"format", "created", "meta", "shards"})
+
+Shape = tuple[int, ...]
+
+
+class SchemaError(ValueError):
+    """A manifest breaks the schema; the message says where and how (the server answers
+    it as 400 ``bad_manifest``, the client raises ``InvalidManifest``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestLimits:
+    """The server's bounds on top of the schema: a manifest is refused over any of them,
+    as it is for an unknown field, a ``created`` that is not a finite non-negative number,
+    or no shard at all."""
+
+    max_chunk_size: int
+    #: dimensions of an array (entries of ``global_shape``, ``offsets``, ``shape``)
+    max_dims: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFields:
+    """One checked item: its box lies inside its global shape and, for a numpy dtype,
+    ``length`` is the bytes of its elements (``start``/``length`` against the stream are
+    the shard's to check)."""
+
+    key: str
+    dtype: str
+    global_shape: Shape
+    offsets: Shape
+    shape: Shape
+    start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFields:
+    """One checked shard: every item lies inside its stream (the chunks, in order)."""
+
+    rank: int
+    chunks: tuple[tuple[str, int], ...]
+    items: tuple[ItemFields, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFields:
+    """A checked document; ``chunks``: the distinct chunk ids in first-seen order, with
+    their sizes (one size per id)."""
+
+    created: float
+    meta: Mapping[str, Any]
+    shards: tuple[ShardFields, ...]
+    chunks: dict[str, int]
+
+
+def _a_map(doc: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise SchemaError(f"{where} must be a map")
+    return doc
+
+
+def check_int(value: object, what: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise SchemaError(f"{what} must be an integer in [{minimum}, 2**62], got {value!r}")
+    return value
+
+
+def check_int_list(value: object, what: str, max_len: int | None = None) -> Shape:
+    if not isinstance(value, list | tuple) or (max_len is not None and len(value) > max_len):
+        if max_len is None:
+            raise SchemaError(f"{what} must be a list of integers")
+        raise SchemaError(f"{what} must be a list of at most {max_len} integers")
+    return tuple(check_int(v, f"{what}[{i}]") for i, v in enumerate(value))
+
+
+def numeric_item_size(dtype: str, shape: Shape) -> int | None:
+    """Bytes an item of this numpy dtype and shape must span; None for other dtypes (values,
+    or an array dtype numpy lacks, such as ``bfloat16``: its length cannot be checked)."""
+    import numpy as np
+
+    try:
+        parsed = np.dtype(dtype)
+    except TypeError:
+        return None
+    if parsed.kind not in "biufc":
+        return None  # flexible or object kinds ("bytes", "str", ...) carry their own length
+    return math.prod(shape) * parsed.itemsize
+
+
+def check_item(
+    doc: object,
+    where: str,
+    limits: ManifestLimits | None = None,
+    stream_len: int | None = None,
+) -> ItemFields:
+    """One ``items`` entry; ``where`` names it in messages. With ``stream_len``, the
+    item must lie inside its rank's stream of that many bytes."""
+    doc = _a_map(doc, where)
+    key, dtype = doc.get("key"), doc.get("dtype")
+    if not isinstance(key, str) or not key:
+        raise SchemaError(f"{where}.key must be a non-empty string")
+    if not isinstance(dtype, str) or not dtype:
+        raise SchemaError(f"{where}.dtype must be a non-empty string")
+    dims = None if limits is None else limits.max_dims
+    gshape = check_int_list(doc.get("global_shape"), f"{where}.global_shape", dims)
+    offsets = check_int_list(doc.get("offsets"), f"{where}.offsets", dims)
+    shape = check_int_list(doc.get("shape"), f"{where}.shape", dims)
+    if not len(gshape) == len(offsets) == len(shape):
+        raise SchemaError(f"{where}: global_shape, offsets and shape differ in rank")
+    for d, (g, o, s) in enumerate(zip(gshape, offsets, shape, strict=True)):
+        if o + s > g:
+            raise SchemaError(f"{where}: dimension {d} spans {o}+{s} > global {g}")
+    start = check_int(doc.get("start"), f"{where}.start")
+    length = check_int(doc.get("length"), f"{where}.length")
+    if stream_len is not None and start + length > stream_len:
+        raise SchemaError(
+            f"{where} ({key}): bytes [{start}, {start + length}) lie outside its rank's "
+            f"stream of {stream_len} bytes"
+        )
+    expected = numeric_item_size(dtype, shape)
+    if expected is not None and expected != length:
+        raise SchemaError(
+            f"{where} ({key}): {dtype}{list(shape)} needs {expected} bytes, not {length}"
+        )
+    return ItemFields(key, dtype, gshape, offsets, shape, start, length)
+
+
+@dataclass(slots=True)
+class _Seen:
+    """What the shards checked so far hold: a rank is one shard's, a chunk has one size."""
+
+    ranks: set[int] = field(default_factory=set)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+def check_shard(
+    doc: object,
+    where: str,
+    limits: ManifestLimits | None = None,
+    seen: _Seen | None = None,
+) -> ShardFields:
+    """One ``shards`` entry; ``seen``, the shards before it in the document."""
+    doc = _a_map(doc, where)
+    rank = check_int(doc.get("rank"), f"{where}.rank")
+    seen = _Seen() if seen is None else seen
+    if rank in seen.ranks:
+        raise SchemaError(f"rank {rank} appears twice")
+    seen.ranks.add(rank)
+    stream = doc.get("chunks")
+    if not isinstance(stream, list | tuple):
+        raise SchemaError(f"{where}.chunks must be a list of [id, size]")
+    chunks: list[tuple[str, int]] = []
+    for c_index, entry in enumerate(stream):
+        cw = f"{where}.chunks[{c_index}]"
+        if not (isinstance(entry, list | tuple) and len(entry) == 2):
+            raise SchemaError(f"{cw} must be [id, size]")
+        cid, size = entry
+        if not is_chunk_id(cid):
+            raise SchemaError(f"{cw}: {cid!r} is not a chunk id")
+        size = check_int(size, f"{cw} size")
+        if limits is not None and size > limits.max_chunk_size:
+            raise SchemaError(f"{cw}: size over the max chunk size")
+        if seen.sizes.setdefault(cid, size) != size:
+            raise SchemaError(f"chunk {cid} is listed with two different sizes")
+        chunks.append((cid, size))
+    raw_items = doc.get("items")
+    if not isinstance(raw_items, list | tuple):
+        raise SchemaError(f"{where}.items must be a list")
+    stream_len = sum(size for _, size in chunks)
+    items = tuple(
+        check_item(raw, f"{where}.items[{i}]", limits, stream_len)
+        for i, raw in enumerate(raw_items)
+    )
+    return ShardFields(rank, tuple(chunks), items)
+
+
+def check_schema(doc: object, limits: ManifestLimits | None = None) -> ManifestFields:
+    """A decoded manifest document, checked shard by shard and item by item; with the
+    server's ``limits``, also against those. ``SchemaError`` says what is wrong."""
+    if not isinstance(doc, Mapping):
+        raise SchemaError("the manifest must be a map")
+    if limits is not None and set(doc) - FIELDS:
+        raise SchemaError(f"unknown manifest field(s): {sorted(set(doc) - FIELDS)}")
+    if doc.get("format") != FORMAT:
+        raise SchemaError(f"format must be {FORMAT}, got {doc.get('format')!r}")
+    created = doc.get("created")
+    if (
+        isinstance(created, bool)
+        or not isinstance(created, int | float)
+        or (limits is not None and (not math.isfinite(created) or created < 0))
+    ):
+        raise SchemaError("created must be a finite non-negative number (seconds since the epoch)")
+    meta = doc.get("meta", {})
+    if not isinstance(meta, Mapping):
+        raise SchemaError("meta must be a map")
+    raw_shards = doc.get("shards")
+    if not isinstance(raw_shards, list | tuple) or (limits is not None and not raw_shards):
+        raise SchemaError("shards must be a non-empty list")
+    seen = _Seen()
+    shards = tuple(
+        check_shard(raw, f"shards[{i}]", limits, seen) for i, raw in enumerate(raw_shards)
+    )
+    return ManifestFields(float(created), meta, shards, seen.sizes)
