@@ -18,7 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from storaged.node.pipeline import Workers
+from storaged.node.pipeline import ChunkWorkers
 from storaged.peer import PeerError
 from tiers import ChunkNotFound, CorruptChunk, TierFull
 
@@ -33,27 +33,22 @@ _MAX_BACKOFF = 5.0
 _FULL_SAY_EVERY = 10.0
 
 
-class Drain:
+class Drain(ChunkWorkers):
     def __init__(self, node: Node) -> None:
+        super().__init__("drain", node.config.drain_workers, dedup=False)
         self.node = node
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._retries: dict[str, float] = {}  # chunk id -> its next delay
-        self._workers = Workers("drain", node.config.drain_workers, self._worker)
-
-    def start(self) -> None:
-        self._workers.start()
-
-    async def close(self) -> None:
-        await self._workers.close()
 
     @property
     def backlog(self) -> int:
         """Chunks waiting for their drain (queued or waiting to retry)."""
-        return self._queue.qsize() + len(self._retries)
+        return self.queued + len(self._retries)
 
-    def offer(self, chunk_id: str) -> None:
-        self._queue.put_nowait(chunk_id)
+    def offered(self, chunk_id: str) -> None:
         self.node.metrics.drain_backlog.inc()
+
+    def taken(self, chunk_id: str) -> None:
+        self.node.metrics.drain_backlog.dec()
 
     def _ram_pressed(self) -> bool:
         u = self.node.memory.usage()
@@ -69,28 +64,22 @@ class Drain:
                 return
             await asyncio.sleep(0.02)
 
-    async def _worker(self) -> None:
-        node = self.node
-        while True:
-            cid = await self._queue.get()
-            node.metrics.drain_backlog.dec()
-            try:
-                await self.quiet(node.config.drain_defer, unless_ram_pressed=True)
-                await self.drain(cid)
-                self._retries.pop(cid, None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = self._retries.get(cid, 0.5)
-                self._retries[cid] = min(delay * 2, _MAX_BACKOFF)
-                log.warning(
-                    "drain of %s failed (%s: %s); retrying in %.1f s",
-                    cid,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                node.spawn(self._retry_later(cid, delay), f"drain-retry-{cid[:8]}")
+    async def handle(self, chunk_id: str) -> None:
+        await self.quiet(self.node.config.drain_defer, unless_ram_pressed=True)
+        await self.drain(chunk_id)
+        self._retries.pop(chunk_id, None)
+
+    def failed(self, chunk_id: str, exc: Exception) -> None:
+        delay = self._retries.get(chunk_id, 0.5)
+        self._retries[chunk_id] = min(delay * 2, _MAX_BACKOFF)
+        log.warning(
+            "drain of %s failed (%s: %s); retrying in %.1f s",
+            chunk_id,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        self.node.spawn(self._retry_later(chunk_id, delay), f"drain-retry-{chunk_id[:8]}")
 
     async def _retry_later(self, chunk_id: str, delay: float) -> None:
         await asyncio.sleep(delay)

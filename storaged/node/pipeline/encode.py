@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from erasure import fragment_key
 from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, NVME
-from storaged.node.pipeline import Workers
+from storaged.node.pipeline import ChunkWorkers
 from storaged.peer import PeerError
 from storaged.placement import Placement
 
@@ -32,43 +32,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("storaged.node.encode")
 
 
-class Encoder:
+class Encoder(ChunkWorkers):
     def __init__(self, node: Node) -> None:
+        super().__init__("encode", node.config.encode_workers)
         self.node = node
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._pending: set[str] = set()
-        self._workers = Workers("encode", node.config.encode_workers, self._worker)
-
-    def start(self) -> None:
-        self._workers.start()
-
-    async def close(self) -> None:
-        await self._workers.close()
-
-    def offer(self, chunk_id: str) -> None:
-        if chunk_id not in self._pending:
-            self._pending.add(chunk_id)
-            self._queue.put_nowait(chunk_id)
-            self.node.metrics.encode_backlog.set(len(self._pending))
 
     @property
     def backlog(self) -> int:
-        return len(self._pending)
+        return self.pending
 
-    async def _worker(self) -> None:
-        node = self.node
-        while True:
-            cid = await self._queue.get()
-            self._pending.discard(cid)
-            node.metrics.encode_backlog.set(len(self._pending))
-            try:
-                await self.advance(cid)
-            except asyncio.CancelledError:
-                raise
-            except CatalogueUnavailable as exc:
-                log.warning("encode of %s: %s; repair will retry", cid, exc)
-            except Exception:
-                log.exception("encode of %s failed; repair will retry", cid)
+    def offered(self, chunk_id: str) -> None:
+        self.node.metrics.encode_backlog.set(self.pending)
+
+    def taken(self, chunk_id: str) -> None:
+        self.node.metrics.encode_backlog.set(self.pending)
+
+    async def handle(self, chunk_id: str) -> None:
+        await self.advance(chunk_id)
+
+    def failed(self, chunk_id: str, exc: Exception) -> None:
+        if isinstance(exc, CatalogueUnavailable):
+            log.warning("encode of %s: %s; repair will retry", chunk_id, exc)
+        else:
+            log.exception("encode of %s failed; repair will retry", chunk_id)
 
     async def advance(self, chunk_id: str) -> None:
         """As the owner: nvme once every hot holder drained, then encode, then trim copies."""

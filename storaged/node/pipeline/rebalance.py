@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 from erasure import fragment_key
 from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, Holding
-from storaged.node.pipeline import Workers
+from storaged.node.pipeline import ChunkWorkers
 from storaged.peer import PeerError
 from storaged.placement import Placement
 from tiers import ChunkNotFound, CorruptChunk, TierFull
@@ -101,50 +101,35 @@ class Throttle:
             await asyncio.sleep(start - now)
 
 
-class Rebalance:
+class Rebalance(ChunkWorkers):
     def __init__(self, node: Node) -> None:
+        super().__init__("rebalance", _WORKERS, pending_while_handled=True)
         self.node = node
         self.throttle = Throttle(node.config.rebalance_rate)
         #: chunk id -> monotonic time until which no slot of it may be dropped here
         self._pins: dict[str, float] = {}
         #: (chunk id, slot) being dropped here: reported held by no one
         self.dropping: set[tuple[str, int]] = set()
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._pending: set[str] = set()
-        self._workers = Workers("rebalance", _WORKERS, self._worker)
-
-    def start(self) -> None:
-        self._workers.start()
-
-    async def close(self) -> None:
-        await self._workers.close()
 
     def offer(self, chunk_id: str) -> None:
         """Move ``chunk_id`` where placement says, if this node still leads it then."""
-        if chunk_id not in self._pending:
-            self._pending.add(chunk_id)
-            self._queue.put_nowait(chunk_id)
+        super().offer(chunk_id)
 
-    async def _worker(self) -> None:
+    async def handle(self, chunk_id: str) -> None:
         node = self.node
-        while True:
-            cid = await self._queue.get()
-            try:
-                if node.repairer.away:
-                    continue  # placement skips the away member: wait for it (or for gone)
-                placement = node.placement()  # one view for this chunk's move
-                held = (await node.holdings(placement.alive, [cid], timeout=_ASK_TIMEOUT))[cid]
-                leads = node.repairer.leader(cid, held, placement) == node.id
-                if leads and self.complete(held):
-                    await self.rebalance_one(cid, held, placement)
-            except asyncio.CancelledError:
-                raise
-            except CatalogueUnavailable as exc:
-                log.warning("rebalance of %s: %s; the next repair pass offers it again", cid, exc)
-            except Exception:
-                log.exception("rebalance of %s failed; the next repair pass offers it again", cid)
-            finally:
-                self._pending.discard(cid)
+        if node.repairer.away:
+            return  # placement skips the away member: wait for it (or for gone)
+        placement = node.placement()  # one view for this chunk's move
+        held = (await node.holdings(placement.alive, [chunk_id], timeout=_ASK_TIMEOUT))[chunk_id]
+        leads = node.repairer.leader(chunk_id, held, placement) == node.id
+        if leads and self.complete(held):
+            await self.rebalance_one(chunk_id, held, placement)
+
+    def failed(self, chunk_id: str, exc: Exception) -> None:
+        if isinstance(exc, CatalogueUnavailable):
+            log.warning("rebalance of %s: %s; the next repair pass offers it again", chunk_id, exc)
+        else:
+            log.exception("rebalance of %s failed; the next repair pass offers it again", chunk_id)
 
     def complete(self, held: list[Holding]) -> bool:
         """Whether the chunk lacks nothing (what lacks is repair's, at once and unpaced)."""
