@@ -86,11 +86,14 @@ def imports_into(packages: tuple[str, ...], forbidden: str) -> dict[str, list[st
     return {name: modules for name, modules in found.items() if modules}
 
 
-def graph(*packages: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``packages`` it imports (submodules it names included)."""
+def graph(*packages: str, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (submodules it names included);
+    with ``type_checking``, those imported under ``if TYPE_CHECKING:`` too."""
     modules = {module_name(p): p for package in packages for p in (REPO / package).rglob("*.py")}
     return {
-        name: {m for m in imports_of(path) if m in modules and m != name}
+        name: {
+            m for m in imports_of(path, type_checking=type_checking) if m in modules and m != name
+        }
         for name, path in modules.items()
     }
 
@@ -171,6 +174,39 @@ def test_no_import_cycle_in_the_product_or_the_load_tests() -> None:
     assert "storaged.client.command" in edges["storaged.demo"]
     assert "storaged.client" in edges["loadtest.harness.trace"]
     assert "tiers.nvme" in edges["storaged.node.core"]
+    assert a_cycle(edges) is None
+
+
+#: modules that still name ``Node`` for type checking only (issue 18: each stage is to take
+#: narrow services instead); the list only shrinks
+_STILL_NAME_NODE = {
+    "storaged.catalogue",
+    "storaged.coord.etcd_catalogue",
+    "storaged.coord.etcd_membership",
+    "storaged.shm",
+    "storaged.node.checkpoints",
+    "storaged.node.evacuation",
+    "storaged.node.read",
+    "storaged.node.rpc",
+    "storaged.node.write",
+    "storaged.node.pipeline.drain",
+    "storaged.node.pipeline.encode",
+    "storaged.node.pipeline.gc",
+    "storaged.node.pipeline.rebalance",
+    "storaged.node.pipeline.repair",
+    "storaged.node.pipeline.scrub",
+}
+
+
+def test_no_import_cycle_counting_type_checking_imports() -> None:
+    """A name imported for its type is a dependency of the reader too: the product has no
+    cycle even counting them (the stages take narrow services, not the ``Node``)."""
+    edges = graph(*PACKAGES, type_checking=True)
+    node = {"storaged.node", "storaged.node.core"}
+    still = {name for name in _STILL_NAME_NODE if edges[name] & node}
+    assert still == _STILL_NAME_NODE, sorted(_STILL_NAME_NODE - still)  # keep the list true
+    for name in _STILL_NAME_NODE:
+        edges[name] -= node
     assert a_cycle(edges) is None
 
 
