@@ -1,10 +1,10 @@
 """Dependencies run one way: the product never imports its load tests, no module imports
 itself through others (no cycle in ``storaged``, ``tiers``, ``erasure`` and ``loadtest``,
-taken together), and a benchmark imports the harness (``loadtest.harness``), never another
-benchmark. Every import counts, those inside functions too (a lazy import is a dependency
-all the same), except those under ``if TYPE_CHECKING:``, which never run: that is how a
-stage names the type of the ``Node`` that owns it. Found by reading the sources, not by
-importing them.
+taken together, type-checking imports counted too: a name imported for its type is a
+dependency of its reader), and a benchmark imports the harness (``loadtest.harness``),
+never another benchmark. Every import counts, those inside functions too (a lazy import is
+a dependency all the same); where only imports that run are asked for, those under ``if
+TYPE_CHECKING:`` are left out. Found by reading the sources, not by importing them.
 
 The storage leaves (``tiers``, ``erasure``) import nothing from ``storaged`` and the client
 (``storaged.client``) nothing from ``tiers``: here type-checking imports count too, since a
@@ -177,37 +177,26 @@ def test_no_import_cycle_in_the_product_or_the_load_tests() -> None:
     assert a_cycle(edges) is None
 
 
-#: modules that still name ``Node`` for type checking only (issue 18: each stage is to take
-#: narrow services instead); the list only shrinks
-_STILL_NAME_NODE = {
-    "storaged.catalogue",
-    "storaged.coord.etcd_catalogue",
-    "storaged.coord.etcd_membership",
-    "storaged.shm",
-    "storaged.node.checkpoints",
-    "storaged.node.evacuation",
-    "storaged.node.read",
-    "storaged.node.rpc",
-    "storaged.node.write",
-    "storaged.node.pipeline.drain",
-    "storaged.node.pipeline.encode",
-    "storaged.node.pipeline.gc",
-    "storaged.node.pipeline.rebalance",
-    "storaged.node.pipeline.repair",
-    "storaged.node.pipeline.scrub",
-}
-
-
 def test_no_import_cycle_counting_type_checking_imports() -> None:
     """A name imported for its type is a dependency of the reader too: the product has no
-    cycle even counting them (the stages take narrow services, not the ``Node``)."""
+    cycle even counting them (the node's stages take narrow services, ``node/services.py``,
+    not the ``Node`` that wires them)."""
     edges = graph(*PACKAGES, type_checking=True)
-    node = {"storaged.node", "storaged.node.core"}
-    still = {name for name in _STILL_NAME_NODE if edges[name] & node}
-    assert still == _STILL_NAME_NODE, sorted(_STILL_NAME_NODE - still)  # keep the list true
-    for name in _STILL_NAME_NODE:
-        edges[name] -= node
+    assert "storaged.node.services" in edges["storaged.node.pipeline.repair"]  # counted
     assert a_cycle(edges) is None
+
+
+def test_no_module_of_the_node_or_its_coordination_names_the_node() -> None:
+    """Only the node's users (the HTTP front end, the CLI, ``storaged.node`` re-exporting it)
+    name ``Node``; its stages, the catalogues and the shared-memory listener do not."""
+    node = {"storaged.node.core", "storaged.node.core.Node", "storaged.node.Node"}
+    named = {
+        name
+        for name, path in ((module_name(p), p) for p in (REPO / "storaged").rglob("*.py"))
+        if node & set(imports_of(path, type_checking=True))
+    }
+    assert {"storaged.server", "storaged.cli"} <= named  # the search finds its users
+    assert named <= {"storaged.node", "storaged.server", "storaged.cli"}, sorted(named)
 
 
 def test_a_benchmark_imports_the_harness_not_another_benchmark() -> None:
