@@ -193,42 +193,66 @@ class Repair:
             # at ``replication`` copies on the nodes that stay, until nodes are back.
             cold = False
         if cold:
-            if missing and self.leadership.away and len(frags) >= cfg.k + 1:
-                # The away member likely holds them: wait (see the docstring), except for
-                # what a draining node holds: that must leave now, away member or not.
-                on_draining = {
-                    i for h in held if placement.is_draining(h.node) for i in h.fragments
-                }
-                if not missing & on_draining:
-                    return LACKING
-                missing &= on_draining
-            if missing:
-                async with self.reads.local_copy(chunk_id) as local:
-                    if local is None:
-                        # No whole copy here: a draining node's fragments move as they are
-                        # (one read each, not k reads and an encode).
-                        missing -= await self._move_fragments(chunk_id, held, placement, missing)
-                    data = local
-                    if data is None and missing:
-                        data = await self.reads.rebuild(chunk_id, placement)
-                    if data is not None and await self.encoder.encode_and_spread(
-                        chunk_id, data, placement, missing
-                    ):
-                        self.local.metrics.repaired.labels("fragment").inc(len(missing))
+            return await self._repair_cold(chunk_id, held, placement, missing)
+        return await self._repair_hot(chunk_id, held, placement, missing)
+
+    async def _repair_cold(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> str | None:
+        """A cold chunk: the ``missing`` fragment indexes (none on a node that stays) are
+        stored anew, fragments concentrated beyond one loss move at once, and what lies
+        outside the placement goes to the rebalance."""
+        cfg = self.local.config
+        frags = {i for h in held for i in h.fragments}
+        if missing and self.leadership.away and len(frags) >= cfg.k + 1:
+            # The away member likely holds them: wait (see the docstring), except for
+            # what a draining node holds: that must leave now, away member or not.
+            on_draining = {i for h in held if placement.is_draining(h.node) for i in h.fragments}
+            if not missing & on_draining:
                 return LACKING
-            spread = {h.node: h.fragments for h in staying}
-            if self.leadership.exposed(spread, len(placement.placeable), at_most=1):
-                # Every index present, but one node's loss would leave fewer than k: not the
-                # paced rebalance's to fix in its own time. Each index goes to its target
-                # now (the bytes as they are); the rebalance drops the extras later. (Below
-                # the failure model only for two losses, as after a fifth node's return to
-                # six, it is misplaced: the rebalance moves it, paced, as for a join.)
-                await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
-                return LACKING
-            return self._rebalance(chunk_id, held, placement)
-        kept = {h.node for h in staying if h.hot}
-        targets = placement.hot_targets(chunk_id)
-        lacking = [n for n in targets if n not in kept]
+            missing &= on_draining
+        if missing:
+            await self._restore_fragments(chunk_id, held, placement, missing)
+            return LACKING
+        spread = {h.node: h.fragments for h in held if not placement.is_draining(h.node)}
+        if self.leadership.exposed(spread, len(placement.placeable), at_most=1):
+            # Every index present, but one node's loss would leave fewer than k: not the
+            # paced rebalance's to fix in its own time. Each index goes to its target
+            # now (the bytes as they are); the rebalance drops the extras later. (Below
+            # the failure model only for two losses, as after a fifth node's return to
+            # six, it is misplaced: the rebalance moves it, paced, as for a join.)
+            await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
+            return LACKING
+        return self._rebalance(chunk_id, held, placement)
+
+    async def _restore_fragments(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> None:
+        """Store the ``missing`` fragment indexes on their targets: encoded from a whole
+        copy (here, or rebuilt from ``k`` fragments), or, without a copy here, a draining
+        node's fragments moved as they are."""
+        async with self.reads.local_copy(chunk_id) as local:
+            if local is None:
+                # No whole copy here: a draining node's fragments move as they are
+                # (one read each, not k reads and an encode).
+                missing -= await self._move_fragments(chunk_id, held, placement, missing)
+            data = local
+            if data is None and missing:
+                data = await self.reads.rebuild(chunk_id, placement)
+            if data is not None and await self.encoder.encode_and_spread(
+                chunk_id, data, placement, missing
+            ):
+                self.local.metrics.repaired.labels("fragment").inc(len(missing))
+
+    async def _repair_hot(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> str | None:
+        """A chunk kept hot: copies up to ``replication`` on its hot targets; once it has
+        them, on to the encoder (owner side) and the rebalance. ``missing``: the fragment
+        indexes of a cold chunk whose fragments cannot be placed now."""
+        cfg = self.local.config
+        kept = {h.node for h in held if h.hot and not placement.is_draining(h.node)}
+        lacking = [n for n in placement.hot_targets(chunk_id) if n not in kept]
         if missing and len(kept) >= cfg.replication:
             return None  # cold, fragments unplaceable now, and safe as a hot chunk
         if len(kept) >= cfg.replication or not lacking:
@@ -239,15 +263,22 @@ class Repair:
                     with contextlib.suppress(PeerError):
                         await self.cluster.call(owner, "drained", {"id": chunk_id})
             return self._rebalance(chunk_id, held, placement)
+        state = max((h.state for h in held), default=0)
         if self.leadership.away and state >= NVME and len(kept) >= 2:
             return LACKING  # durable on the away member's disk too: wait for it
+        await self._copy_to(chunk_id, placement, lacking[: cfg.replication - len(kept)])
+        return LACKING
+
+    async def _copy_to(self, chunk_id: str, placement: Placement, targets: list[str]) -> None:
+        """A whole copy of the chunk (from here, a peer, or decoded) to each of ``targets``;
+        a target that fails is logged and left for the next pass."""
         async with self.reads.local_copy(chunk_id) as local:
             data = local if local is not None else await self.reads.whole_copy(chunk_id, placement)
             if data is None:
                 log.warning("repair of %s: no copy and too few fragments to read", chunk_id)
-                return LACKING
+                return
             view = memoryview(data)
-            for target in lacking[: cfg.replication - len(kept)]:
+            for target in targets:
                 try:
                     if target == self.local.id:
                         await self.writes.keep_copy(chunk_id, view)
@@ -256,7 +287,6 @@ class Repair:
                     self.local.metrics.repaired.labels("copy").inc()
                 except (PeerError, TierFull) as exc:
                     log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)
-        return LACKING
 
     def _can_spread(self, placement: Placement) -> bool:
         """Whether the placeable nodes can hold ``n`` fragments with at most ``n - k`` on
