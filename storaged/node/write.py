@@ -398,9 +398,53 @@ class WritePath:
 
         Returns (the holders in placement order, the remote ones that did not have it before).
         """
-        targets = order[: self.local.config.replication]
+        rf = self.local.config.replication
+        targets = order[:rf]
         holders: list[str] = [self.local.id] if self.local.id in targets else []
         created: list[str] = []
+        damaged = await self._verdicts(chunk_id, streams, refused, holders, created)
+        # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
+        # way. Send it our copy again rather than failing the client's good upload.
+        for node_id in damaged:
+            log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
+            reply = await self._push_with_resends(node_id, chunk_id, buf, refused, crc32c)
+            if reply is not None:
+                holders.append(node_id)
+                if reply.get("new"):
+                    created.append(node_id)
+        # Fill the gaps (a dead or full peer) with the next live nodes of the order.
+        tried = set(targets)
+        for candidate in order:
+            if len(holders) >= rf:
+                break
+            if candidate in tried or candidate in holders:
+                continue
+            tried.add(candidate)
+            if candidate == self.local.id:
+                holders.append(self.local.id)
+                continue
+            reply = await self._push_with_resends(candidate, chunk_id, buf, refused, crc32c)
+            if reply is None:
+                continue
+            holders.append(candidate)
+            if reply.get("new"):
+                created.append(candidate)
+        if len(holders) < rf:
+            raise self._too_few_holders(len(holders), refused)
+        rank = {n: i for i, n in enumerate(order)}
+        return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
+
+    async def _verdicts(
+        self,
+        chunk_id: str,
+        streams: dict[str, PutStream],
+        refused: list[Refusal],
+        holders: list[str],
+        created: list[str],
+    ) -> list[str]:
+        """Each replica stream's verdict: a holder goes to ``holders`` (and ``created`` if
+        it did not have the chunk before), a refusal to ``refused``; an unreachable replica
+        is reported to the membership. Returns the replicas that saw damaged bytes."""
         damaged: list[str] = []
 
         async def finish(node_id: str, stream: PutStream) -> None:
@@ -422,63 +466,35 @@ class WritePath:
                 created.append(node_id)
 
         await asyncio.gather(*(finish(n, s) for n, s in streams.items()))
-        # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
-        # way. Send it our copy again rather than failing the client's good upload.
-        for node_id in damaged:
-            log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
-            reply = await self._push_with_resends(node_id, chunk_id, buf, refused, crc32c)
-            if reply is not None:
-                holders.append(node_id)
-                if reply.get("new"):
-                    created.append(node_id)
-        # Fill the gaps (a dead or full peer) with the next live nodes of the order.
-        tried = set(targets)
-        for candidate in order:
-            if len(holders) >= self.local.config.replication:
-                break
-            if candidate in tried or candidate in holders:
-                continue
-            tried.add(candidate)
-            if candidate == self.local.id:
-                holders.append(self.local.id)
-                continue
-            reply = await self._push_with_resends(candidate, chunk_id, buf, refused, crc32c)
-            if reply is None:
-                continue
-            holders.append(candidate)
-            if reply.get("new"):
-                created.append(candidate)
-        if len(holders) < self.local.config.replication:
-            if self.local.stopping:
-                raise unavailable(
-                    "shutting_down", f"node {self.local.id} is stopping", retry_after=1.0
-                )
-            rf = self.local.config.replication
-            short = f"only {len(holders)} node(s) could take the chunk, need {rf}"
-            full = {n: e for n, e in refused if e.code == "nvme_full"}
-            if full:
-                # Not backpressure: those nodes' RAM frees only when their disk does (E16).
-                raise InsufficientStorage(
-                    "nvme_full",
-                    f"{short}: " + "; ".join(e.message for e in full.values()),
-                    full=[
-                        {"node": n, "url": self.cluster.spec(n).url, "tier": "nvme"} for n in full
-                    ],
-                )
-            out_of_ram = [f"{n}: {e.message}" for n, e in refused if e.code == "memory_full"]
-            if out_of_ram:
-                raise unavailable(
-                    "memory_full",
-                    f"{short}: out of RAM on " + "; ".join(out_of_ram),
-                    retry_after=1.0,
-                )
-            raise unavailable(
-                "insufficient_replicas",
-                f"only {len(holders)} node(s) could take the chunk; need {rf}",
-                retry_after=self.local.config.down_after,
+        return damaged
+
+    def _too_few_holders(self, count: int, refused: list[Refusal]) -> StoragedError:
+        """Why a PUT found only ``count`` holders: this node stops, replicas' nvme full
+        (E16), out of RAM, or too few live nodes."""
+        if self.local.stopping:
+            return unavailable(
+                "shutting_down", f"node {self.local.id} is stopping", retry_after=1.0
             )
-        rank = {n: i for i, n in enumerate(order)}
-        return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
+        rf = self.local.config.replication
+        short = f"only {count} node(s) could take the chunk, need {rf}"
+        full = {n: e for n, e in refused if e.code == "nvme_full"}
+        if full:
+            # Not backpressure: those nodes' RAM frees only when their disk does (E16).
+            return InsufficientStorage(
+                "nvme_full",
+                f"{short}: " + "; ".join(e.message for e in full.values()),
+                full=[{"node": n, "url": self.cluster.spec(n).url, "tier": "nvme"} for n in full],
+            )
+        out_of_ram = [f"{n}: {e.message}" for n, e in refused if e.code == "memory_full"]
+        if out_of_ram:
+            return unavailable(
+                "memory_full", f"{short}: out of RAM on " + "; ".join(out_of_ram), retry_after=1.0
+            )
+        return unavailable(
+            "insufficient_replicas",
+            f"only {count} node(s) could take the chunk; need {rf}",
+            retry_after=self.local.config.down_after,
+        )
 
     async def _push_with_resends(
         self,
