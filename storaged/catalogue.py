@@ -157,7 +157,7 @@ class EmbeddedCatalogue(Catalogue):
         else:
             created = True
         try:
-            reply, _ = await self.cluster.call(primary, "catalog_put", {"record": record.to_wire()})
+            reply = await self.cluster.catalog_put(primary, record)
         except PeerError as exc:
             raise CatalogueUnavailable(
                 f"the primary catalogue holder {primary} is unreachable: {exc}"
@@ -167,10 +167,10 @@ class EmbeddedCatalogue(Catalogue):
                 f"checkpoint {record.name!r} was committed or deleted concurrently"
             )
         results = await asyncio.gather(
-            *(self.cluster.call(n, "catalog_put", {"record": record.to_wire()}) for n in others),
+            *(self.cluster.catalog_put(n, record) for n in others),
             return_exceptions=True,
         )
-        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
+        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r["stored"])
         if stored < 1 + len(others):
             raise CatalogueUnavailable(
                 f"the manifest reached {stored} of {1 + len(others)} nodes; retry completes it"
@@ -187,9 +187,7 @@ class EmbeddedCatalogue(Catalogue):
         async def ask(node_id: str) -> None:
             nonlocal answered, best
             try:
-                reply, _ = await self.cluster.call(
-                    node_id, "catalog_get", {"name": name}, until_down=True
-                )
+                reply = await self.cluster.catalog_get(node_id, name)
             except PeerError:
                 return
             answered += 1
@@ -211,12 +209,7 @@ class EmbeddedCatalogue(Catalogue):
         alive = placement.alive
         merged: dict[str, CatalogRecord] = {}
         replies = await asyncio.gather(
-            *(
-                self.cluster.call(
-                    n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks}, until_down=True
-                )
-                for n in alive
-            ),
+            *(self.cluster.catalog_dump(n, prefix, chunks=with_chunks) for n in alive),
             return_exceptions=True,
         )
         answered = 0
@@ -224,7 +217,7 @@ class EmbeddedCatalogue(Catalogue):
             if isinstance(reply, BaseException):
                 continue
             answered += 1
-            for wire in reply[0]["records"]:
+            for wire in reply["records"]:
                 record = CatalogRecord.from_wire(wire)
                 current = merged.get(record.name)
                 if current is None or newer(record, current):
@@ -245,7 +238,7 @@ class EmbeddedCatalogue(Catalogue):
         primary, others = self.holders(name, placement)
         holders = {primary, *others} | set(placement.alive)
         results = await asyncio.gather(
-            *(self.cluster.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
+            *(self.cluster.catalog_put(n, record) for n in holders),
             return_exceptions=True,
         )
         # A holder that refuses has something newer (a later commit or delete): it still
@@ -293,9 +286,7 @@ class EmbeddedCatalogue(Catalogue):
             for start in range(0, len(records), _REPAIR_BATCH):
                 batch = records[start : start + _REPAIR_BATCH]
                 try:
-                    reply, _ = await self.cluster.call(
-                        target, "catalog_versions", {"names": [r.name for r in batch]}
-                    )
+                    reply = await self.cluster.catalog_versions(target, [r.name for r in batch])
                 except PeerError:
                     break  # unreachable now: the next pass tries again
                 held = reply["versions"]
@@ -304,9 +295,7 @@ class EmbeddedCatalogue(Catalogue):
                     if theirs is not None and not _older(theirs, record):
                         continue
                     try:
-                        put, _ = await self.cluster.call(
-                            target, "catalog_put", {"record": record.to_wire()}
-                        )
+                        put = await self.cluster.catalog_put(target, record)
                     except PeerError:
                         continue
                     written += int(bool(put["stored"]))

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from storaged.catalog import CatalogRecord
 from storaged.config import Config, NodeSpec
 from storaged.membership import Membership
 from storaged.node.index import COLD, Holding
@@ -131,6 +132,98 @@ class Cluster:
                 task.cancel()  # the peer client drops the connection
                 with contextlib.suppress(asyncio.CancelledError, PeerError):
                     await task
+
+    # ---- the peer calls the stages make, one method each (``rpc.py`` serves them) ----------
+    async def get_chunk(
+        self, node_id: str, chunk_id: str
+    ) -> tuple[dict[str, Any], bytes | memoryview | None]:
+        """``node_id``'s hot copy of the chunk (unchecked: the caller checks it) and the tier
+        it came from (``tier`` in the reply)."""
+        return await self.call(node_id, "get_chunk", {"id": chunk_id})
+
+    async def get_fragment(self, node_id: str, key: str) -> bytes | memoryview | None:
+        """The stored fragment ``key`` (its header included), checked by the holder's tier."""
+        _, body = await self.call(node_id, "get_fragment", {"key": key})
+        return body
+
+    async def put_fragment(
+        self, node_id: str, key: str, size: int, blob: bytes | bytearray | memoryview
+    ) -> None:
+        """Store fragment ``key`` of a chunk of ``size`` bytes durably on ``node_id``."""
+        await self.call(node_id, "put_fragment", {"key": key, "size": size}, blob)
+
+    async def drained(self, node_id: str, chunk_id: str) -> None:
+        """Tell the chunk's owner a copy of it is on disk here (it may encode now)."""
+        await self.call(node_id, "drained", {"id": chunk_id})
+
+    async def set_state(self, node_id: str, ids: list[str], state: int) -> None:
+        """Raise the recorded state of ``ids`` on ``node_id`` to ``state``."""
+        await self.call(node_id, "set_state", {"ids": ids, "state": state})
+
+    async def drop_nvme(self, node_id: str, ids: list[str]) -> None:
+        """Drop ``node_id``'s nvme copies of ``ids`` that are cold."""
+        await self.call(node_id, "drop_nvme", {"ids": ids})
+
+    async def evict(self, node_id: str, ids: list[str], *, nvme: bool) -> dict[str, Any]:
+        """Evict ``node_id``'s RAM (and, with ``nvme``, nvme) copies of ``ids``; the counts."""
+        reply, _ = await self.call(node_id, "evict", {"ids": ids, "nvme": nvme})
+        return reply
+
+    async def witness(
+        self, node_id: str, chunk_id: str, slot: int, pin: float, *, timeout: float
+    ) -> bool:
+        """Whether ``node_id`` holds the slot and pinned its chunk (``pipeline/rebalance.py``)."""
+        reply, _ = await self.call(
+            node_id, "witness", {"id": chunk_id, "slot": slot, "pin": pin}, timeout=timeout
+        )
+        return bool(reply.get("held"))
+
+    async def drop_misplaced(
+        self, node_id: str, chunk_id: str, slot: int, witnesses: list[str], *, timeout: float
+    ) -> bool:
+        """Whether ``node_id`` dropped its misplaced slot (witnessed by ``witnesses``)."""
+        reply, _ = await self.call(
+            node_id,
+            "drop_misplaced",
+            {"id": chunk_id, "slot": slot, "witnesses": witnesses},
+            timeout=timeout,
+        )
+        return bool(reply.get("dropped"))
+
+    async def drain_marks(
+        self, node_id: str, marks: dict[str, Any], *, timeout: float
+    ) -> dict[str, Any]:
+        """Merge drain ``marks`` into ``node_id``'s."""
+        reply, _ = await self.call(node_id, "drain_marks", {"marks": marks}, timeout=timeout)
+        return reply
+
+    async def drain_progress(self, node_id: str, *, timeout: float) -> dict[str, Any]:
+        """How far ``node_id``'s drain is (``Evacuation.local_progress`` there)."""
+        reply, _ = await self.call(node_id, "drain_progress", {}, timeout=timeout)
+        return reply
+
+    async def catalog_put(self, node_id: str, record: CatalogRecord) -> dict[str, Any]:
+        """Store ``record`` in ``node_id``'s catalog unless it holds a newer one (``stored``)."""
+        reply, _ = await self.call(node_id, "catalog_put", {"record": record.to_wire()})
+        return reply
+
+    async def catalog_get(self, node_id: str, name: str) -> dict[str, Any]:
+        """``node_id``'s record of ``name``, if any; abandoned once it is held down."""
+        reply, _ = await self.call(node_id, "catalog_get", {"name": name}, until_down=True)
+        return reply
+
+    async def catalog_dump(self, node_id: str, prefix: str, *, chunks: bool) -> dict[str, Any]:
+        """``node_id``'s records under ``prefix`` (with their chunk lists if ``chunks``);
+        abandoned once it is held down."""
+        reply, _ = await self.call(
+            node_id, "catalog_dump", {"prefix": prefix, "chunks": chunks}, until_down=True
+        )
+        return reply
+
+    async def catalog_versions(self, node_id: str, names: list[str]) -> dict[str, Any]:
+        """What version of each of ``names`` ``node_id``'s catalog holds."""
+        reply, _ = await self.call(node_id, "catalog_versions", {"names": names})
+        return reply
 
     # ---- who holds what --------------------------------------------------------------------
     async def holdings(

@@ -13,6 +13,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/rebalance.py``   copies and fragments to where placement says, paced
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
+``pipeline/leadership.py``  who leads a chunk's repair, which members are away
 ``referenced.py``           which chunks are referenced, from a fresh snapshot only
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
 ``space.py``                whether the disk tiers have room: full and nearly-full marks
@@ -381,17 +382,14 @@ class Node:
     async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
         record = await self.checkpoints.get(name)
         results = await asyncio.gather(
-            *(
-                self.call(n, "evict", {"ids": record.chunks, "nvme": nvme})
-                for n in self.placement().alive
-            ),
+            *(self.cluster.evict(n, record.chunks, nvme=nvme) for n in self.placement().alive),
             return_exceptions=True,
         )
         totals = {"memory": 0, "nvme": 0}
         for r in results:
             if not isinstance(r, BaseException):
                 for k in totals:
-                    totals[k] += int(r[0].get(k, 0))
+                    totals[k] += int(r.get(k, 0))
         return totals
 
     async def drain(self, node_id: str, *, cancel: bool = False) -> dict[str, Any]:

@@ -95,10 +95,7 @@ class Evacuation:
             peers = [m.id for m in placement.view.members if m.id != self.local.id]
             live = [p for p in peers if placement.is_alive(p)]
             results = await asyncio.gather(
-                *(
-                    self.cluster.call(p, "drain_marks", {"marks": marks}, timeout=10.0)
-                    for p in live
-                ),
+                *(self.cluster.drain_marks(p, marks, timeout=10.0) for p in live),
                 return_exceptions=True,
             )
             told = {
@@ -125,9 +122,7 @@ class Evacuation:
         if node_id == self.local.id:
             return await self.local_progress()
         try:
-            reply, _ = await self.cluster.call(
-                node_id, "drain_progress", {}, timeout=_PROGRESS_TIMEOUT
-            )
+            reply = await self.cluster.drain_progress(node_id, timeout=_PROGRESS_TIMEOUT)
         except PeerError as exc:
             raise unavailable(
                 "node_unavailable", f"node {node_id} does not answer: {exc}", retry_after=1.0

@@ -96,7 +96,7 @@ class ReadPath:
                 continue
             try:
                 # Whole chunk from the peer, so that it can be checked against the id here.
-                reply, body = await self.cluster.call(node_id, "get_chunk", {"id": chunk_id})
+                reply, body = await self.cluster.get_chunk(node_id, chunk_id)
             except PeerError:
                 continue
             body = b"" if body is None else body  # an empty chunk travels without a body
@@ -153,9 +153,7 @@ class ReadPath:
 
         async def fetch(node_id: str, index: int) -> None:
             try:
-                _, body = await self.cluster.call(
-                    node_id, "get_fragment", {"key": fragment_key(chunk_id, index)}
-                )
+                body = await self.cluster.get_fragment(node_id, fragment_key(chunk_id, index))
             except PeerError:
                 return
             if body is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from erasure.base import Codec
-    from storaged.catalog import Catalog
+    from storaged.catalog import Catalog, CatalogRecord
     from storaged.config import Config, NodeSpec
     from storaged.membership import Membership
     from storaged.metrics import NodeMetrics
@@ -130,6 +130,47 @@ class ClusterView(Protocol):
     ) -> dict[str, tuple[int, int]]: ...
 
     def states_of(self, held: dict[str, list[Holding]]) -> dict[str, tuple[int, int]]: ...
+
+    # the peer calls, one method each (``cluster.Cluster`` says what each does)
+    async def get_chunk(
+        self, node_id: str, chunk_id: str
+    ) -> tuple[dict[str, Any], bytes | memoryview | None]: ...
+
+    async def get_fragment(self, node_id: str, key: str) -> bytes | memoryview | None: ...
+
+    async def put_fragment(
+        self, node_id: str, key: str, size: int, blob: bytes | bytearray | memoryview
+    ) -> None: ...
+
+    async def drained(self, node_id: str, chunk_id: str) -> None: ...
+
+    async def set_state(self, node_id: str, ids: list[str], state: int) -> None: ...
+
+    async def drop_nvme(self, node_id: str, ids: list[str]) -> None: ...
+
+    async def evict(self, node_id: str, ids: list[str], *, nvme: bool) -> dict[str, Any]: ...
+
+    async def witness(
+        self, node_id: str, chunk_id: str, slot: int, pin: float, *, timeout: float
+    ) -> bool: ...
+
+    async def drop_misplaced(
+        self, node_id: str, chunk_id: str, slot: int, witnesses: list[str], *, timeout: float
+    ) -> bool: ...
+
+    async def drain_marks(
+        self, node_id: str, marks: dict[str, Any], *, timeout: float
+    ) -> dict[str, Any]: ...
+
+    async def drain_progress(self, node_id: str, *, timeout: float) -> dict[str, Any]: ...
+
+    async def catalog_put(self, node_id: str, record: CatalogRecord) -> dict[str, Any]: ...
+
+    async def catalog_get(self, node_id: str, name: str) -> dict[str, Any]: ...
+
+    async def catalog_dump(self, node_id: str, prefix: str, *, chunks: bool) -> dict[str, Any]: ...
+
+    async def catalog_versions(self, node_id: str, names: list[str]) -> dict[str, Any]: ...
 
 
 class DataPlane(Protocol):

@@ -121,7 +121,7 @@ class Drain(ChunkWorkers):
             self.to_encode(chunk_id)
         else:
             with contextlib.suppress(PeerError):
-                await self.cluster.call(owner, "drained", {"id": chunk_id})
+                await self.cluster.drained(owner, chunk_id)
 
     async def _write(self, chunk_id: str) -> None:
         """The RAM copy to a durable file. A copy handed over in shared memory is hashed

@@ -82,10 +82,7 @@ class Encoder(ChunkWorkers):
         if len(hot) < rf or any(not h.nvme for h in hot):
             return  # not yet drained everywhere (the last holder's "drained" brings us back)
         await asyncio.gather(
-            *(
-                self.cluster.call(h.node, "set_state", {"ids": [chunk_id], "state": NVME})
-                for h in hot
-            ),
+            *(self.cluster.set_state(h.node, [chunk_id], NVME) for h in hot),
             return_exceptions=True,
         )
         # Durable now; the cold tier can wait for a pause in the PUTs (acks come first).
@@ -102,10 +99,7 @@ class Encoder(ChunkWorkers):
                 return
         holders = [h.node for h in hot]
         await asyncio.gather(
-            *(
-                self.cluster.call(n, "set_state", {"ids": [chunk_id], "state": COLD})
-                for n in holders
-            ),
+            *(self.cluster.set_state(n, [chunk_id], COLD) for n in holders),
             return_exceptions=True,
         )
         self.local.metrics.encoded.inc()
@@ -113,7 +107,7 @@ class Encoder(ChunkWorkers):
         # belongs to a newest checkpoint); the other holders' nvme copies go now.
         others = [n for n in holders if n != self.local.id]
         await asyncio.gather(
-            *(self.cluster.call(n, "drop_nvme", {"ids": [chunk_id]}) for n in others),
+            *(self.cluster.drop_nvme(n, [chunk_id]) for n in others),
             return_exceptions=True,
         )
 
@@ -144,9 +138,7 @@ class Encoder(ChunkWorkers):
             key = fragment_key(chunk_id, index)
             blob = fragments[index].to_bytes()  # one joined copy: the peer call takes one body
             try:
-                await self.cluster.call(
-                    targets[index], "put_fragment", {"key": key, "size": len(data)}, blob
-                )
+                await self.cluster.put_fragment(targets[index], key, len(data), blob)
             except PeerError as exc:
                 # A target that drains (our view predates its mark) refuses like a dead one:
                 # the encode is offered again by repair, and that view places it elsewhere.

@@ -13,7 +13,7 @@ named it in a catalogue snapshot taken at ``S``, its last use here is older than
 touched it at ``T`` (until ``T + W``, ``W`` its commit window) before writing its record,
 which is everywhere by ``T + W``. Collecting needs ``now > T + W + G`` and ``now < S + G/2``,
 so ``S > T + W``: the snapshot was taken after the record was written, and names the chunk.
-The check and the mark (``Node.collecting``) are one step under the chunk's lock, so a
+The check and the mark (``LocalStore.collecting``) are one step under the chunk's lock, so a
 touch or a store lands either before (and wins) or after (and sees the chunk gone).
 
 Retention: a cold chunk's nvme copy goes only while all ``n`` of its fragments are held.

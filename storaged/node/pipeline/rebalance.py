@@ -222,15 +222,11 @@ class Rebalance(ChunkWorkers):
 
             async def held_by(witness: str) -> bool:
                 try:
-                    reply, _ = await self.cluster.call(
-                        witness,
-                        "witness",
-                        {"id": chunk_id, "slot": slot, "pin": PIN_SECONDS},
-                        timeout=PIN_SECONDS / 4,
+                    return await self.cluster.witness(
+                        witness, chunk_id, slot, PIN_SECONDS, timeout=PIN_SECONDS / 4
                     )
                 except PeerError:
                     return False
-                return bool(reply.get("held"))
 
             answers = await asyncio.gather(*(held_by(w) for w in others))
             if not all(answers) or time.monotonic() - asked > PIN_SECONDS / 2:
@@ -358,13 +354,13 @@ class Rebalance(ChunkWorkers):
     async def _move_fragment(self, chunk_id: str, index: int, source: str, target: str) -> bool:
         key = fragment_key(chunk_id, index)
         try:
-            _, blob = await self.cluster.call(source, "get_fragment", {"key": key})
+            blob = await self.cluster.get_fragment(source, key)
             if blob is None:
                 return False
             await self.throttle.take(len(blob))
             info = self.local.index.get(chunk_id)
             size = info.size if info is not None else -1
-            await self.cluster.call(target, "put_fragment", {"key": key, "size": size}, blob)
+            await self.cluster.put_fragment(target, key, size, blob)
         except PeerError as exc:
             log.warning("rebalance of fragment %s to %s failed: %s", key, target, exc)
             return False
@@ -375,12 +371,8 @@ class Rebalance(ChunkWorkers):
     async def _ask_drop(self, holder: str, chunk_id: str, slot: int, witnesses: list[str]) -> bool:
         """Whether ``holder`` says it dropped the slot (False also when it did not answer)."""
         try:
-            reply, _ = await self.cluster.call(
-                holder,
-                "drop_misplaced",
-                {"id": chunk_id, "slot": slot, "witnesses": witnesses},
-                timeout=PIN_SECONDS,
+            return await self.cluster.drop_misplaced(
+                holder, chunk_id, slot, witnesses, timeout=PIN_SECONDS
             )
         except PeerError:
             return False
-        return bool(reply.get("dropped"))

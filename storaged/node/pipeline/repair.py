@@ -261,7 +261,7 @@ class Repair:
                 self.encoder.offer(chunk_id)  # owner side: encode when ready
                 if owner != self.local.id:
                     with contextlib.suppress(PeerError):
-                        await self.cluster.call(owner, "drained", {"id": chunk_id})
+                        await self.cluster.drained(owner, chunk_id)
             return self._rebalance(chunk_id, held, placement)
         state = max((h.state for h in held), default=0)
         if self.leadership.away and state >= NVME and len(kept) >= 2:
@@ -316,12 +316,10 @@ class Repair:
         async def move(index: int) -> bool:
             key = fragment_key(chunk_id, index)
             try:
-                _, blob = await self.cluster.call(sources[index], "get_fragment", {"key": key})
+                blob = await self.cluster.get_fragment(sources[index], key)
                 if blob is None:
                     return False
-                await self.cluster.call(
-                    targets[index], "put_fragment", {"key": key, "size": size}, blob
-                )
+                await self.cluster.put_fragment(targets[index], key, size, blob)
             except PeerError as exc:
                 log.warning("moving fragment %s to %s failed: %s", key, targets[index], exc)
                 return False
