@@ -148,6 +148,27 @@ class Checkpoints:
         except CatalogueUnavailable as exc:
             raise _unavailable(exc, "catalogue_unavailable") from exc
 
+    async def missing(self, ids: list[str]) -> list[str]:
+        """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
+        states = await self.cluster.chunk_states(list(dict.fromkeys(ids)), touch=time.time())
+        return [c for c in ids if c not in states]
+
+    async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
+        """Admin: push the checkpoint's chunks out of RAM (and, with ``nvme``, off nvme)
+        where a colder copy exists, on every live node; how many went, per tier."""
+        record = await self.get(name)
+        alive = self.cluster.placement().alive
+        results = await asyncio.gather(
+            *(self.cluster.evict(n, record.chunks, nvme=nvme) for n in alive),
+            return_exceptions=True,
+        )
+        totals = {"memory": 0, "nvme": 0}
+        for r in results:
+            if not isinstance(r, BaseException):
+                for k in totals:
+                    totals[k] += int(r.get(k, 0))
+        return totals
+
     async def get(self, name: str) -> CatalogRecord:
         try:
             return await self.catalogue.get(name)

@@ -358,8 +358,7 @@ class Node:
 
     async def missing(self, ids: list[str]) -> list[str]:
         """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
-        states = await self.chunk_states(list(dict.fromkeys(ids)), touch=time.time())
-        return [c for c in ids if c not in states]
+        return await self.checkpoints.missing(ids)
 
     async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
         return await self.checkpoints.commit(name, checked)
@@ -380,17 +379,7 @@ class Node:
         return await self.checkpoints.restore_plan(name)
 
     async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
-        record = await self.checkpoints.get(name)
-        results = await asyncio.gather(
-            *(self.cluster.evict(n, record.chunks, nvme=nvme) for n in self.placement().alive),
-            return_exceptions=True,
-        )
-        totals = {"memory": 0, "nvme": 0}
-        for r in results:
-            if not isinstance(r, BaseException):
-                for k in totals:
-                    totals[k] += int(r.get(k, 0))
-        return totals
+        return await self.checkpoints.evict(name, nvme=nvme)
 
     async def drain(self, node_id: str, *, cancel: bool = False) -> dict[str, Any]:
         return await self.evacuation.mark(node_id, draining=not cancel)
