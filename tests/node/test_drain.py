@@ -5,28 +5,17 @@ the chunk; a chunk collected meanwhile, or already on disk, is not written (agai
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from erasure import make_codec
-from storaged.catalog import Catalog
-from storaged.config import Config, NodeSpec
 from storaged.ids import chunk_id_of
-from storaged.membership import StaticMembership
-from storaged.node.cluster import Cluster
-from storaged.node.index import StateLog
 from storaged.node.local import Local
 from storaged.node.pipeline.drain import Drain
 from storaged.node.write import WritePath
-from storaged.peer import PeerClient
-from tiers.cold import ColdTier
-from tiers.memory import MemoryTier
-from tiers.nvme import NvmeTier
+from tests.node.alone import services
 
 
 class Stage:
@@ -38,46 +27,11 @@ class Stage:
 
 @pytest.fixture
 async def stage(tmp_path: Path) -> AsyncIterator[Stage]:
-    spec = NodeSpec("n0", "http://127.0.0.1:1", "127.0.0.1:2", str(tmp_path))
-    config = dataclasses.replace(
-        Config(node_id="n0", nodes=(spec,), token="t" * 32, cluster_secret="s" * 32),
-        k=2,
-        n=3,
-        replication=1,
-        memory_capacity=16 * 2**20,
-        drain_defer=0.0,
-    )
-    state_log = StateLog(tmp_path / "chunks.state")
-    local = Local(
-        config,
-        MemoryTier(config.memory_capacity),
-        await NvmeTier.open(tmp_path / "nvme", 2**30),
-        await ColdTier.open(tmp_path / "cold", 2**30),
-        make_codec(config.codec, config.k, config.n),
-        await Catalog.open(tmp_path / "catalog"),
-        state_log,
-        state_log.load(),
-    )
-    peers = PeerClient("n0", b"s" * 32)
-
-    async def unused_ping(spec: NodeSpec) -> dict[str, object]:
-        raise AssertionError("the membership is never started")
-
-    cluster = Cluster(config, StaticMembership("n0", config.nodes, unused_ping), peers)
-    drained: list[str] = []
-    writes = WritePath(local, cluster, to_drain=drained.append)
-    encoded: list[str] = []
-    drain = Drain(local, cluster, writes=writes, to_encode=encoded.append)
-    try:
-        yield Stage(local, drain, encoded)
-    finally:
-        for task in list(local.tasks):
-            task.cancel()
-        await asyncio.gather(*local.tasks, return_exceptions=True)
-        await peers.close()
-        for tier in (local.memory, local.nvme, local.cold):
-            await tier.close()
-        state_log.close()
+    async with services(tmp_path) as (local, cluster):
+        drained: list[str] = []
+        writes = WritePath(local, cluster, to_drain=drained.append)
+        encoded: list[str] = []
+        yield Stage(local, Drain(local, cluster, writes=writes, to_encode=encoded.append), encoded)
 
 
 async def _in_ram(local: Local, data: bytes) -> str:

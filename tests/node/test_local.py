@@ -4,50 +4,13 @@ from a ``Local`` only, forgets the fragments it finds damaged or gone."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
-from erasure import make_codec
-from storaged.catalog import Catalog
-from storaged.config import Config, NodeSpec
 from storaged.ids import chunk_id_of
-from storaged.node.index import NVME, StateLog
-from storaged.node.local import Local
+from storaged.node.index import NVME
 from storaged.node.pipeline.scrub import Scrubber
-from tiers.cold import ColdTier
-from tiers.memory import MemoryTier
-from tiers.nvme import NvmeTier
-
-
-async def _local(root: Path) -> Local:
-    spec = NodeSpec("n0", "http://127.0.0.1:1", "127.0.0.1:2", str(root))
-    config = dataclasses.replace(
-        Config(node_id="n0", nodes=(spec,), token="t" * 32, cluster_secret="s" * 32),
-        k=2,
-        n=3,
-        replication=1,
-        memory_capacity=16 * 2**20,
-    )
-    nvme = await NvmeTier.open(root / "nvme", 2**30)
-    cold = await ColdTier.open(root / "cold", 2**30)
-    state_log = StateLog(root / "chunks.state")
-    return Local(
-        config,
-        MemoryTier(config.memory_capacity),
-        nvme,
-        cold,
-        make_codec(config.codec, config.k, config.n),
-        await Catalog.open(root / "catalog"),
-        state_log,
-        state_log.load(),
-    )
-
-
-async def _close(local: Local) -> None:
-    for tier in (local.memory, local.nvme, local.cold):
-        await tier.close()
-    local.state_log.close()
+from tests.node.alone import close_local, open_local
 
 
 def _flip_last_byte(path: Path) -> None:
@@ -59,16 +22,16 @@ def _flip_last_byte(path: Path) -> None:
 async def test_the_index_is_rebuilt_from_the_disks_and_damaged_fragments_are_quarantined(
     tmp_path: Path,
 ) -> None:
-    local = await _local(tmp_path)
+    local = await open_local(tmp_path)
     data = os.urandom(256 << 10)
     chunk_id = chunk_id_of(data)
     await local.nvme.put(chunk_id, data)
     fragments = await local.codec.encode_async(chunk_id, data)
     keys = [await local.cold.put_fragment(f) for f in fragments]
-    await _close(local)
+    await close_local(local)
     _flip_last_byte(next((tmp_path / "cold").rglob(keys[1])))
 
-    local = await _local(tmp_path)
+    local = await open_local(tmp_path)
     try:
         await local.rebuild_index()
         assert local.index[chunk_id].state == NVME
@@ -77,13 +40,13 @@ async def test_the_index_is_rebuilt_from_the_disks_and_damaged_fragments_are_qua
         assert local.nvme_has(chunk_id) and local.holds_hot(chunk_id)
         assert not local.memory_has(chunk_id) and not local.is_cold(chunk_id)
     finally:
-        await _close(local)
+        await close_local(local)
 
 
 async def test_scrub_forgets_fragments_damaged_or_gone_since_they_were_indexed(
     tmp_path: Path,
 ) -> None:
-    local = await _local(tmp_path)
+    local = await open_local(tmp_path)
     try:
         data = os.urandom(256 << 10)
         chunk_id = chunk_id_of(data)
@@ -100,4 +63,4 @@ async def test_scrub_forgets_fragments_damaged_or_gone_since_they_were_indexed(
         )
         assert corrupt == 1
     finally:
-        await _close(local)
+        await close_local(local)
