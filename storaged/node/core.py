@@ -100,22 +100,20 @@ class Node:
         self.id = config.node_id
         self.url = config.node.url
         self.local = local = Local(config, memory, nvme, cold, codec, catalog, state_log, index)
-        # The same objects, named as the HTTP layer and the tests reach them.
+        # The services' objects and calls, named on the node as the HTTP layer and the
+        # tests reach them (the same objects: nothing is copied or kept twice).
         self.memory, self.nvme, self.cold, self.codec = memory, nvme, cold, codec
         self.catalog, self.state_log, self.index = catalog, state_log, index
         self.fragments, self.space, self.locks = local.fragments, local.space, local.locks
         self.collecting, self.metrics = local.collecting, local.metrics
-        self.memory_has, self.nvme_has, self.holds_hot = (
-            local.memory_has,
-            local.nvme_has,
-            local.holds_hot,
-        )
-        self.is_cold, self.usage, self.forget_fragment = (
-            local.is_cold,
-            local.usage,
-            local.forget_fragment,
-        )
-        self.update_gauges, self.spawn = local.update_gauges, local.spawn
+        self.memory_has = local.memory_has
+        self.nvme_has = local.nvme_has
+        self.holds_hot = local.holds_hot
+        self.is_cold = local.is_cold
+        self.usage = local.usage
+        self.forget_fragment = local.forget_fragment
+        self.update_gauges = local.update_gauges
+        self.spawn = local.spawn
         secret = config.cluster_secret.encode()
         self.peers = PeerClient(self.id, secret)
         self.membership: Membership = membership or StaticMembership(
