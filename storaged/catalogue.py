@@ -22,7 +22,7 @@ from storaged.peer import PeerError
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.catalogue")
 
@@ -122,8 +122,9 @@ class EmbeddedCatalogue(Catalogue):
     delete cannot bring the checkpoint back. A GC snapshot is complete on the same
     condition as a lookup."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, local: LocalStore, cluster: ClusterView) -> None:
+        self.local = local
+        self.cluster = cluster
 
     def holders(self, name: str, placement: Placement) -> tuple[str, list[str]]:
         """(the primary, the live secondaries that are not draining) of ``name``'s record,
@@ -133,23 +134,21 @@ class EmbeddedCatalogue(Catalogue):
 
     def quorum(self, placement: Placement) -> int:
         """How many nodes must answer a lookup or a GC snapshot."""
-        return len(placement.view.members) - (self.node.config.replication - 1)
+        return len(placement.view.members) - (self.local.config.replication - 1)
 
     def _enough(self, answered: int, placement: Placement) -> bool:
         return answered >= self.quorum(placement)
 
     async def commit(self, record: CatalogRecord) -> bool:
-        node = self.node
-        placement = node.placement()  # one view for the whole commit
+        placement = self.cluster.placement()  # one view for the whole commit
         primary, others = self.holders(record.name, placement)
         if not placement.is_alive(primary):
             raise CatalogueUnavailable(
                 f"{primary}, the catalogue primary of {record.name!r}, is down; retry later"
             )
-        if len(others) < node.config.replication - 1:
-            raise CatalogueUnavailable(
-                f"{len(others) + 1} live holder(s), replication needs {node.config.replication}"
-            )
+        rf = self.local.config.replication
+        if len(others) < rf - 1:
+            raise CatalogueUnavailable(f"{len(others) + 1} live holder(s), replication needs {rf}")
         existing = await self._find(record.name, placement)
         if existing is not None and existing.deleted is None:
             if existing.digest != record.digest:
@@ -158,7 +157,7 @@ class EmbeddedCatalogue(Catalogue):
         else:
             created = True
         try:
-            reply, _ = await node.call(primary, "catalog_put", {"record": record.to_wire()})
+            reply = await self.cluster.catalog_put(primary, record)
         except PeerError as exc:
             raise CatalogueUnavailable(
                 f"the primary catalogue holder {primary} is unreachable: {exc}"
@@ -168,10 +167,10 @@ class EmbeddedCatalogue(Catalogue):
                 f"checkpoint {record.name!r} was committed or deleted concurrently"
             )
         results = await asyncio.gather(
-            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in others),
+            *(self.cluster.catalog_put(n, record) for n in others),
             return_exceptions=True,
         )
-        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r[0]["stored"])
+        stored = 1 + sum(1 for r in results if not isinstance(r, BaseException) and r["stored"])
         if stored < 1 + len(others):
             raise CatalogueUnavailable(
                 f"the manifest reached {stored} of {1 + len(others)} nodes; retry completes it"
@@ -179,17 +178,16 @@ class EmbeddedCatalogue(Catalogue):
         return created
 
     async def find(self, name: str) -> CatalogRecord | None:
-        return await self._find(name, self.node.placement())
+        return await self._find(name, self.cluster.placement())
 
     async def _find(self, name: str, placement: Placement) -> CatalogRecord | None:
-        node = self.node
         best: CatalogRecord | None = None
         answered = 0
 
         async def ask(node_id: str) -> None:
             nonlocal answered, best
             try:
-                reply, _ = await node.call(node_id, "catalog_get", {"name": name}, until_down=True)
+                reply = await self.cluster.catalog_get(node_id, name)
             except PeerError:
                 return
             answered += 1
@@ -208,16 +206,10 @@ class EmbeddedCatalogue(Catalogue):
     async def _gather(
         self, prefix: str, placement: Placement, *, with_chunks: bool
     ) -> tuple[dict[str, CatalogRecord], int]:
-        node = self.node
         alive = placement.alive
         merged: dict[str, CatalogRecord] = {}
         replies = await asyncio.gather(
-            *(
-                node.call(
-                    n, "catalog_dump", {"prefix": prefix, "chunks": with_chunks}, until_down=True
-                )
-                for n in alive
-            ),
+            *(self.cluster.catalog_dump(n, prefix, chunks=with_chunks) for n in alive),
             return_exceptions=True,
         )
         answered = 0
@@ -225,7 +217,7 @@ class EmbeddedCatalogue(Catalogue):
             if isinstance(reply, BaseException):
                 continue
             answered += 1
-            for wire in reply[0]["records"]:
+            for wire in reply["records"]:
                 record = CatalogRecord.from_wire(wire)
                 current = merged.get(record.name)
                 if current is None or newer(record, current):
@@ -233,12 +225,11 @@ class EmbeddedCatalogue(Catalogue):
         return merged, answered
 
     async def list(self, prefix: str = "") -> list[CatalogRecord]:
-        merged, _ = await self._gather(prefix, self.node.placement(), with_chunks=False)
+        merged, _ = await self._gather(prefix, self.cluster.placement(), with_chunks=False)
         return sorted((r for r in merged.values() if r.deleted is None), key=lambda r: r.name)
 
     async def delete(self, name: str) -> None:
-        node = self.node
-        placement = node.placement()  # one view for the whole delete
+        placement = self.cluster.placement()  # one view for the whole delete
         record = await self._find(name, placement)
         if record is None or record.deleted is not None:
             raise CheckpointNotFound(name)
@@ -247,22 +238,21 @@ class EmbeddedCatalogue(Catalogue):
         primary, others = self.holders(name, placement)
         holders = {primary, *others} | set(placement.alive)
         results = await asyncio.gather(
-            *(node.call(n, "catalog_put", {"record": record.to_wire()}) for n in holders),
+            *(self.cluster.catalog_put(n, record) for n in holders),
             return_exceptions=True,
         )
         # A holder that refuses has something newer (a later commit or delete): it still
         # counts as having seen the delete.
         reached = sum(1 for r in results if not isinstance(r, BaseException))
-        if reached < node.config.replication:
+        if reached < self.local.config.replication:
             raise CatalogueUnavailable(
                 f"the delete of {name!r} reached {reached} node(s), "
-                f"{node.config.replication} needed; retry completes it"
+                f"{self.local.config.replication} needed; retry completes it"
             )
 
     async def references(self) -> References:
-        node = self.node
         taken_at = time.time()
-        placement = node.placement()
+        placement = self.cluster.placement()
         merged, answered = await self._gather("", placement, with_chunks=True)
         # Every committed record is on `replication` holders: hearing from all nodes but
         # replication - 1 guarantees one of them answered.
@@ -271,9 +261,9 @@ class EmbeddedCatalogue(Catalogue):
             # Tombstones seen anywhere are applied here, so this node cannot bring back a
             # deleted checkpoint.
             for record in merged.values():
-                local = node.catalog.raw(record.name)
+                local = self.local.catalog.raw(record.name)
                 if record.deleted is not None and local is not None and local.deleted is None:
-                    await node.catalog.store(record)
+                    await self.local.catalog.store(record)
         live = tuple(r for r in merged.values() if r.deleted is None)
         chunks: set[str] = set()
         for r in live:
@@ -284,22 +274,19 @@ class EmbeddedCatalogue(Catalogue):
         """Every record and tombstone held here goes to the name's targets that lack it or
         hold an older version: a commit that reached only some, a holder that lost its
         disk, a membership change. Asks each target in batches what it holds first."""
-        node = self.node
         by_target: dict[str, list[CatalogRecord]] = {}
-        placement = node.placement()  # one view for the pass
-        for record in node.catalog.records(tombstones=True):
+        placement = self.cluster.placement()  # one view for the pass
+        for record in self.local.catalog.records(tombstones=True):
             primary, others = self.holders(record.name, placement)
             for target in (primary, *others):
-                if target != node.id and placement.is_alive(target):
+                if target != self.local.id and placement.is_alive(target):
                     by_target.setdefault(target, []).append(record)
         written = 0
         for target, records in by_target.items():
             for start in range(0, len(records), _REPAIR_BATCH):
                 batch = records[start : start + _REPAIR_BATCH]
                 try:
-                    reply, _ = await node.call(
-                        target, "catalog_versions", {"names": [r.name for r in batch]}
-                    )
+                    reply = await self.cluster.catalog_versions(target, [r.name for r in batch])
                 except PeerError:
                     break  # unreachable now: the next pass tries again
                 held = reply["versions"]
@@ -308,9 +295,7 @@ class EmbeddedCatalogue(Catalogue):
                     if theirs is not None and not _older(theirs, record):
                         continue
                     try:
-                        put, _ = await node.call(
-                            target, "catalog_put", {"record": record.to_wire()}
-                        )
+                        put = await self.cluster.catalog_put(target, record)
                     except PeerError:
                         continue
                     written += int(bool(put["stored"]))

@@ -38,7 +38,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from storaged.errors import (
     ApiError,
@@ -54,7 +54,8 @@ from tiers import ChunkNotFound
 from tiers.memory import SealRefused, SharedSegment
 
 if TYPE_CHECKING:
-    from storaged.node import Node
+    from storaged.node.services import LocalStore
+    from storaged.node.write import WritePath
 
 log = logging.getLogger("storaged.shm")
 
@@ -87,12 +88,22 @@ def _fits(path: Path) -> bool:
     return len(os.fsencode(path)) < 100
 
 
+class ShmNode(Protocol):
+    """What the listener needs of its node: what it holds, and its write path."""
+
+    @property
+    def local(self) -> LocalStore: ...
+
+    @property
+    def writes(self) -> WritePath: ...
+
+
 class ShmListener:
     """The Unix-socket listener of one node. ``to_error`` turns a domain error into the
     ``ApiError`` the HTTP API would answer (the server's one mapping)."""
 
     def __init__(
-        self, node: Node, path: Path, to_error: Callable[[StoragedError], ApiError]
+        self, node: ShmNode, path: Path, to_error: Callable[[StoragedError], ApiError]
     ) -> None:
         self.node = node
         self.path = path
@@ -109,7 +120,7 @@ class ShmListener:
     async def start(self) -> None:
         await asyncio.to_thread(self._bind)
         self._accepting = asyncio.create_task(self._accept_loop(), name="shm-accept")
-        log.debug("node %s: shared-memory listener on %s", self.node.id, self.path)
+        log.debug("node %s: shared-memory listener on %s", self.node.local.id, self.path)
 
     def _bind(self) -> None:
         directory = self.path.parent
@@ -191,7 +202,7 @@ class _Connection:
             for lease in list(self.leases):
                 seg = self._take_lease(lease)
                 if seg is not None:
-                    self.node.memory.release_shared(seg)
+                    self.node.local.memory.release_shared(seg)
             self.reader.close()
             self.sock.close()
 
@@ -207,13 +218,13 @@ class _Connection:
     def _add_lease(self, lease: int, seg: SharedSegment) -> None:
         self.leases[lease] = seg
         self.node.writes.inflight += 1
-        self.node.metrics.shm_leases.inc()
+        self.node.local.metrics.shm_leases.inc()
 
     def _take_lease(self, lease: Any) -> SharedSegment | None:
         seg = self.leases.pop(lease, None) if isinstance(lease, int) else None
         if seg is not None:
             self.node.writes.inflight -= 1
-            self.node.metrics.shm_leases.dec()
+            self.node.local.metrics.shm_leases.dec()
         return seg
 
     async def _hello(self) -> bool:
@@ -222,21 +233,25 @@ class _Connection:
                 frame = await self.reader.read()
         except TimeoutError:
             return False
-        token = self.node.config.token
+        token = self.node.local.config.token
         given = frame.get("token")
         ok = frame.get("op") == "hello" and (
             not token
             or (isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode()))
         )
         if not ok:
-            self.node.metrics.shm_ops.labels("hello", "unauthorized").inc()
+            self.node.local.metrics.shm_ops.labels("hello", "unauthorized").inc()
             with contextlib.suppress(WireError):
                 await self._send(
                     {"error": "unauthorized", "message": "missing or wrong token", "status": 401}
                 )
             return False
         await self._send(
-            {"ok": True, "node": self.node.id, "max_chunk_size": self.node.config.max_chunk_size}
+            {
+                "ok": True,
+                "node": self.node.local.id,
+                "max_chunk_size": self.node.local.config.max_chunk_size,
+            }
         )
         return True
 
@@ -259,13 +274,13 @@ class _Connection:
             if handler is None:
                 raise bad_request(f"unknown operation {op!r}")
             await handler(rid, frame)
-            self.node.metrics.shm_ops.labels(op, "ok").inc()
+            self.node.local.metrics.shm_ops.labels(op, "ok").inc()
         except asyncio.CancelledError:
             raise
         except (StoragedError, ApiError) as caught:
             exc = self.listener._to_error(caught) if isinstance(caught, StoragedError) else caught
-            self.node.metrics.shm_ops.labels(op, exc.code).inc()
-            self.node.metrics.errors.labels(exc.code).inc()
+            self.node.local.metrics.shm_ops.labels(op, exc.code).inc()
+            self.node.local.metrics.errors.labels(exc.code).inc()
             retry = exc.headers.get("Retry-After")
             doc = {"rid": rid, "status": exc.status, **exc.body()}
             if retry is not None:
@@ -276,7 +291,7 @@ class _Connection:
             pass
         except Exception as exc:
             log.exception("shared-memory %s failed", op)
-            self.node.metrics.shm_ops.labels(op, "internal").inc()
+            self.node.local.metrics.shm_ops.labels(op, "internal").inc()
             with contextlib.suppress(WireError):
                 await self._send(
                     {"rid": rid, "status": 500, "error": "internal", "message": type(exc).__name__}
@@ -287,11 +302,11 @@ class _Connection:
         size = frame.get("size")
         if not isinstance(size, int) or size <= 0:
             raise bad_request("lease needs a positive integer size")
-        if size > node.config.max_chunk_size:
+        if size > node.local.config.max_chunk_size:
             raise TooLarge("too_large", f"{size} bytes is over the max chunk size")
-        if node.stopping:
-            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
-        if len(self.leases) >= node.config.max_client_puts:
+        if node.local.stopping:
+            raise unavailable("shutting_down", f"node {node.local.id} is stopping", retry_after=1.0)
+        if len(self.leases) >= node.local.config.max_client_puts:
             # As PUTs in flight per client address: one client cannot pin all the RAM.
             raise unavailable(
                 "too_many_leases",
@@ -304,7 +319,7 @@ class _Connection:
         try:
             # memory_full, or nvme_full when RAM waits for a full disk (as a PUT's)
             seg = await node.writes.room(
-                size, lambda wait: node.memory.lease_shared(size, timeout=wait)
+                size, lambda wait: node.local.memory.lease_shared(size, timeout=wait)
             )
             lease = next(self.listener._lease_ids)
             self._add_lease(lease, seg)
@@ -314,24 +329,24 @@ class _Connection:
             await self._send({"rid": rid, "lease": lease, "size": size}, fd=seg.fd)
         except BaseException:
             if self._take_lease(lease) is seg:
-                node.memory.release_shared(seg)
+                node.local.memory.release_shared(seg)
             raise
 
     async def _release(self, rid: Any, frame: dict[str, Any]) -> None:
         seg = self._take_lease(frame.get("lease"))
         if seg is not None:
-            self.node.memory.release_shared(seg)
+            self.node.local.memory.release_shared(seg)
         await self._send({"rid": rid, "ok": True})
 
     async def _seal(self, rid: Any, frame: dict[str, Any]) -> None:
         node = self.node
-        if node.writes_closed:
+        if node.local.writes_closed:
             # The stop waited for leases as long as it may: one sealed now could be acked
             # after the last drain. Nothing is stored; the client puts it over HTTP.
             seg = self._take_lease(frame.get("lease"))
             if seg is not None:
-                node.memory.release_shared(seg)
-            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
+                node.local.memory.release_shared(seg)
+            raise unavailable("shutting_down", f"node {node.local.id} is stopping", retry_after=1.0)
         # Still a PUT in flight (the lease counted until now) until it is stored.
         node.writes.inflight += 1
         try:
@@ -350,22 +365,22 @@ class _Connection:
         if seg is None or not isinstance(lease, int):
             raise bad_request(f"no lease {lease!r} on this connection")
         try:
-            view = await node.memory.seal_shared(seg, length)
+            view = await node.local.memory.seal_shared(seg, length)
         except SealRefused as exc:
             self._add_lease(lease, seg)  # still the client's, to fix and seal or release
             raise bad_request(str(exc), code="seal_refused") from exc
         except BaseException:
-            node.memory.release_shared(seg)
+            node.local.memory.release_shared(seg)
             raise
         # From here the bytes cannot change: what is hashed is what is kept and sent. The
         # CRC-32C goes with the copies so that the replicas need not hash them again.
         try:
             digest, crc = await asyncio.to_thread(chunk_id_and_crc32c, view)
         except BaseException:
-            node.memory.release(view)
+            node.local.memory.release(view)
             raise
         if claimed is not None and digest != claimed:
-            node.memory.release(view)
+            node.local.memory.release(view)
             raise bad_request("the chunk's BLAKE3-256 is not the id", code="checksum_mismatch")
         # Admitted when its lease was handed out (never to a stopping node): a graceful
         # stop lets it finish, as an HTTP PUT already past its admission.
@@ -377,7 +392,7 @@ class _Connection:
         cid = frame.get("id")
         if not isinstance(cid, str) or not is_chunk_id(cid):
             raise bad_request(f"{cid!r} is not a chunk id", code="bad_chunk_id")
-        memory = node.memory
+        memory = node.local.memory
         if not memory.is_shared(cid):
             raise NotFound("chunk_not_found", f"{cid} is not in a shared segment of this node")
         try:
@@ -385,4 +400,4 @@ class _Connection:
                 await self._send({"rid": rid, "size": size}, fd=fd)
         except ChunkNotFound:
             raise NotFound("chunk_not_found", f"{cid} is not in this node's RAM") from None
-        node.metrics.restore_bytes.labels("memory").inc(size)
+        node.local.metrics.restore_bytes.labels("memory").inc(size)

@@ -1,10 +1,10 @@
 """Dependencies run one way: the product never imports its load tests, no module imports
 itself through others (no cycle in ``storaged``, ``tiers``, ``erasure`` and ``loadtest``,
-taken together), and a benchmark imports the harness (``loadtest.harness``), never another
-benchmark. Every import counts, those inside functions too (a lazy import is a dependency
-all the same), except those under ``if TYPE_CHECKING:``, which never run: that is how a
-stage names the type of the ``Node`` that owns it. Found by reading the sources, not by
-importing them.
+taken together, type-checking imports counted too: a name imported for its type is a
+dependency of its reader), and a benchmark imports the harness (``loadtest.harness``),
+never another benchmark. Every import counts, those inside functions too (a lazy import is
+a dependency all the same); where only imports that run are asked for, those under ``if
+TYPE_CHECKING:`` are left out. Found by reading the sources, not by importing them.
 
 The storage leaves (``tiers``, ``erasure``) import nothing from ``storaged`` and the client
 (``storaged.client``) nothing from ``tiers``: here type-checking imports count too, since a
@@ -86,11 +86,14 @@ def imports_into(packages: tuple[str, ...], forbidden: str) -> dict[str, list[st
     return {name: modules for name, modules in found.items() if modules}
 
 
-def graph(*packages: str) -> dict[str, set[str]]:
-    """Module -> the modules of ``packages`` it imports (submodules it names included)."""
+def graph(*packages: str, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (submodules it names included);
+    with ``type_checking``, those imported under ``if TYPE_CHECKING:`` too."""
     modules = {module_name(p): p for package in packages for p in (REPO / package).rglob("*.py")}
     return {
-        name: {m for m in imports_of(path) if m in modules and m != name}
+        name: {
+            m for m in imports_of(path, type_checking=type_checking) if m in modules and m != name
+        }
         for name, path in modules.items()
     }
 
@@ -172,6 +175,28 @@ def test_no_import_cycle_in_the_product_or_the_load_tests() -> None:
     assert "storaged.client" in edges["loadtest.harness.trace"]
     assert "tiers.nvme" in edges["storaged.node.core"]
     assert a_cycle(edges) is None
+
+
+def test_no_import_cycle_counting_type_checking_imports() -> None:
+    """A name imported for its type is a dependency of the reader too: the product has no
+    cycle even counting them (the node's stages take narrow services, ``node/services.py``,
+    not the ``Node`` that wires them)."""
+    edges = graph(*PACKAGES, type_checking=True)
+    assert "storaged.node.services" in edges["storaged.node.pipeline.repair"]  # counted
+    assert a_cycle(edges) is None
+
+
+def test_no_module_of_the_node_or_its_coordination_names_the_node() -> None:
+    """Only the node's users (the HTTP front end, the CLI, ``storaged.node`` re-exporting it)
+    name ``Node``; its stages, the catalogues and the shared-memory listener do not."""
+    node = {"storaged.node.core", "storaged.node.core.Node", "storaged.node.Node"}
+    named = {
+        name
+        for name, path in ((module_name(p), p) for p in (REPO / "storaged").rglob("*.py"))
+        if node & set(imports_of(path, type_checking=True))
+    }
+    assert {"storaged.server", "storaged.cli"} <= named  # the search finds its users
+    assert named <= {"storaged.node", "storaged.server", "storaged.cli"}, sorted(named)
 
 
 def test_a_benchmark_imports_the_harness_not_another_benchmark() -> None:

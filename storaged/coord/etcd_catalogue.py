@@ -13,7 +13,7 @@ Upholds, for the node (see ``storaged.catalogue.Catalogue``):
 
 etcd refuses requests over about 1.5 MiB. A manifest over ``inline_manifest`` bytes is
 stored as content-addressed chunks of at most ``max_chunk_size`` on the data plane
-(``node.writes.put_chunk``: three RAM copies, then drained and encoded like any chunk);
+(``DataPlane.put_chunk``: three RAM copies, then drained and encoded like any chunk);
 etcd keeps their ids and sizes, and ``references()`` names them so GC keeps them. Chunk
 ids over ``inline_refs`` bytes are written in parts before the transaction, which then
 checks that each part still exists (a delete in between removes them).
@@ -72,7 +72,7 @@ from storaged.ids import chunk_id_of
 from storaged.manifest import MAX_INT, check_manifest
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import DataPlane
 
 log = logging.getLogger("storaged.coord.catalogue")
 
@@ -115,7 +115,7 @@ class EtcdCatalogue(Catalogue):
 
     def __init__(
         self,
-        node: Node | None,
+        node: DataPlane | None,
         session: EtcdSession,
         *,
         inline_manifest: int = 512 * 2**10,
@@ -224,7 +224,7 @@ class EtcdCatalogue(Catalogue):
             async def body(p: memoryview = piece) -> AsyncIterator[bytes | bytearray | memoryview]:
                 yield p
 
-            await node.writes.put_chunk(chunk_id, len(piece), body())
+            await node.put_chunk(chunk_id, len(piece), body())
             out.append([chunk_id, len(piece)])
         return out
 

@@ -38,7 +38,7 @@ from storaged.membership import ACTIVE, DRAINING, DrainMarks, Membership, Member
 from storaged.peer import PeerClient
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import DataPlane
 
 log = logging.getLogger("storaged.coord.membership")
 
@@ -565,7 +565,7 @@ class EtcdDrainMarks(DrainMarks):
 
 def open_etcd(
     config: Config, *, ttl: int = 3
-) -> tuple[EtcdMembership, Callable[[Node], EtcdCatalogue]]:
+) -> tuple[EtcdMembership, Callable[[DataPlane], EtcdCatalogue]]:
     """The etcd membership and catalogue factory for ``Node.open``, from
     ``config.coordinator`` (one session: the membership closes it)."""
     session = EtcdSession(config.coordinator)

@@ -41,7 +41,8 @@ from storaged.placement import Placement
 from storaged.wire import STATES
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.catalogue import Catalogue
+    from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.node.checkpoints")
 
@@ -58,8 +59,10 @@ class Listing:
 
 
 class Checkpoints:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, local: LocalStore, cluster: ClusterView, catalogue: Catalogue) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.catalogue = catalogue
 
     # ---- commit ----------------------------------------------------------------------------
     async def commit(self, name: str, checked: CheckedManifest) -> tuple[int, dict[str, Any]]:
@@ -72,7 +75,6 @@ class Checkpoints:
         200 even while some of its chunks have no live holder (repair's work, not the
         retry's), and ``missing_chunks`` is only said once a lookup that met the quorum
         found no identical live record."""
-        node = self.node
         existing = await self._find(name)
         live = existing is not None and existing.deleted is None
         if existing is not None and live and existing.digest != checked.digest:
@@ -84,10 +86,10 @@ class Checkpoints:
             if exc.code != "missing_chunks" or not (live or await self._committed(name, checked)):
                 raise
         record = record_of(name, checked)
-        left = node.config.commit_window - (time.monotonic() - checked_at)
+        left = self.local.config.commit_window - (time.monotonic() - checked_at)
         try:
             async with asyncio.timeout(max(left, 0.0)):
-                created = await node.catalogue.commit(record)
+                created = await self.catalogue.commit(record)
         except CommitConflict as exc:
             raise Conflict("exists", str(exc)) from exc
         except CatalogueUnavailable as exc:
@@ -115,10 +117,11 @@ class Checkpoints:
     async def _check_chunks(self, checked: CheckedManifest) -> None:
         """Every chunk held, with the declared size; the holders' copies touched until past
         the commit window (I3)."""
-        node = self.node
         ids = list(checked.chunks)
-        until = time.time() + node.config.commit_window + max(node.config.gc_interval, 1.0)
-        states = await node.chunk_states(ids, touch=until)
+        until = (
+            time.time() + self.local.config.commit_window + max(self.local.config.gc_interval, 1.0)
+        )
+        states = await self.cluster.chunk_states(ids, touch=until)
         missing = [cid for cid in ids if cid not in states]
         if missing:
             raise Conflict(
@@ -141,13 +144,34 @@ class Checkpoints:
     # ---- reads -------------------------------------------------------------------------
     async def _find(self, name: str) -> CatalogRecord | None:
         try:
-            return await self.node.catalogue.find(name)
+            return await self.catalogue.find(name)
         except CatalogueUnavailable as exc:
             raise _unavailable(exc, "catalogue_unavailable") from exc
 
+    async def missing(self, ids: list[str]) -> list[str]:
+        """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
+        states = await self.cluster.chunk_states(list(dict.fromkeys(ids)), touch=time.time())
+        return [c for c in ids if c not in states]
+
+    async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
+        """Admin: push the checkpoint's chunks out of RAM (and, with ``nvme``, off nvme)
+        where a colder copy exists, on every live node; how many went, per tier."""
+        record = await self.get(name)
+        alive = self.cluster.placement().alive
+        results = await asyncio.gather(
+            *(self.cluster.evict(n, record.chunks, nvme=nvme) for n in alive),
+            return_exceptions=True,
+        )
+        totals = {"memory": 0, "nvme": 0}
+        for r in results:
+            if not isinstance(r, BaseException):
+                for k in totals:
+                    totals[k] += int(r.get(k, 0))
+        return totals
+
     async def get(self, name: str) -> CatalogRecord:
         try:
-            return await self.node.catalogue.get(name)
+            return await self.catalogue.get(name)
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
         except CatalogueUnavailable as exc:
@@ -155,13 +179,13 @@ class Checkpoints:
 
     async def list(self, prefix: str) -> list[CatalogRecord]:
         try:
-            return await self.node.catalogue.list(prefix)
+            return await self.catalogue.list(prefix)
         except CatalogueUnavailable as exc:
             raise _unavailable(exc, "catalogue_unavailable") from exc
 
     async def delete(self, name: str) -> None:
         try:
-            await self.node.catalogue.delete(name)
+            await self.catalogue.delete(name)
         except CheckpointNotFound:
             raise NotFound("checkpoint_not_found", f"no checkpoint named {name!r}") from None
         except CatalogueUnavailable as exc:
@@ -173,11 +197,10 @@ class Checkpoints:
         fewer than ``n`` fragments (repair's work); ``now``: how many have a copy in each
         tier at this moment (RAM copies go with a restart or an eviction, while the state
         they reached stays)."""
-        node = self.node
         record = await self.get(name)
-        placement = node.placement()  # one view for both questions
-        held = await node.holdings(placement.alive, record.chunks)
-        states = await node.chunk_states(record.chunks, placement=placement)
+        placement = self.cluster.placement()  # one view for both questions
+        held = await self.cluster.holdings(placement.alive, record.chunks)
+        states = await self.cluster.chunk_states(record.chunks, placement=placement)
         counts = {s: 0 for s in STATES}
         for cid in record.chunks:
             rank = states.get(cid, (0, 0))[0]
@@ -192,10 +215,10 @@ class Checkpoints:
             "cold": sum(
                 1
                 for cid in record.chunks
-                if len({i for h in held[cid] for i in h.fragments}) >= node.config.k
+                if len({i for h in held[cid] for i in h.fragments}) >= self.local.config.k
             ),
         }
-        rf, n = node.config.replication, node.config.n
+        rf, n = self.local.config.replication, self.local.config.n
         under = sum(
             1
             for cid in record.chunks
@@ -224,10 +247,13 @@ class Checkpoints:
         state, each with how many: a holder's full nvme keeps a chunk it holds in RAM only
         from nvme (and so from cold), a fragment target's full cold tier keeps a chunk
         from cold. As of each node's last heartbeat (this node's: now)."""
-        node = self.node
         full: dict[tuple[str, str], dict[str, Any]] = {}
         for nid in placement.alive:
-            usage = node.usage() if nid == node.id else node.membership.info(nid).get("usage")
+            usage = (
+                self.local.usage()
+                if nid == self.local.id
+                else self.cluster.membership.info(nid).get("usage")
+            )
             for tier in ("nvme", "cold"):
                 mark = (usage or {}).get(tier) or {}
                 if mark.get("state") == "full":
@@ -251,7 +277,7 @@ class Checkpoints:
         return [
             {
                 "node": nid,
-                "url": node.spec(nid).url,
+                "url": self.cluster.spec(nid).url,
                 "tier": tier,
                 "chunks": stuck[(nid, tier)],
                 "full_since": full[(nid, tier)].get("full_since"),
@@ -269,9 +295,8 @@ class Checkpoints:
         before (hundreds of round trips to etcd and to every node: the etcd soak's final
         listing timed out thrice); then states of the records as listed, without their
         chunks, and every checkpoint showed "cold" from its commit on."""
-        node = self.node
         try:
-            refs = await node.catalogue.references()
+            refs = await self.catalogue.references()
         except CatalogueUnavailable as exc:
             raise _unavailable(exc, "catalogue_unavailable") from exc
         snapshot = {r.name: r for r in refs.live}
@@ -286,8 +311,8 @@ class Checkpoints:
                     continue  # deleted since the listing
             chunks[record.name] = found.chunks
         ids = list(dict.fromkeys(cid for listed in chunks.values() for cid in listed))
-        held = await node.holdings(node.placement().alive, ids) if ids else {}
-        states = node.states_of(held)
+        held = await self.cluster.holdings(self.cluster.placement().alive, ids) if ids else {}
+        states = self.cluster.states_of(held)
         listing = Listing({name: _reached(listed, states) for name, listed in chunks.items()})
         if costs:
             named = Counter(cid for r in snapshot.values() for cid in set(r.chunks))
@@ -314,7 +339,7 @@ class Checkpoints:
         copy; every fragment at ``ceil(size / k)``: n/k of the chunk once all are there).
         ``stored`` sums the tiers. Sizes are the chunks' bytes, file and fragment headers
         aside; a chunk no live node holds (``lost``) counts in no tier and has no size."""
-        k = self.node.config.k
+        k = self.local.config.k
         tiers = {t: {"chunks": 0, "bytes": 0, "stored": 0} for t in ("memory", "nvme", "cold")}
         shared = shared_chunks = lost = 0
         for cid in chunks:
@@ -351,16 +376,15 @@ class Checkpoints:
         }
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
-        node = self.node
         record = await self.get(name)
-        held = await node.holdings(node.placement().alive, record.chunks)
+        held = await self.cluster.holdings(self.cluster.placement().alive, record.chunks)
         tier_rank = {"memory": 0, "nvme": 1, "cold": 2}
         plan: dict[str, list[dict[str, Any]]] = {}
         for cid in record.chunks:
             sources = []
             frag_nodes = []
             for h in held[cid]:
-                url = node.spec(h.node).url
+                url = self.cluster.spec(h.node).url
                 if h.memory:
                     sources.append({"node": h.node, "url": url, "tier": "memory"})
                 elif h.nvme:

@@ -34,7 +34,10 @@ from storaged.membership import ACTIVE, DRAINING
 from storaged.peer import PeerError
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.pipeline.leadership import Leadership
+    from storaged.node.referenced import ReferencedSet
+    from storaged.node.services import ClusterView, LocalStore
+    from storaged.node.write import WritePath
 
 log = logging.getLogger("storaged.node.evacuation")
 
@@ -44,12 +47,24 @@ _PROGRESS_TIMEOUT = 120.0
 
 
 class Evacuation:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        writes: WritePath,
+        leadership: Leadership,
+        referenced: ReferencedSet,
+    ) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.writes = writes
+        self.leadership = leadership
+        self.referenced = referenced
 
     def _known(self, node_id: str) -> None:
         try:
-            self.node.membership.node(node_id)
+            self.cluster.membership.node(node_id)
         except KeyError:
             raise NotFound("node_not_found", f"no member named {node_id!r}") from None
 
@@ -57,8 +72,7 @@ class Evacuation:
         """Mark ``node_id`` draining (or active again) cluster-wide. Returns the state and,
         in the embedded mode, the members the mark did not reach now (they learn it from
         their peers' heartbeats once back)."""
-        node = self.node
-        membership = node.membership
+        membership = self.cluster.membership
         # What this node knew before (a forgotten member's leftover mark counts as draining)
         try:
             membership.node(node_id)
@@ -77,11 +91,11 @@ class Evacuation:
         unreached: list[str] = []
         if not membership.drains.shared:
             marks = {n: [on, at] for n, (on, at) in membership.drains.known().items()}
-            placement = node.placement()
-            peers = [m.id for m in placement.view.members if m.id != node.id]
+            placement = self.cluster.placement()
+            peers = [m.id for m in placement.view.members if m.id != self.local.id]
             live = [p for p in peers if placement.is_alive(p)]
             results = await asyncio.gather(
-                *(node.call(p, "drain_marks", {"marks": marks}, timeout=10.0) for p in live),
+                *(self.cluster.drain_marks(p, marks, timeout=10.0) for p in live),
                 return_exceptions=True,
             )
             told = {
@@ -104,12 +118,11 @@ class Evacuation:
     async def progress(self, node_id: str) -> dict[str, Any]:
         """How far ``node_id``'s evacuation is, as it answers (it alone knows what it holds);
         503 ``node_unavailable`` when it does not answer."""
-        node = self.node
         self._known(node_id)
-        if node_id == node.id:
+        if node_id == self.local.id:
             return await self.local_progress()
         try:
-            reply, _ = await node.call(node_id, "drain_progress", {}, timeout=_PROGRESS_TIMEOUT)
+            reply = await self.cluster.drain_progress(node_id, timeout=_PROGRESS_TIMEOUT)
         except PeerError as exc:
             raise unavailable(
                 "node_unavailable", f"node {node_id} does not answer: {exc}", retry_after=1.0
@@ -117,40 +130,47 @@ class Evacuation:
         return reply
 
     def _garbage(self, chunk_id: str) -> bool:
-        info = self.node.index.get(chunk_id)
-        return info is not None and self.node.referenced.is_garbage(chunk_id, info.last_use)
+        info = self.local.index.get(chunk_id)
+        return info is not None and self.referenced.is_garbage(chunk_id, info.last_use)
 
     async def local_progress(self) -> dict[str, Any]:
         """This node's side of ``progress``: what it holds, and how much of that is not yet
         safely elsewhere, asked of the nodes that stay."""
-        node = self.node
-        placement = node.placement()
-        draining = placement.is_draining(node.id)
+        placement = self.cluster.placement()
+        draining = placement.is_draining(self.local.id)
         # Sampled before the index, with no await in between: with the node known draining
         # and nothing under way, no copy can land here after this snapshot.
-        quiet = node.writes.inflight == 0 and node.writes.storing == 0
-        hot = [c for c in node.index if node.holds_hot(c) and c not in node.collecting]
-        fragments = {c: len(held) for c, held in node.fragments.items() if c not in node.collecting}
+        quiet = self.writes.inflight == 0 and self.writes.storing == 0
+        hot = [
+            c
+            for c in self.local.index
+            if self.local.holds_hot(c) and c not in self.local.collecting
+        ]
+        fragments = {
+            c: len(held)
+            for c, held in self.local.fragments.items()
+            if c not in self.local.collecting
+        }
         # Garbage awaiting GC is GC's to drop, not the evacuation's to keep; only a fresh
         # snapshot says what is garbage (node/referenced.py), else everything counts.
         ids = [c for c in dict.fromkeys([*hot, *fragments]) if not self._garbage(c)]
-        others = [n for n in placement.placeable if n != node.id]
+        others = [n for n in placement.placeable if n != self.local.id]
         leaving: set[str] = set()  # others that say they drain too: they do not stay
-        held = await node.holdings(others, ids, draining=leaving) if ids else {}
+        held = await self.cluster.holdings(others, ids, draining=leaving) if ids else {}
         staying = set(others) - leaving
-        cfg = node.config
+        cfg = self.local.config
         pending: set[str] = set()
         for cid in ids:
             answers = [h for h in held[cid] if h.node not in leaving]
             copies = sum(1 for h in answers if h.hot)
             frags = {i for h in answers for i in h.fragments}
-            spread = len(frags) >= cfg.n and not node.repairer.exposed(
+            spread = len(frags) >= cfg.n and not self.leadership.exposed(
                 {h.node: h.fragments for h in answers}, len(staying)
             )
             if copies < cfg.replication and not spread:
                 pending.add(cid)
         return {
-            "node": node.id,
+            "node": self.local.id,
             "state": DRAINING if draining else ACTIVE,
             "chunks": len(hot),
             "fragments": sum(fragments.values()),

@@ -23,7 +23,7 @@ from storaged.placement import Placement
 from tiers import ByteRange, ChunkNotFound, CorruptChunk
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.node.read")
 
@@ -36,8 +36,9 @@ def _slice(data: bytes | memoryview, rng: ByteRange | None) -> bytes | memoryvie
 
 
 class ReadPath:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, local: LocalStore, cluster: ClusterView) -> None:
+        self.local = local
+        self.cluster = cluster
 
     async def read_hot(
         self, chunk_id: str, rng: ByteRange | None = None
@@ -45,19 +46,18 @@ class ReadPath:
         """The bytes from this node's RAM or nvme, verified; (None, "") when not held hot,
         or when the disk cannot be read now (an I/O error, a data dir replaced behind the
         node's back): readers then go to the next source."""
-        node = self.node
-        if node.memory_has(chunk_id):
+        if self.local.memory_has(chunk_id):
             try:
-                data = await node.memory.get(chunk_id, rng)
+                data = await self.local.memory.get(chunk_id, rng)
                 return data, "memory"
             except ChunkNotFound:
                 pass  # evicted or collected since the check
-        if node.nvme_has(chunk_id):
+        if self.local.nvme_has(chunk_id):
             try:
-                data = await node.nvme.get(chunk_id, rng)
+                data = await self.local.nvme.get(chunk_id, rng)
                 return data, "nvme"
             except CorruptChunk:
-                node.metrics.corrupt.labels("nvme").inc()
+                self.local.metrics.corrupt.labels("nvme").inc()
                 log.error("corrupt nvme copy of %s quarantined", chunk_id)
             except ChunkNotFound:
                 pass  # collected, dropped, or its file removed behind the tier's back
@@ -73,7 +73,7 @@ class ReadPath:
         async with contextlib.AsyncExitStack() as stack:
             view: memoryview | None
             try:
-                view = await stack.enter_async_context(self.node.memory.lease(chunk_id))
+                view = await stack.enter_async_context(self.local.memory.lease(chunk_id))
             except ChunkNotFound:
                 view = None
             if view is not None:
@@ -87,17 +87,16 @@ class ReadPath:
     ) -> tuple[bytes | memoryview, str]:
         """The chunk (or a range of it) from the fastest source: here, a peer, or fragments,
         found with one view (``placement``, the caller's; a new one without)."""
-        node = self.node
         data, tier = await self.read_hot(chunk_id, rng)
         if data is not None:
             return data, tier
-        placement = placement or node.placement()
+        placement = placement or self.cluster.placement()
         for node_id in placement.order(chunk_id):
-            if node_id == node.id:
+            if node_id == self.local.id:
                 continue
             try:
                 # Whole chunk from the peer, so that it can be checked against the id here.
-                reply, body = await node.call(node_id, "get_chunk", {"id": chunk_id})
+                reply, body = await self.cluster.get_chunk(node_id, chunk_id)
             except PeerError:
                 continue
             body = b"" if body is None else body  # an empty chunk travels without a body
@@ -115,17 +114,16 @@ class ReadPath:
         checked by the tier (header and payload CRC-32C); ``ChunkNotFound`` when this node
         does not hold it. A copy that fails its check is quarantined, as for a peer's read,
         and reported not found: this node no longer holds it."""
-        node = self.node
         key = fragment_key(chunk_id, index)
         try:
-            return await node.cold.get(key)
+            return await self.local.cold.get(key)
         except CorruptChunk:
-            node.metrics.corrupt.labels("cold").inc()
-            node.forget_fragment(key)
+            self.local.metrics.corrupt.labels("cold").inc()
+            self.local.forget_fragment(key)
             log.error("corrupt fragment %s quarantined", key)
             raise ChunkNotFound(key) from None
         except ChunkNotFound:
-            node.forget_fragment(key)
+            self.local.forget_fragment(key)
             raise
         except OSError as exc:
             # Unreadable now (not proof it is gone: kept); this node cannot serve it.
@@ -145,9 +143,8 @@ class ReadPath:
     async def rebuild(self, chunk_id: str, placement: Placement | None = None) -> bytes | None:
         """Decode a chunk from any ``k`` good fragments found on the live nodes (of the
         caller's view, ``placement``; a new one without)."""
-        node = self.node
-        alive = (placement or node.placement()).alive
-        held = (await node.holdings(alive, [chunk_id]))[chunk_id]
+        alive = (placement or self.cluster.placement()).alive
+        held = (await self.cluster.holdings(alive, [chunk_id]))[chunk_id]
         sources = [(h.node, i) for h in held for i in h.fragments]
         if not sources:
             return None
@@ -156,9 +153,7 @@ class ReadPath:
 
         async def fetch(node_id: str, index: int) -> None:
             try:
-                _, body = await node.call(
-                    node_id, "get_fragment", {"key": fragment_key(chunk_id, index)}
-                )
+                body = await self.cluster.get_fragment(node_id, fragment_key(chunk_id, index))
             except PeerError:
                 return
             if body is not None:
@@ -171,14 +166,14 @@ class ReadPath:
             if index not in seen:
                 seen.add(index)
                 first.append((node_id, index))
-        k = node.config.k
+        k = self.local.config.k
         await asyncio.gather(*(fetch(n, i) for n, i in first[:k]))
         try:
-            return await node.codec.decode_async(chunk_id, dict(fragments))
+            return await self.local.codec.decode_async(chunk_id, dict(fragments))
         except ErasureError:
             await asyncio.gather(*(fetch(n, i) for n, i in first[k:]))
             try:
-                return await node.codec.decode_async(chunk_id, dict(fragments))
+                return await self.local.codec.decode_async(chunk_id, dict(fragments))
             except ErasureError as exc:
                 log.error("cannot rebuild %s: %s", chunk_id, exc)
                 return None

@@ -22,7 +22,12 @@ from storaged.peer import PeerError, PeerHandler
 from tiers import ByteRange, ChunkNotFound, CorruptChunk
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.evacuation import Evacuation
+    from storaged.node.pipeline.encode import Encoder
+    from storaged.node.pipeline.rebalance import Rebalance
+    from storaged.node.read import ReadPath
+    from storaged.node.services import ClusterView, LocalStore
+    from storaged.node.write import WritePath
 
 #: peer calls whose arguments and replies can be large: sent as msgpack bodies
 DOC_METHODS = frozenset(
@@ -35,8 +40,27 @@ Method = Callable[[dict[str, Any], memoryview | None], Awaitable[Reply]]
 
 
 class PeerRpc:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        writes: WritePath,
+        reads: ReadPath,
+        encoder: Encoder,
+        rebalance: Rebalance,
+        evacuation: Evacuation,
+        heartbeat: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.writes = writes
+        self.reads = reads
+        self.encoder = encoder
+        self.rebalance = rebalance
+        self.evacuation = evacuation
+        #: what this node tells its peers about itself (``Node.heartbeat``)
+        self.heartbeat = heartbeat
         self.handler = _PeerHandler(self)
 
     async def call_local(self, method: str, args: dict[str, Any], body: memoryview | None) -> Reply:
@@ -51,23 +75,22 @@ class PeerRpc:
             raise PeerError("coordinator_unavailable", str(exc)) from exc
 
     async def rpc_ping(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        return self.node.heartbeat(), None
+        return self.heartbeat(), None
 
     async def rpc_chunk_info(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        node = self.node
         touch = args.get("touch")
         until = float(touch) if touch is not None else None
-        dropping = node.rebalance.dropping
+        dropping = self.rebalance.dropping
         info: dict[str, list[Any]] = {}
         for cid in args["ids"]:
-            if cid in node.collecting:
+            if cid in self.local.collecting:
                 continue  # being collected: held by no one from the moment it was decided
             # A slot being dropped is held by no one from the moment the drop was decided.
             hot = (cid, HOT) not in dropping
-            mem = hot and node.memory_has(cid)
-            nvme = hot and node.nvme_has(cid)
-            frags = sorted(i for i in node.fragments.get(cid, ()) if (cid, i) not in dropping)
-            known = node.index.get(cid)
+            mem = hot and self.local.memory_has(cid)
+            nvme = hot and self.local.nvme_has(cid)
+            frags = sorted(i for i in self.local.fragments.get(cid, ()) if (cid, i) not in dropping)
+            known = self.local.index.get(cid)
             if mem or nvme or frags:
                 if known is not None and until is not None:
                     known.touch(until)
@@ -76,12 +99,12 @@ class PeerRpc:
                 info[cid] = [mem, nvme, frags, state, size]
         # Whether this node knows itself draining: a caller whose view is older than the
         # mark (a node just back) must not count what it holds as staying (Node.holdings).
-        return {"info": info, "draining": node.membership.drains.is_draining(node.id)}, None
+        return {"info": info, "draining": self.cluster.membership.drains.is_draining(self.local.id)}, None
 
     async def rpc_get_chunk(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         cid = args["id"]
         rng = ByteRange(args.get("start", 0), args.get("end"))
-        data, tier = await self.node.reads.read_hot(cid, rng)
+        data, tier = await self.reads.read_hot(cid, rng)
         if data is None:
             raise PeerError("chunk_not_found", f"{cid} is not held hot here")
         return {"tier": tier}, data
@@ -89,20 +112,19 @@ class PeerRpc:
     async def rpc_put_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         if body is None:
             raise PeerError("bad_request", "put_fragment needs a body")
-        await self.node.writes.store_fragment(args["key"], body, int(args.get("size", -1)))
+        await self.writes.store_fragment(args["key"], body, int(args.get("size", -1)))
         return {}, None
 
     async def rpc_get_fragment(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        node = self.node
         key = args["key"]
         try:
-            data = await node.cold.get(key)
+            data = await self.local.cold.get(key)
         except CorruptChunk as exc:
-            node.metrics.corrupt.labels("cold").inc()
-            node.forget_fragment(key)
+            self.local.metrics.corrupt.labels("cold").inc()
+            self.local.forget_fragment(key)
             raise PeerError("corrupt", str(exc)) from exc
         except ChunkNotFound as exc:
-            node.forget_fragment(key)
+            self.local.forget_fragment(key)
             raise PeerError("chunk_not_found", str(exc)) from exc
         except OSError as exc:
             # An unreadable disk (not proof the file is gone: kept): the reader goes on.
@@ -110,84 +132,79 @@ class PeerRpc:
         return {}, data
 
     async def rpc_set_state(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        await self.node.record_state(args["ids"], int(args["state"]))
+        await self.local.record_state(args["ids"], int(args["state"]))
         return {}, None
 
     async def rpc_drained(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        self.node.encoder.offer(args["id"])
+        self.encoder.offer(args["id"])
         return {}, None
 
     async def rpc_drop_misplaced(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Rebalance: drop this node's copy (``slot`` -1) or fragment ``slot`` of ``id`` if
         every one of ``witnesses`` holds it; this node checks, the caller only asks."""
         witnesses = [str(w) for w in args["witnesses"]]
-        dropped = await self.node.rebalance.drop_misplaced(
-            str(args["id"]), int(args["slot"]), witnesses
-        )
+        dropped = await self.rebalance.drop_misplaced(str(args["id"]), int(args["slot"]), witnesses)
         return {"dropped": dropped}, None
 
     async def rpc_witness(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Rebalance: whether a checked copy (``slot`` -1) or fragment ``slot`` of ``id`` is
         here; if so it is kept from a drop here for ``pin`` seconds (``pipeline/rebalance.py``)."""
-        node = self.node
-        if node.membership.drains.is_draining(node.id):
+        if self.cluster.membership.drains.is_draining(self.local.id):
             # A node that is leaving vouches for nothing: a drop it witnessed could leave
             # the only other copy on a node that goes (its can_leave may have counted the
             # dropped one, taken before the drop).
             return {"held": False}, None
-        held = await node.rebalance.witness(str(args["id"]), int(args["slot"]), float(args["pin"]))
+        held = await self.rebalance.witness(str(args["id"]), int(args["slot"]), float(args["pin"]))
         return {"held": held}, None
 
     async def rpc_drop_nvme(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        node = self.node
         for cid in args["ids"]:
             # Only a cold chunk's nvme copy may go: it is what makes a chunk durable before.
-            if node.is_cold(cid):
-                await node.nvme.delete(cid)
+            if self.local.is_cold(cid):
+                await self.local.nvme.delete(cid)
         return {}, None
 
     async def rpc_evict(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Admin: push chunks out of RAM (and, with ``nvme``, off nvme) where a colder copy
         exists."""
-        node = self.node
         evicted = {"memory": 0, "nvme": 0}
         for cid in args["ids"]:
-            info = node.index.get(cid)
+            info = self.local.index.get(cid)
             if info is None:
                 continue
-            colder = node.nvme_has(cid) or info.state >= COLD
-            if node.memory_has(cid) and colder and not node.memory.is_dirty(cid):
-                await node.memory.delete(cid)
+            colder = self.local.nvme_has(cid) or info.state >= COLD
+            if self.local.memory_has(cid) and colder and not self.local.memory.is_dirty(cid):
+                await self.local.memory.delete(cid)
                 evicted["memory"] += 1
-            nvme_goes = args.get("nvme") and info.state >= COLD and node.nvme_has(cid)
-            if nvme_goes and not node.memory_has(cid):
-                await node.nvme.delete(cid)
+            nvme_goes = args.get("nvme") and info.state >= COLD and self.local.nvme_has(cid)
+            if nvme_goes and not self.local.memory_has(cid):
+                await self.local.nvme.delete(cid)
                 evicted["nvme"] += 1
         return evicted, None
 
     async def rpc_drain_marks(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """Embedded mode: the drain marks another node set, to take where newer."""
         marks = {str(n): (bool(m[0]), float(m[1])) for n, m in args["marks"].items()}
-        await self.node.membership.drains.merge(marks)
+        await self.cluster.membership.drains.merge(marks)
         return {}, None
 
     async def rpc_drain_progress(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        return await self.node.evacuation.local_progress(), None
+        return await self.evacuation.local_progress(), None
 
     async def rpc_catalog_put(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         record = CatalogRecord.from_wire(args["record"])
-        ok = await self.node.catalog.store(record)
+        ok = await self.local.catalog.store(record)
         return {"stored": ok}, None
 
     async def rpc_catalog_get(self, args: dict[str, Any], body: memoryview | None) -> Reply:
-        record = self.node.catalog.raw(args["name"])
+        record = self.local.catalog.raw(args["name"])
         return {"record": record.to_wire() if record else None}, None
 
     async def rpc_catalog_versions(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         """For each name: ``[digest, committed, deleted]`` of the record held here, or None."""
         versions: dict[str, list[Any] | None] = {}
         for name in args["names"]:
-            r = self.node.catalog.raw(name)
+            r = self.local.catalog.raw(name)
             versions[name] = None if r is None else [r.digest, r.committed, r.deleted]
         return {"versions": versions}, None
 
@@ -195,7 +212,7 @@ class PeerRpc:
         prefix = args.get("prefix", "")
         with_chunks = bool(args.get("chunks"))
         records = []
-        for r in self.node.catalog.records(prefix, tombstones=True):
+        for r in self.local.catalog.records(prefix, tombstones=True):
             wire = r.to_wire()
             wire["manifest"] = None
             if not with_chunks:
@@ -215,21 +232,21 @@ class _PeerHandler(PeerHandler):
         self.rpc = rpc
 
     async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
-        return await self.rpc.node.writes.receive_chunk(chunk_id, size)
+        return await self.rpc.writes.receive_chunk(chunk_id, size)
 
     async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
-        return await self.rpc.node.writes.chunk_received(chunk_id, buf)
+        return await self.rpc.writes.chunk_received(chunk_id, buf)
 
     def ack_copy(self, chunk_id: str) -> None:
-        self.rpc.node.writes.ack_copy_arriving()
+        self.rpc.writes.ack_copy_arriving()
 
     async def chunk_received_crc(
         self, chunk_id: str, buf: memoryview, crc32c: int
     ) -> dict[str, Any]:
-        return await self.rpc.node.writes.chunk_received(chunk_id, buf, crc32c=crc32c)
+        return await self.rpc.writes.chunk_received(chunk_id, buf, crc32c=crc32c)
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
-        self.rpc.node.writes.chunk_aborted(chunk_id, buf)
+        self.rpc.writes.chunk_aborted(chunk_id, buf)
 
     async def call(
         self, method: str, args: dict[str, Any], body: memoryview | None

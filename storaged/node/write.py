@@ -36,7 +36,7 @@ from tiers import CorruptChunk, TierFull
 from tiers.memory import size_class
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.node.write")
 
@@ -60,8 +60,13 @@ _FULL_STEP = 0.25
 
 
 class WritePath:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self, local: LocalStore, cluster: ClusterView, *, to_drain: Callable[[str], None]
+    ) -> None:
+        self.local = local
+        self.cluster = cluster
+        #: hands a chunk stored here to the drain
+        self.to_drain = to_drain
         #: PUTs in flight on this node (drain and encode give way to them)
         self.inflight = 0
         #: local stores of data under way (a PUT's copy, a peer's copy or fragment, a
@@ -94,7 +99,7 @@ class WritePath:
         # asks who holds the chunk must not miss the copy it may still store here.
         self.inflight += 1
         try:
-            if chunk_id in self.node.index:
+            if chunk_id in self.local.index:
                 held = await self.already_held(chunk_id, placement)
                 if held is not None:
                     return 200, held
@@ -116,18 +121,18 @@ class WritePath:
         try:
             placement, order = self._admit(chunk_id, admitted=admitted)
         except BaseException:
-            self.node.memory.release(buf)
+            self.local.memory.release(buf)
             raise
         self.inflight += 1  # from the admission on, as in ``put_chunk``
         try:
-            if chunk_id in self.node.index:
+            if chunk_id in self.local.index:
                 try:
                     held = await self.already_held(chunk_id, placement)
                 except BaseException:
-                    self.node.memory.release(buf)
+                    self.local.memory.release(buf)
                     raise
                 if held is not None:
-                    self.node.memory.release(buf)
+                    self.local.memory.release(buf)
                     return 200, held
             return await self._put_new(
                 chunk_id, len(buf), None, order, started, sealed=buf, crc32c=crc32c
@@ -139,10 +144,9 @@ class WritePath:
         """Refusals that come before any byte (but the stop's, for a PUT ``admitted``
         before it); the PUT's one view of the membership (its targets, replacements and
         the reply's order)."""
-        node = self.node
-        if node.stopping and not admitted:
-            raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
-        if not node.membership.coordinator_reachable():
+        if self.local.stopping and not admitted:
+            raise unavailable("shutting_down", f"node {self.local.id} is stopping", retry_after=1.0)
+        if not self.cluster.membership.coordinator_reachable():
             raise unavailable(
                 "coordinator_unavailable",
                 "the coordination service is unreachable: writes wait until it is back",
@@ -150,14 +154,14 @@ class WritePath:
             )
         # One membership view for the whole PUT: targets, replacements and the reply's order.
         # Draining nodes take no new copies (``Placement.write_order``).
-        placement = node.placement()
+        placement = self.cluster.placement()
         order = placement.write_order(chunk_id)
-        if len(order) < node.config.replication:
+        if len(order) < self.local.config.replication:
             raise unavailable(
                 "insufficient_replicas",
                 f"{len(order)} live node(s) that are not draining, replication needs "
-                f"{node.config.replication}",
-                retry_after=node.config.down_after,
+                f"{self.local.config.replication}",
+                retry_after=self.local.config.down_after,
             )
         return placement, order
 
@@ -166,16 +170,17 @@ class WritePath:
         hot copies or all ``n`` fragments), as the live nodes of ``placement`` (the PUT's
         view) report it now; else None. Every copy counted is touched, so GC keeps it for
         another grace period."""
-        node = self.node
-        answers = (await node.holdings(placement.alive, [chunk_id], touch=time.time()))[chunk_id]
+        answers = (await self.cluster.holdings(placement.alive, [chunk_id], touch=time.time()))[
+            chunk_id
+        ]
         hot = [h.node for h in answers if h.hot]
         frags = {i for h in answers for i in h.fragments}
         size = max((h.size for h in answers), default=-1)
         state = max((h.state for h in answers), default=0)
-        if len(hot) >= node.config.replication:
+        if len(hot) >= self.local.config.replication:
             rank = {n: i for i, n in enumerate(placement.order(chunk_id))}
             replicas = sorted(hot, key=lambda n: rank.get(n, len(rank)))
-        elif len(frags) >= node.config.n:
+        elif len(frags) >= self.local.config.n:
             replicas = sorted({h.node for h in answers if h.fragments})
             state = max(state, 3)
         else:
@@ -200,15 +205,14 @@ class WritePath:
         """The PUT of a new chunk: ``body`` streamed into a fresh allocation, or ``sealed``
         (an allocation already filled and checked, of CRC-32C ``crc32c`` when given) sent
         on as it is."""
-        node = self.node
-        targets = order[: node.config.replication]
+        targets = order[: self.local.config.replication]
         if sealed is not None:
             buf = sealed
         else:
-            buf = await self.room(size, lambda wait: node.memory.allocate(size, timeout=wait))
+            buf = await self.room(size, lambda wait: self.local.memory.allocate(size, timeout=wait))
         streams: dict[str, PutStream] = {}
         try:
-            remote = [t for t in targets if t != node.id]
+            remote = [t for t in targets if t != self.local.id]
             streams = await self._open_streams(chunk_id, size, remote, crc32c)
             refused: list[Refusal] = []
             if body is not None:
@@ -226,23 +230,23 @@ class WritePath:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
             for stream in streams.values():
                 stream.abort()
-            node.memory.release(buf)
+            self.local.memory.release(buf)
             raise
-        if node.id in holders:
+        if self.local.id in holders:
             if await self.store_local(chunk_id, buf):
-                created.append(node.id)
+                created.append(self.local.id)
         elif sealed is not None:
             # Handed over by a client on this host, which will read it back from here (a
             # job restarted in place): the sealed pages stay as a local copy, evictable and
             # counted as no copy of the chunk (the holders above are its copies).
-            async with node.locks.hold(chunk_id):
-                await node.memory.put_local_copy(chunk_id, buf)
+            async with self.local.locks.hold(chunk_id):
+                await self.local.memory.put_local_copy(chunk_id, buf)
         else:
-            node.memory.release(buf)
-        node.metrics.ack_latency.observe(time.perf_counter() - started)
+            self.local.memory.release(buf)
+        self.local.metrics.ack_latency.observe(time.perf_counter() - started)
         if not created:
             return 200, self._reply(chunk_id, size, holders)
-        node.metrics.put_bytes.inc(size)
+        self.local.metrics.put_bytes.inc(size)
         return 201, {"chunk": chunk_id, "size": size, "replicas": holders, "state": "memory"}
 
     async def room(self, size: int, take: Callable[[float], Awaitable[T]]) -> T:
@@ -255,18 +259,17 @@ class WritePath:
         Raises ``InsufficientStorage`` ``nvme_full`` naming this node (the nvme is full),
         else ``Unavailable`` ``memory_full`` (``put_wait`` passed, or at once for a size that
         can never fit)."""
-        node = self.node
-        if size_class(size) > node.memory.usage().capacity:
+        if size_class(size) > self.local.memory.usage().capacity:
             raise unavailable(
                 "memory_full", f"{size} bytes can never fit in this node's RAM", retry_after=1.0
             )
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + node.config.put_wait
+        deadline = loop.time() + self.local.config.put_wait
         full_from: float | None = None
         while True:
             now = loop.time()
             give_up = deadline
-            if node.space.full("nvme"):
+            if self.local.space.full("nvme"):
                 full_from = now if full_from is None else full_from
                 give_up = min(deadline, full_from + _FULL_WAIT)
             else:
@@ -281,34 +284,37 @@ class WritePath:
 
     def nvme_full(self) -> InsufficientStorage:
         """The refusal of a copy by a node whose nvme is full (docs/API.md E16)."""
-        node = self.node
-        dirty = node.memory.stats().dirty_bytes
+        local = self.local
+        dirty = local.memory.stats().dirty_bytes
         return InsufficientStorage(
             "nvme_full",
-            f"nvme tier full on node {node.id} ({node.url}), {node.space.describe('nvme')}: "
+            f"nvme tier full on node {local.id} ({local.url}), {local.space.describe('nvme')}: "
             f"its RAM holds {dirty / 2**20:.1f} MiB of chunks that cannot drain to disk, so "
             "it takes no new ones until space is freed there",
-            full=[{"node": node.id, "url": node.url, "tier": "nvme"}],
+            full=[{"node": local.id, "url": local.url, "tier": "nvme"}],
         )
 
     def _reply(self, chunk_id: str, size: int, holders: list[str]) -> dict[str, Any]:
-        info = self.node.index.get(chunk_id)
+        info = self.local.index.get(chunk_id)
         state = state_name(info.state) if info else "memory"
         return {"chunk": chunk_id, "size": size, "replicas": holders, "state": state}
 
     async def _open_streams(
         self, chunk_id: str, size: int, remote: list[str], crc32c: int | None = None
     ) -> dict[str, PutStream]:
-        node = self.node
         streams: dict[str, PutStream] = {}
 
         async def open_one(node_id: str) -> None:
             try:
-                streams[node_id] = await node.peers.open_put(
-                    node.config.dial_addr(node.spec(node_id)), chunk_id, size, crc32c, ack=True
+                streams[node_id] = await self.cluster.peers.open_put(
+                    self.local.config.dial_addr(self.cluster.spec(node_id)),
+                    chunk_id,
+                    size,
+                    crc32c,
+                    ack=True,
                 )
             except PeerUnavailable:
-                node.membership.report_failure(node_id)
+                self.cluster.membership.report_failure(node_id)
 
         await asyncio.gather(*(open_one(n) for n in remote))
         return streams
@@ -371,7 +377,7 @@ class WritePath:
             for view in views:
                 await stream.write(view)
         except PeerUnavailable:
-            self.node.membership.report_failure(node_id)
+            self.cluster.membership.report_failure(node_id)
             return False
         except PeerError as exc:
             refused.append((node_id, exc))
@@ -392,10 +398,53 @@ class WritePath:
 
         Returns (the holders in placement order, the remote ones that did not have it before).
         """
-        node = self.node
-        targets = order[: node.config.replication]
-        holders: list[str] = [node.id] if node.id in targets else []
+        rf = self.local.config.replication
+        targets = order[:rf]
+        holders: list[str] = [self.local.id] if self.local.id in targets else []
         created: list[str] = []
+        damaged = await self._verdicts(chunk_id, streams, refused, holders, created)
+        # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
+        # way. Send it our copy again rather than failing the client's good upload.
+        for node_id in damaged:
+            log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
+            reply = await self._push_with_resends(node_id, chunk_id, buf, refused, crc32c)
+            if reply is not None:
+                holders.append(node_id)
+                if reply.get("new"):
+                    created.append(node_id)
+        # Fill the gaps (a dead or full peer) with the next live nodes of the order.
+        tried = set(targets)
+        for candidate in order:
+            if len(holders) >= rf:
+                break
+            if candidate in tried or candidate in holders:
+                continue
+            tried.add(candidate)
+            if candidate == self.local.id:
+                holders.append(self.local.id)
+                continue
+            reply = await self._push_with_resends(candidate, chunk_id, buf, refused, crc32c)
+            if reply is None:
+                continue
+            holders.append(candidate)
+            if reply.get("new"):
+                created.append(candidate)
+        if len(holders) < rf:
+            raise self._too_few_holders(len(holders), refused)
+        rank = {n: i for i, n in enumerate(order)}
+        return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
+
+    async def _verdicts(
+        self,
+        chunk_id: str,
+        streams: dict[str, PutStream],
+        refused: list[Refusal],
+        holders: list[str],
+        created: list[str],
+    ) -> list[str]:
+        """Each replica stream's verdict: a holder goes to ``holders`` (and ``created`` if
+        it did not have the chunk before), a refusal to ``refused``; an unreachable replica
+        is reported to the membership. Returns the replicas that saw damaged bytes."""
         damaged: list[str] = []
 
         async def finish(node_id: str, stream: PutStream) -> None:
@@ -403,7 +452,7 @@ class WritePath:
                 reply = await stream.finish()
             except PeerUnavailable as exc:
                 log.warning("replica %s of %s unavailable: %s", node_id, chunk_id, exc)
-                node.membership.report_failure(node_id)
+                self.cluster.membership.report_failure(node_id)
                 return
             except PeerError as exc:
                 if exc.code == "checksum_mismatch":
@@ -417,59 +466,35 @@ class WritePath:
                 created.append(node_id)
 
         await asyncio.gather(*(finish(n, s) for n, s in streams.items()))
-        # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
-        # way. Send it our copy again rather than failing the client's good upload.
-        for node_id in damaged:
-            log.warning("replica %s saw damaged bytes of %s: sending it again", node_id, chunk_id)
-            reply = await self._push_with_resends(node_id, chunk_id, buf, refused, crc32c)
-            if reply is not None:
-                holders.append(node_id)
-                if reply.get("new"):
-                    created.append(node_id)
-        # Fill the gaps (a dead or full peer) with the next live nodes of the order.
-        tried = set(targets)
-        for candidate in order:
-            if len(holders) >= node.config.replication:
-                break
-            if candidate in tried or candidate in holders:
-                continue
-            tried.add(candidate)
-            if candidate == node.id:
-                holders.append(node.id)
-                continue
-            reply = await self._push_with_resends(candidate, chunk_id, buf, refused, crc32c)
-            if reply is None:
-                continue
-            holders.append(candidate)
-            if reply.get("new"):
-                created.append(candidate)
-        if len(holders) < node.config.replication:
-            if node.stopping:
-                raise unavailable("shutting_down", f"node {node.id} is stopping", retry_after=1.0)
-            rf = node.config.replication
-            short = f"only {len(holders)} node(s) could take the chunk, need {rf}"
-            full = {n: e for n, e in refused if e.code == "nvme_full"}
-            if full:
-                # Not backpressure: those nodes' RAM frees only when their disk does (E16).
-                raise InsufficientStorage(
-                    "nvme_full",
-                    f"{short}: " + "; ".join(e.message for e in full.values()),
-                    full=[{"node": n, "url": node.spec(n).url, "tier": "nvme"} for n in full],
-                )
-            out_of_ram = [f"{n}: {e.message}" for n, e in refused if e.code == "memory_full"]
-            if out_of_ram:
-                raise unavailable(
-                    "memory_full",
-                    f"{short}: out of RAM on " + "; ".join(out_of_ram),
-                    retry_after=1.0,
-                )
-            raise unavailable(
-                "insufficient_replicas",
-                f"only {len(holders)} node(s) could take the chunk; need {node.config.replication}",
-                retry_after=node.config.down_after,
+        return damaged
+
+    def _too_few_holders(self, count: int, refused: list[Refusal]) -> StoragedError:
+        """Why a PUT found only ``count`` holders: this node stops, replicas' nvme full
+        (E16), out of RAM, or too few live nodes."""
+        if self.local.stopping:
+            return unavailable(
+                "shutting_down", f"node {self.local.id} is stopping", retry_after=1.0
             )
-        rank = {n: i for i, n in enumerate(order)}
-        return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
+        rf = self.local.config.replication
+        short = f"only {count} node(s) could take the chunk, need {rf}"
+        full = {n: e for n, e in refused if e.code == "nvme_full"}
+        if full:
+            # Not backpressure: those nodes' RAM frees only when their disk does (E16).
+            return InsufficientStorage(
+                "nvme_full",
+                f"{short}: " + "; ".join(e.message for e in full.values()),
+                full=[{"node": n, "url": self.cluster.spec(n).url, "tier": "nvme"} for n in full],
+            )
+        out_of_ram = [f"{n}: {e.message}" for n, e in refused if e.code == "memory_full"]
+        if out_of_ram:
+            return unavailable(
+                "memory_full", f"{short}: out of RAM on " + "; ".join(out_of_ram), retry_after=1.0
+            )
+        return unavailable(
+            "insufficient_replicas",
+            f"only {count} node(s) could take the chunk; need {rf}",
+            retry_after=self.local.config.down_after,
+        )
 
     async def _push_with_resends(
         self,
@@ -496,9 +521,8 @@ class WritePath:
     ) -> dict[str, Any]:
         """Send a whole copy of a chunk to ``node_id``'s RAM (with its CRC-32C when known,
         which the receiver then checks instead of BLAKE3)."""
-        node = self.node
-        stream = await node.peers.open_put(
-            node.config.dial_addr(node.spec(node_id)), chunk_id, len(data), crc32c
+        stream = await self.cluster.peers.open_put(
+            self.local.config.dial_addr(self.cluster.spec(node_id)), chunk_id, len(data), crc32c
         )
         try:
             await stream.write(data)
@@ -521,31 +545,29 @@ class WritePath:
             self.storing -= 1
 
     async def _store_local(self, chunk_id: str, buf: memoryview) -> bool:
-        node = self.node
-        async with node.locks.hold(chunk_id):
-            if node.holds_hot(chunk_id):
-                node.memory.release(buf)
-                node.note_stored(chunk_id, len(buf))
+        async with self.local.locks.hold(chunk_id):
+            if self.local.holds_hot(chunk_id):
+                self.local.memory.release(buf)
+                self.local.note_stored(chunk_id, len(buf))
                 return False
-            await node.memory.put(chunk_id, buf, verified=True)
-            node.note_stored(chunk_id, len(buf))
-        node.drainer.offer(chunk_id)
+            await self.local.memory.put(chunk_id, buf, verified=True)
+            self.local.note_stored(chunk_id, len(buf))
+        self.to_drain(chunk_id)
         return True
 
     async def keep_copy(self, chunk_id: str, data: memoryview) -> bool:
         """Store a copy of checked bytes read from elsewhere (repair, rebalance) as this
         node's own. Refused (``PeerError`` ``draining``) on a draining node, as a peer's
         copy is: the caller places it on the next node."""
-        node = self.node
         self._refuse_if_draining()
         self.storing += 1  # with the check, one step: ``can_leave`` sees it from here on
         try:
-            buf = await node.memory.allocate(len(data), timeout=node.config.put_wait)
+            buf = await self.local.memory.allocate(len(data), timeout=self.local.config.put_wait)
             try:
                 buf[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
                 self._refuse_if_draining()  # again: marked while RAM was found
             except BaseException:
-                node.memory.release(buf)
+                self.local.memory.release(buf)
                 raise
             return await self.store_local(chunk_id, buf)
         finally:
@@ -560,28 +582,27 @@ class WritePath:
         arrives, its body with it, and again under the chunk's lock, right before the
         store), ``checksum_mismatch``, ``cold_full``. A sender treats ``draining`` like a
         dead target: its next view places the fragment elsewhere."""
-        node = self.node
         cid, index = parse_fragment_key(key)
         self._refuse_if_draining()
         self.storing += 1  # with the check, one step: ``can_leave`` sees it from here on
         try:
-            async with node.locks.hold(cid):
+            async with self.local.locks.hold(cid):
                 self._refuse_if_draining()
                 try:
-                    await node.cold.put(key, body)
+                    await self.local.cold.put(key, body)
                 except CorruptChunk as exc:
                     raise PeerError("checksum_mismatch", str(exc)) from exc
                 except TierFull as exc:
-                    node.space.note_full("cold", exc, len(body))
+                    self.local.space.note_full("cold", exc, len(body))
                     raise PeerError(
-                        "cold_full", f"cold tier full on {node.id} ({node.url}): {exc}"
+                        "cold_full", f"cold tier full on {self.local.id} ({self.local.url}): {exc}"
                     ) from exc
-                node.space.note_written("cold")
-                node.fragments.setdefault(cid, set()).add(index)
+                self.local.space.note_written("cold")
+                self.local.fragments.setdefault(cid, set()).add(index)
                 now = time.time()
-                info = node.index.get(cid)
+                info = self.local.index.get(cid)
                 if info is None:
-                    node.index[cid] = ChunkInfo(size, NVME, now, now)
+                    self.local.index[cid] = ChunkInfo(size, NVME, now, now)
                 else:
                     info.touch(now)
         finally:
@@ -589,14 +610,15 @@ class WritePath:
 
     async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
         """Peer side: a buffer for a copy another node sends."""
-        node = self.node
-        if node.stopping:
-            raise PeerError("shutting_down", f"node {node.id} is stopping")
+        if self.local.stopping:
+            raise PeerError("shutting_down", f"node {self.local.id} is stopping")
         self._refuse_if_draining()
-        if size > node.config.max_chunk_size:
+        if size > self.local.config.max_chunk_size:
             raise PeerError("too_large", f"{size} bytes is over the max chunk size")
         try:
-            return await self.room(size, lambda wait: node.memory.allocate(size, timeout=wait))
+            return await self.room(
+                size, lambda wait: self.local.memory.allocate(size, timeout=wait)
+            )
         except StoragedError as exc:  # memory_full, or nvme_full naming this node
             raise PeerError(exc.code, exc.message) from exc
 
@@ -612,13 +634,13 @@ class WritePath:
         else:
             ok = await chunk_id_of_async(buf) == chunk_id
         if not ok:
-            self.node.memory.release(buf)
+            self.local.memory.release(buf)
             raise PeerError("checksum_mismatch", "the body does not match its check")
         try:
             # Again at the end: the node may have been marked draining while the body came.
             self._refuse_if_draining()
         except PeerError:
-            self.node.memory.release(buf)
+            self.local.memory.release(buf)
             raise
         return {"new": await self.store_local(chunk_id, buf)}
 
@@ -630,9 +652,8 @@ class WritePath:
         the first check on, with no await in between; so the drain's ``can_leave`` (which
         needs the node to know it drains, and nothing counted) cannot be outrun by data
         landing after it was computed."""
-        node = self.node
-        if node.membership.drains.is_draining(node.id):
-            raise PeerError("draining", f"node {node.id} is draining: it takes no new data")
+        if self.cluster.membership.drains.is_draining(self.local.id):
+            raise PeerError("draining", f"node {self.local.id} is draining: it takes no new data")
 
     def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
-        self.node.memory.release(buf)
+        self.local.memory.release(buf)

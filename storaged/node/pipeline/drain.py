@@ -16,14 +16,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from storaged.node.pipeline import Workers
+from storaged.node.pipeline import ChunkWorkers
 from storaged.peer import PeerError
 from tiers import ChunkNotFound, CorruptChunk, TierFull
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.services import ClusterView, LocalStore
+    from storaged.node.write import WritePath
 
 log = logging.getLogger("storaged.node.drain")
 
@@ -33,64 +35,64 @@ _MAX_BACKOFF = 5.0
 _FULL_SAY_EVERY = 10.0
 
 
-class Drain:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
+class Drain(ChunkWorkers):
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        writes: WritePath,
+        to_encode: Callable[[str], None],
+    ) -> None:
+        super().__init__("drain", local.config.drain_workers, dedup=False)
+        self.local = local
+        self.cluster = cluster
+        self.writes = writes
+        #: hands a chunk this node owns to the encoder
+        self.to_encode = to_encode
         self._retries: dict[str, float] = {}  # chunk id -> its next delay
-        self._workers = Workers("drain", node.config.drain_workers, self._worker)
-
-    def start(self) -> None:
-        self._workers.start()
-
-    async def close(self) -> None:
-        await self._workers.close()
 
     @property
     def backlog(self) -> int:
         """Chunks waiting for their drain (queued or waiting to retry)."""
-        return self._queue.qsize() + len(self._retries)
+        return self.queued + len(self._retries)
 
-    def offer(self, chunk_id: str) -> None:
-        self._queue.put_nowait(chunk_id)
-        self.node.metrics.drain_backlog.inc()
+    def offered(self, chunk_id: str) -> None:
+        self.local.metrics.drain_backlog.inc()
+
+    def taken(self, chunk_id: str) -> None:
+        self.local.metrics.drain_backlog.dec()
 
     def _ram_pressed(self) -> bool:
-        u = self.node.memory.usage()
+        u = self.local.memory.usage()
         return u.used > u.capacity // 2
 
     async def quiet(self, longest: float, *, unless_ram_pressed: bool = False) -> None:
         """Wait (at most ``longest`` s) until no ack is under way here (a PUT in flight, a
         replica copy arriving): acks come first."""
-        writes = self.node.writes
+        writes = self.writes
         deadline = time.monotonic() + longest
-        while writes.busy() and time.monotonic() < deadline and not self.node.stopping:
+        while writes.busy() and time.monotonic() < deadline and not self.local.stopping:
             if unless_ram_pressed and self._ram_pressed():
                 return
             await asyncio.sleep(0.02)
 
-    async def _worker(self) -> None:
-        node = self.node
-        while True:
-            cid = await self._queue.get()
-            node.metrics.drain_backlog.dec()
-            try:
-                await self.quiet(node.config.drain_defer, unless_ram_pressed=True)
-                await self.drain(cid)
-                self._retries.pop(cid, None)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = self._retries.get(cid, 0.5)
-                self._retries[cid] = min(delay * 2, _MAX_BACKOFF)
-                log.warning(
-                    "drain of %s failed (%s: %s); retrying in %.1f s",
-                    cid,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                )
-                node.spawn(self._retry_later(cid, delay), f"drain-retry-{cid[:8]}")
+    async def handle(self, chunk_id: str) -> None:
+        await self.quiet(self.local.config.drain_defer, unless_ram_pressed=True)
+        await self.drain(chunk_id)
+        self._retries.pop(chunk_id, None)
+
+    def failed(self, chunk_id: str, exc: Exception) -> None:
+        delay = self._retries.get(chunk_id, 0.5)
+        self._retries[chunk_id] = min(delay * 2, _MAX_BACKOFF)
+        log.warning(
+            "drain of %s failed (%s: %s); retrying in %.1f s",
+            chunk_id,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        self.local.spawn(self._retry_later(chunk_id, delay), f"drain-retry-{chunk_id[:8]}")
 
     async def _retry_later(self, chunk_id: str, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -98,12 +100,11 @@ class Drain:
 
     async def drain(self, chunk_id: str) -> None:
         """RAM copy -> nvme file (durable), then the RAM copy is clean (evictable)."""
-        node = self.node
-        if not node.nvme_has(chunk_id) and not node.memory.holds(chunk_id):
+        if not self.local.nvme_has(chunk_id) and not self.local.memory.holds(chunk_id):
             # Collected meanwhile, or all that is left here is a co-located client's local
             # copy (never drained: it is no copy of the chunk's, ``tiers/memory.py``).
             return
-        if not node.nvme_has(chunk_id):
+        if not self.local.nvme_has(chunk_id):
             try:
                 await self._write(chunk_id)
             except ChunkNotFound:
@@ -111,57 +112,54 @@ class Drain:
             except CorruptChunk:
                 self._quarantine(chunk_id)
                 return
-        node.memory.mark_clean(chunk_id)
-        node.metrics.drained.inc()
-        owner = node.placement().owner(chunk_id)
+        self.local.memory.mark_clean(chunk_id)
+        self.local.metrics.drained.inc()
+        owner = self.cluster.placement().owner(chunk_id)
         if owner is None:
             return  # no placeable node now: repair offers the chunk to its owner later
-        if owner == node.id:
-            node.encoder.offer(chunk_id)
+        if owner == self.local.id:
+            self.to_encode(chunk_id)
         else:
             with contextlib.suppress(PeerError):
-                await node.call(owner, "drained", {"id": chunk_id})
+                await self.cluster.drained(owner, chunk_id)
 
     async def _write(self, chunk_id: str) -> None:
         """The RAM copy to a durable file. A copy handed over in shared memory is hashed
         again on its way (I7): the kernel's seals keep its pages from changing, and this
         check is what proves it before the bytes become the durable copy."""
-        node = self.node
-        async with node.memory.lease(chunk_id) as view:
-            shared = node.memory.is_shared(chunk_id)
+        async with self.local.memory.lease(chunk_id) as view:
+            shared = self.local.memory.is_shared(chunk_id)
             try:
-                await node.nvme.put(chunk_id, view, verified=not shared)
+                await self.local.nvme.put(chunk_id, view, verified=not shared)
             except TierFull as exc:
                 # The disk's own word (ENOSPC) or the capacity: PUTs that wait for RAM only
                 # this drain could free are refused from now on (node/space.py).
-                node.space.note_full("nvme", exc, view.nbytes)
+                self.local.space.note_full("nvme", exc, view.nbytes)
                 raise
-        node.space.note_written("nvme")
+        self.local.space.note_written("nvme")
 
     def _quarantine(self, chunk_id: str) -> None:
         """A RAM copy that fails its id is dropped (never drained, never served again);
         repair brings a good copy from another holder."""
-        node = self.node
-        node.metrics.corrupt.labels("memory").inc()
+        self.local.metrics.corrupt.labels("memory").inc()
         log.error("RAM copy of %s fails its id: dropped, repair will copy it anew", chunk_id)
-        node.spawn(node.memory.delete(chunk_id), f"quarantine-{chunk_id[:8]}")
+        self.local.spawn(self.local.memory.delete(chunk_id), f"quarantine-{chunk_id[:8]}")
 
     def _dirty(self, chunk_id: str) -> bool:
         """Still RAM-only here (False once collected: gone is not dirty)."""
         try:
-            return self.node.memory.is_dirty(chunk_id)
+            return self.local.memory.is_dirty(chunk_id)
         except ChunkNotFound:
             return False
 
     async def drain_all(self, deadline: float) -> list[str]:
         """Drain every dirty RAM chunk (for a graceful stop), retrying failures until
         ``deadline`` (monotonic). Returns the chunks still RAM-only."""
-        node = self.node
-        left = node.memory.dirty_keys()
+        left = self.local.memory.dirty_keys()
         attempt = 0
         said = -_FULL_SAY_EVERY
         while left and time.monotonic() < deadline:
-            if node.space.full("nvme") and time.monotonic() - said >= _FULL_SAY_EVERY:
+            if self.local.space.full("nvme") and time.monotonic() - said >= _FULL_SAY_EVERY:
                 # Say what the stop waits for: it can last the whole stop_timeout.
                 said = time.monotonic()
                 log.error(
@@ -169,7 +167,7 @@ class Drain:
                     "more for disk space, then exiting without them (lost unless another "
                     "holder has them on disk)",
                     len(left),
-                    node.space.describe("nvme"),
+                    self.local.space.describe("nvme"),
                     deadline - said,
                 )
             failed = []
@@ -178,9 +176,9 @@ class Drain:
                     failed.append(cid)
                     continue
                 try:
-                    if not node.nvme_has(cid):
+                    if not self.local.nvme_has(cid):
                         await self._write(cid)
-                    node.memory.mark_clean(cid)
+                    self.local.memory.mark_clean(cid)
                 except ChunkNotFound:
                     continue
                 except CorruptChunk:

@@ -13,7 +13,7 @@ named it in a catalogue snapshot taken at ``S``, its last use here is older than
 touched it at ``T`` (until ``T + W``, ``W`` its commit window) before writing its record,
 which is everywhere by ``T + W``. Collecting needs ``now > T + W + G`` and ``now < S + G/2``,
 so ``S > T + W``: the snapshot was taken after the record was written, and names the chunk.
-The check and the mark (``Node.collecting``) are one step under the chunk's lock, so a
+The check and the mark (``LocalStore.collecting``) are one step under the chunk's lock, so a
 touch or a store lands either before (and wins) or after (and sees the chunk gone).
 
 Retention: a cold chunk's nvme copy goes only while all ``n`` of its fragments are held.
@@ -38,7 +38,9 @@ from storaged.node.referenced import ReferencedSet
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.catalogue import Catalogue
+    from storaged.node.pipeline.leadership import Leadership
+    from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.node.gc")
 
@@ -57,8 +59,19 @@ def newest_per_prefix(records: list[CatalogRecord], keep: int) -> set[str]:
 
 
 class Collector:
-    def __init__(self, node: Node, referenced: ReferencedSet) -> None:
-        self.node = node
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        referenced: ReferencedSet,
+        leadership: Leadership,
+        catalogue: Catalogue,
+    ) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.leadership = leadership
+        self.catalogue = catalogue
         #: what every stage asks "is this chunk unreferenced?" (fed by the passes here)
         self.referenced = referenced
         #: GC passes are skipped until then (``POST /v1/admin/gc``), counted as failed
@@ -68,7 +81,7 @@ class Collector:
         """Unreferenced in a fresh complete snapshot and unused here for the grace period
         (what GC takes: repair and evacuation leave it alone rather than undo the
         collection). False whenever no snapshot is fresh: stale knowledge keeps data."""
-        info = self.node.index.get(chunk_id)
+        info = self.local.index.get(chunk_id)
         return info is not None and self.referenced.is_garbage(chunk_id, info.last_use)
 
     def pause(self, seconds: float) -> float:
@@ -82,10 +95,9 @@ class Collector:
 
     def _failed(self, cause: str) -> None:
         self.referenced.failed(cause)
-        node = self.node
-        node.metrics.gc_failed_passes.inc()
+        self.local.metrics.gc_failed_passes.inc()
         stalled = self.referenced.stalled_since()
-        node.metrics.gc_stalled.set(0 if stalled is None else time.time() - stalled)
+        self.local.metrics.gc_stalled.set(0 if stalled is None else time.time() - stalled)
         if stalled is not None:
             log.warning(
                 "GC stalled for %.0f s (no complete pass since then): %s",
@@ -96,13 +108,12 @@ class Collector:
             log.warning("GC pass skipped: %s", cause)
 
     async def gc_pass(self) -> None:
-        node = self.node
-        cfg = node.config
+        cfg = self.local.config
         if time.time() < self.paused_until:
             self._failed(f"paused by an operator until {_clock(self.paused_until)}")
             return
         try:
-            refs = await node.catalogue.references()
+            refs = await self.catalogue.references()
         except CatalogueUnavailable as exc:
             self._failed(f"the catalogue is unavailable: {exc}")
             return
@@ -117,76 +128,73 @@ class Collector:
         snapshot = self.referenced.update(
             refs, frozenset(newest_per_prefix(live, cfg.retain_newest))
         )
-        node.metrics.gc_stalled.set(0)
-        node.metrics.gc_last_pass.set(snapshot.taken_at)
+        self.local.metrics.gc_stalled.set(0)
+        self.local.metrics.gc_last_pass.set(snapshot.taken_at)
         referenced = snapshot.chunks
         protected = snapshot.protected
         deadline = snapshot.taken_at + self.referenced.fresh_for
-        placement = node.placement()  # one view for the pass
+        placement = self.cluster.placement()  # one view for the pass
         freed = 0
         trim: list[str] = []
-        for cid in list(node.index):
+        for cid in list(self.local.index):
             if time.time() > deadline:
                 log.info("GC pass stopped: its catalogue snapshot is too old to act on")
                 break
-            info = node.index.get(cid)
+            info = self.local.index.get(cid)
             if info is None:
                 continue
             if cid not in referenced:
                 if await self.collect(cid, referenced, deadline):
                     freed += 1
                 continue
-            keep = placement.owner(cid) == node.id and cid in protected
-            if info.state >= COLD and node.nvme_has(cid) and not keep:
+            keep = placement.owner(cid) == self.local.id and cid in protected
+            if info.state >= COLD and self.local.nvme_has(cid) and not keep:
                 trim.append(cid)
         if trim:
             await self._trim_nvme(trim, placement)
-        node.metrics.gc_freed.inc(freed)
-        node.update_gauges()
+        self.local.metrics.gc_freed.inc(freed)
+        self.local.update_gauges()
 
     async def collect(self, chunk_id: str, referenced: frozenset[str], deadline: float) -> bool:
         """Remove every copy and fragment of ``chunk_id`` here if it is still garbage."""
-        node = self.node
 
         def garbage() -> bool:
-            info = node.index.get(chunk_id)
+            info = self.local.index.get(chunk_id)
             now = time.time()
             return (
                 info is not None
                 and chunk_id not in referenced
-                and now - info.last_use > node.config.gc_grace
+                and now - info.last_use > self.local.config.gc_grace
                 and now <= deadline
             )
 
         if not garbage():
             return False
-        async with node.locks.hold(chunk_id):
+        async with self.local.locks.hold(chunk_id):
             if not garbage():
                 return False
-            node.collecting.add(chunk_id)  # same step as the check: held by no one from now
+            self.local.collecting.add(chunk_id)  # same step as the check: held by no one from now
             try:
                 await self._delete_local(chunk_id)
             finally:
-                node.collecting.discard(chunk_id)
+                self.local.collecting.discard(chunk_id)
         return True
 
     async def _delete_local(self, chunk_id: str) -> None:
-        node = self.node
-        await node.memory.delete(chunk_id)
-        await node.nvme.delete(chunk_id)
-        for index in list(node.fragments.get(chunk_id, ())):
-            await node.cold.delete(fragment_key(chunk_id, index))
-        node.fragments.pop(chunk_id, None)
-        if node.index.pop(chunk_id, None) is not None:
-            await node.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
+        await self.local.memory.delete(chunk_id)
+        await self.local.nvme.delete(chunk_id)
+        for index in list(self.local.fragments.get(chunk_id, ())):
+            await self.local.cold.delete(fragment_key(chunk_id, index))
+        self.local.fragments.pop(chunk_id, None)
+        if self.local.index.pop(chunk_id, None) is not None:
+            await self.local.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
 
     async def _trim_nvme(self, ids: list[str], placement: Placement) -> None:
         """Drop the nvme copies of cold chunks whose ``n`` fragments are all held now by
         nodes that are not draining (a draining node's fragments are about to leave), and
         not concentrated on too few of them (``repairer.exposed``: repair spreads them)."""
-        node = self.node
         leaving: set[str] = set()
-        held = await node.holdings(placement.placeable, ids, draining=leaving)
+        held = await self.cluster.holdings(placement.placeable, ids, draining=leaving)
         nodes = len(set(placement.placeable) - leaving)
         for cid in ids:
             # A holder that says it drains counts for nothing, even where this view is older
@@ -194,12 +202,12 @@ class Collector:
             staying = [h for h in held[cid] if h.node not in leaving]
             frags = {i for h in staying for i in h.fragments}
             if (
-                len(frags) >= node.config.n
-                and not node.repairer.exposed({h.node: h.fragments for h in staying}, nodes)
-                and node.is_cold(cid)
-                and cid not in node.collecting
+                len(frags) >= self.local.config.n
+                and not self.leadership.exposed({h.node: h.fragments for h in staying}, nodes)
+                and self.local.is_cold(cid)
+                and cid not in self.local.collecting
             ):
-                await node.nvme.delete(cid)
+                await self.local.nvme.delete(cid)
 
 
 def _clock(t: float) -> str:

@@ -64,13 +64,17 @@ from typing import TYPE_CHECKING
 from erasure import fragment_key
 from storaged.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, Holding
-from storaged.node.pipeline import Workers
+from storaged.node.pipeline import ChunkWorkers
+from storaged.node.pipeline.leadership import Leadership
 from storaged.peer import PeerError
 from storaged.placement import Placement
 from tiers import ChunkNotFound, CorruptChunk, TierFull
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.node.read import ReadPath
+    from storaged.node.referenced import ReferencedSet
+    from storaged.node.services import ClusterView, LocalStore
+    from storaged.node.write import WritePath
 
 log = logging.getLogger("storaged.node.rebalance")
 
@@ -101,54 +105,54 @@ class Throttle:
             await asyncio.sleep(start - now)
 
 
-class Rebalance:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.throttle = Throttle(node.config.rebalance_rate)
+class Rebalance(ChunkWorkers):
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        leadership: Leadership,
+        reads: ReadPath,
+        writes: WritePath,
+        referenced: ReferencedSet,
+    ) -> None:
+        super().__init__("rebalance", _WORKERS, pending_while_handled=True)
+        self.local = local
+        self.cluster = cluster
+        self.leadership = leadership
+        self.reads = reads
+        self.writes = writes
+        self.referenced = referenced
+        self.throttle = Throttle(local.config.rebalance_rate)
         #: chunk id -> monotonic time until which no slot of it may be dropped here
         self._pins: dict[str, float] = {}
         #: (chunk id, slot) being dropped here: reported held by no one
         self.dropping: set[tuple[str, int]] = set()
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._pending: set[str] = set()
-        self._workers = Workers("rebalance", _WORKERS, self._worker)
-
-    def start(self) -> None:
-        self._workers.start()
-
-    async def close(self) -> None:
-        await self._workers.close()
 
     def offer(self, chunk_id: str) -> None:
         """Move ``chunk_id`` where placement says, if this node still leads it then."""
-        if chunk_id not in self._pending:
-            self._pending.add(chunk_id)
-            self._queue.put_nowait(chunk_id)
+        super().offer(chunk_id)
 
-    async def _worker(self) -> None:
-        node = self.node
-        while True:
-            cid = await self._queue.get()
-            try:
-                if node.repairer.away:
-                    continue  # placement skips the away member: wait for it (or for gone)
-                placement = node.placement()  # one view for this chunk's move
-                held = (await node.holdings(placement.alive, [cid], timeout=_ASK_TIMEOUT))[cid]
-                leads = node.repairer.leader(cid, held, placement) == node.id
-                if leads and self.complete(held):
-                    await self.rebalance_one(cid, held, placement)
-            except asyncio.CancelledError:
-                raise
-            except CatalogueUnavailable as exc:
-                log.warning("rebalance of %s: %s; the next repair pass offers it again", cid, exc)
-            except Exception:
-                log.exception("rebalance of %s failed; the next repair pass offers it again", cid)
-            finally:
-                self._pending.discard(cid)
+    async def handle(self, chunk_id: str) -> None:
+        if self.leadership.away:
+            return  # placement skips the away member: wait for it (or for gone)
+        placement = self.cluster.placement()  # one view for this chunk's move
+        held = (await self.cluster.holdings(placement.alive, [chunk_id], timeout=_ASK_TIMEOUT))[
+            chunk_id
+        ]
+        leads = self.leadership.leader(chunk_id, held, placement) == self.local.id
+        if leads and self.complete(held):
+            await self.rebalance_one(chunk_id, held, placement)
+
+    def failed(self, chunk_id: str, exc: Exception) -> None:
+        if isinstance(exc, CatalogueUnavailable):
+            log.warning("rebalance of %s: %s; the next repair pass offers it again", chunk_id, exc)
+        else:
+            log.exception("rebalance of %s failed; the next repair pass offers it again", chunk_id)
 
     def complete(self, held: list[Holding]) -> bool:
         """Whether the chunk lacks nothing (what lacks is repair's, at once and unpaced)."""
-        cfg = self.node.config
+        cfg = self.local.config
         if max((h.state for h in held), default=0) >= COLD:
             return len({i for h in held for i in h.fragments}) >= cfg.n
         return sum(1 for h in held if h.hot) >= cfg.replication
@@ -168,16 +172,15 @@ class Rebalance:
     async def witness(self, chunk_id: str, slot: int, seconds: float) -> bool:
         """Whether this node holds ``slot`` of ``chunk_id`` (read back and checked); if so,
         no slot of the chunk is dropped here for ``seconds`` (at most ``PIN_SECONDS``)."""
-        node = self.node
         try:
             if slot == HOT:
-                await node.nvme.get(chunk_id)
+                await self.local.nvme.get(chunk_id)
             else:
-                await node.cold.get(fragment_key(chunk_id, slot))
+                await self.local.cold.get(fragment_key(chunk_id, slot))
         except CorruptChunk:
-            node.metrics.corrupt.labels("cold" if slot != HOT else "nvme").inc()
+            self.local.metrics.corrupt.labels("cold" if slot != HOT else "nvme").inc()
             if slot != HOT:
-                node.forget_fragment(fragment_key(chunk_id, slot))
+                self.local.forget_fragment(fragment_key(chunk_id, slot))
             return False
         except ChunkNotFound:
             return False
@@ -186,11 +189,15 @@ class Rebalance:
             log.warning("witness of %s slot %d: cannot read it: %s", chunk_id, slot, exc)
             return False
         # From here to the answer, one step: the pin is in force before anyone hears "held".
-        held = node.nvme_has(chunk_id) if slot == HOT else slot in node.fragments.get(chunk_id, ())
-        if not held or chunk_id in node.collecting or (chunk_id, slot) in self.dropping:
+        held = (
+            self.local.nvme_has(chunk_id)
+            if slot == HOT
+            else slot in self.local.fragments.get(chunk_id, ())
+        )
+        if not held or chunk_id in self.local.collecting or (chunk_id, slot) in self.dropping:
             return False
         self.pin(chunk_id, seconds)
-        info = node.index.get(chunk_id)
+        info = self.local.index.get(chunk_id)
         if info is not None:
             info.touch(time.time())  # a use: GC keeps the witnessed copy another grace period
         return True
@@ -198,33 +205,28 @@ class Rebalance:
     async def drop_misplaced(self, chunk_id: str, slot: int, witnesses: list[str]) -> bool:
         """Drop this node's copy (``slot`` ``HOT``) or fragment ``slot`` of ``chunk_id`` if
         every witness holds it (see the module docstring); True if it was dropped."""
-        node = self.node
-        others = sorted(set(witnesses) - {node.id})
-        if len(others) < (node.config.replication if slot == HOT else 1):
+        others = sorted(set(witnesses) - {self.local.id})
+        if len(others) < (self.local.config.replication if slot == HOT else 1):
             return False
-        async with node.locks.hold(chunk_id):
-            if chunk_id in node.collecting or self.pinned(chunk_id):
+        async with self.local.locks.hold(chunk_id):
+            if chunk_id in self.local.collecting or self.pinned(chunk_id):
                 return False
             if slot == HOT:
                 # Any tier state: on nvme only (evicted from RAM), or with a clean RAM copy
                 # too; a RAM copy not yet on disk refuses.
-                if not node.nvme_has(chunk_id) or self._dirty_in_ram(chunk_id):
+                if not self.local.nvme_has(chunk_id) or self._dirty_in_ram(chunk_id):
                     return False
-            elif slot not in node.fragments.get(chunk_id, ()):
+            elif slot not in self.local.fragments.get(chunk_id, ()):
                 return False
             asked = time.monotonic()
 
             async def held_by(witness: str) -> bool:
                 try:
-                    reply, _ = await node.call(
-                        witness,
-                        "witness",
-                        {"id": chunk_id, "slot": slot, "pin": PIN_SECONDS},
-                        timeout=PIN_SECONDS / 4,
+                    return await self.cluster.witness(
+                        witness, chunk_id, slot, PIN_SECONDS, timeout=PIN_SECONDS / 4
                     )
                 except PeerError:
                     return False
-                return bool(reply.get("held"))
 
             answers = await asyncio.gather(*(held_by(w) for w in others))
             if not all(answers) or time.monotonic() - asked > PIN_SECONDS / 2:
@@ -236,7 +238,7 @@ class Rebalance:
                 await self._delete(chunk_id, slot)
             finally:
                 self.dropping.discard((chunk_id, slot))
-        node.metrics.rebalanced.labels("dropped").inc()
+        self.local.metrics.rebalanced.labels("dropped").inc()
         log.info(
             "dropped misplaced %s of %s", "copy" if slot == HOT else f"fragment {slot}", chunk_id
         )
@@ -245,20 +247,19 @@ class Rebalance:
     def _dirty_in_ram(self, chunk_id: str) -> bool:
         """Whether this node's RAM holds a copy of ``chunk_id`` not yet on disk (False when
         RAM holds none: ``is_dirty`` raises for a key it does not have)."""
-        memory = self.node.memory
+        memory = self.local.memory
         return memory.has(chunk_id) and memory.is_dirty(chunk_id)
 
     async def _delete(self, chunk_id: str, slot: int) -> None:
-        node = self.node
         if slot == HOT:
-            await node.memory.delete(chunk_id)
-            await node.nvme.delete(chunk_id)
+            await self.local.memory.delete(chunk_id)
+            await self.local.nvme.delete(chunk_id)
         else:
-            await node.cold.delete(fragment_key(chunk_id, slot))
-            node.forget_fragment(fragment_key(chunk_id, slot))
-        held_here = node.holds_hot(chunk_id) or node.fragments.get(chunk_id)
-        if not held_here and node.index.pop(chunk_id, None) is not None:
-            await node.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
+            await self.local.cold.delete(fragment_key(chunk_id, slot))
+            self.local.forget_fragment(fragment_key(chunk_id, slot))
+        held_here = self.local.holds_hot(chunk_id) or self.local.fragments.get(chunk_id)
+        if not held_here and self.local.index.pop(chunk_id, None) is not None:
+            await self.local.state_log.append([(chunk_id, 0, 0, 0.0)], sync=False)
 
     # ---- the leader side -------------------------------------------------------------------
     def misplaced(
@@ -266,7 +267,6 @@ class Rebalance:
     ) -> list[tuple[str, int]]:
         """(holder, slot) pairs of ``chunk_id`` outside ``placement``. A draining holder's
         are not named: evacuation copies them (``repair.py``), and they leave with it."""
-        node = self.node
         state = max((h.state for h in held), default=0)
         staying = [h for h in held if not placement.is_draining(h.node)]
         owner = placement.owner(chunk_id)
@@ -276,7 +276,7 @@ class Rebalance:
                 return []  # no placeable node: nowhere to move to
             out = [(h.node, i) for h in staying for i in h.fragments if targets[i] != h.node]
             keepers = [h.node for h in staying if h.hot]
-            protected = node.referenced.is_protected(chunk_id)
+            protected = self.referenced.is_protected(chunk_id)
             if protected and keepers and owner is not None and owner not in keepers:
                 out += [(n, HOT) for n in keepers]  # the retained copy, away from its owner
             return out
@@ -321,64 +321,58 @@ class Rebalance:
                     if slot != index:
                         continue
                     after = {n: f - {index} if n == holder else f for n, f in left.items()}
-                    if self.node.repairer.exposed(after, len(placement.placeable)):
+                    if self.leadership.exposed(after, len(placement.placeable)):
                         continue
                     if await self._ask_drop(holder, chunk_id, index, [target]):
                         left = after
 
     async def _place_copies(self, chunk_id: str, held: list[Holding], targets: list[str]) -> bool:
         """True once every target holds an nvme copy (copies sent now count next pass)."""
-        node = self.node
         on_nvme = {h.node for h in held if h.nvme}
         lacking = [t for t in targets if t not in {h.node for h in held if h.hot}]
         if not lacking:
             return all(t in on_nvme for t in targets)
-        async with node.reads.local_copy(chunk_id) as local:
-            data = local if local is not None else await node.reads.whole_copy(chunk_id)
+        async with self.reads.local_copy(chunk_id) as local:
+            data = local if local is not None else await self.reads.whole_copy(chunk_id)
             if data is None:
                 return False
             view = memoryview(data)
             for target in lacking:
                 await self.throttle.take(len(view))
                 try:
-                    if target == node.id:
-                        await node.writes.keep_copy(chunk_id, view)
+                    if target == self.local.id:
+                        await self.writes.keep_copy(chunk_id, view)
                     else:
-                        await node.writes.push_copy(target, chunk_id, view)
+                        await self.writes.push_copy(target, chunk_id, view)
                 except (PeerError, TierFull) as exc:
                     log.warning("rebalance copy of %s to %s failed: %s", chunk_id, target, exc)
                     continue
-                node.metrics.rebalanced_bytes.inc(len(view))
-                node.metrics.rebalanced.labels("copy").inc()
+                self.local.metrics.rebalanced_bytes.inc(len(view))
+                self.local.metrics.rebalanced.labels("copy").inc()
         return False  # on nvme at the new holders only once drained: drops wait a pass
 
     async def _move_fragment(self, chunk_id: str, index: int, source: str, target: str) -> bool:
-        node = self.node
         key = fragment_key(chunk_id, index)
         try:
-            _, blob = await node.call(source, "get_fragment", {"key": key})
+            blob = await self.cluster.get_fragment(source, key)
             if blob is None:
                 return False
             await self.throttle.take(len(blob))
-            info = node.index.get(chunk_id)
+            info = self.local.index.get(chunk_id)
             size = info.size if info is not None else -1
-            await node.call(target, "put_fragment", {"key": key, "size": size}, blob)
+            await self.cluster.put_fragment(target, key, size, blob)
         except PeerError as exc:
             log.warning("rebalance of fragment %s to %s failed: %s", key, target, exc)
             return False
-        node.metrics.rebalanced_bytes.inc(len(blob))
-        node.metrics.rebalanced.labels("fragment").inc()
+        self.local.metrics.rebalanced_bytes.inc(len(blob))
+        self.local.metrics.rebalanced.labels("fragment").inc()
         return True
 
     async def _ask_drop(self, holder: str, chunk_id: str, slot: int, witnesses: list[str]) -> bool:
         """Whether ``holder`` says it dropped the slot (False also when it did not answer)."""
         try:
-            reply, _ = await self.node.call(
-                holder,
-                "drop_misplaced",
-                {"id": chunk_id, "slot": slot, "witnesses": witnesses},
-                timeout=PIN_SECONDS,
+            return await self.cluster.drop_misplaced(
+                holder, chunk_id, slot, witnesses, timeout=PIN_SECONDS
             )
         except PeerError:
             return False
-        return bool(reply.get("dropped"))

@@ -28,18 +28,23 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
 from storaged.catalogue import CatalogueUnavailable, CoordinatorUnavailable
 from storaged.node.index import COLD, NVME, Holding
+from storaged.node.pipeline.leadership import Leadership
 from storaged.peer import PeerError
-from storaged.placement import Placement, exposed, failure_budget
+from storaged.placement import Placement
 from tiers import TierFull
 
 if TYPE_CHECKING:
-    from storaged.node.core import Node
+    from storaged.catalogue import Catalogue
+    from storaged.node.pipeline.encode import Encoder
+    from storaged.node.read import ReadPath
+    from storaged.node.referenced import ReferencedSet
+    from storaged.node.services import ClusterView, LocalStore, Rebalancing
+    from storaged.node.write import WritePath
 
 log = logging.getLogger("storaged.node.repair")
 
@@ -55,8 +60,28 @@ MISPLACED = "misplaced"
 
 
 class Repair:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        *,
+        leadership: Leadership,
+        reads: ReadPath,
+        writes: WritePath,
+        encoder: Encoder,
+        rebalance: Rebalancing,
+        referenced: ReferencedSet,
+        catalogue: Catalogue,
+    ) -> None:
+        self.local = local
+        self.cluster = cluster
+        self.leadership = leadership
+        self.reads = reads
+        self.writes = writes
+        self.encoder = encoder
+        self.rebalance = rebalance
+        self.referenced = referenced
+        self.catalogue = catalogue
         #: chunks this node leads the repair of that lacked something at the last pass
         self.backlog = 0
         #: chunks it leads that lacked nothing but sat (partly) outside their placement
@@ -64,15 +89,11 @@ class Repair:
         #: when the last complete pass started (wall clock; None before the first): its
         #: backlogs describe the cluster as of then, not before
         self.last_pass_started: float | None = None
-        #: members down for less than ``gone_after``, and live ones that did not answer the
-        #: current batch's question: what they hold is expected back (rebalance waits too)
-        self.away: frozenset[str] = frozenset()
 
     async def repair_pass(self) -> None:
-        node = self.node
         started = time.time()
         try:
-            await node.catalogue.repair()
+            await self.catalogue.repair()
         except asyncio.CancelledError:
             raise
         except CatalogueUnavailable as exc:
@@ -80,7 +101,7 @@ class Repair:
         except Exception:
             log.exception("catalogue repair failed")
         away = await self._away_members()
-        ids = list(node.index)
+        ids = list(self.local.index)
         lacking = misplaced = 0
         slots = asyncio.Semaphore(_PARALLEL)
 
@@ -102,26 +123,27 @@ class Repair:
 
         for start in range(0, len(ids), 256):
             batch = ids[start : start + 256]
-            placement = node.placement()  # one view per batch: its questions and repairs
+            placement = self.cluster.placement()  # one view per batch: its questions and repairs
             asked = placement.alive
             answered: set[str] = set()
             # A stalled holder must not hold up every other chunk's repair for long.
-            held = await node.holdings(asked, batch, timeout=_ASK_TIMEOUT, answered=answered)
+            held = await self.cluster.holdings(
+                asked, batch, timeout=_ASK_TIMEOUT, answered=answered
+            )
             # One that did not answer (just died, or stalled) is away too: what it holds is
             # missing from the answers, as an away member's is.
-            self.away = away | frozenset(asked).difference(answered)
+            self.leadership.away = away | frozenset(asked).difference(answered)
             await asyncio.gather(*(one(cid, held[cid], placement) for cid in batch))
         self.backlog = lacking
         self.misplaced = misplaced
         self.last_pass_started = started
-        node.metrics.repair_backlog.set(lacking)
-        node.metrics.misplaced_backlog.set(misplaced)
+        self.local.metrics.repair_backlog.set(lacking)
+        self.local.metrics.misplaced_backlog.set(misplaced)
 
     async def _away_members(self) -> frozenset[str]:
         """Members down for less than ``gone_after``; those down for longer are forgotten
         where the membership can (etcd), and are not waited for either way."""
-        node = self.node
-        membership = node.membership
+        membership = self.cluster.membership
         now = time.time()
         away = set()
         for node_id in membership.all_ids():
@@ -130,7 +152,7 @@ class Repair:
                 since = now  # down, since when unknown: as if from now
             if since is None:
                 continue
-            if now - since < node.config.gone_after:
+            if now - since < self.local.config.gone_after:
                 away.add(node_id)
                 continue
             try:
@@ -138,15 +160,6 @@ class Repair:
             except CoordinatorUnavailable as exc:
                 log.warning("cannot remove gone member %s now: %s", node_id, exc)
         return frozenset(away)
-
-    def leader(self, chunk_id: str, held: list[Holding], placement: Placement) -> str | None:
-        """Who leads the chunk's repair: the first in placement order holding a hot copy,
-        or, without any, the first holding fragments (a draining holder too: it has the
-        bytes)."""
-        hot = {h.node for h in held if h.hot}
-        with_fragments = {h.node for h in held if h.fragments}
-        holders = hot or with_fragments
-        return next((n for n in placement.order(chunk_id) if n in holders), None)
 
     async def repair_one(
         self, chunk_id: str, held: list[Holding], placement: Placement
@@ -159,10 +172,9 @@ class Repair:
         Evacuation: copies and fragments on draining nodes do not count toward
         ``replication`` or ``n``; they are copied to where placement without those nodes
         says, and a draining holder may lead (it has the bytes)."""
-        node = self.node
-        cfg = node.config
-        info = node.index.get(chunk_id)
-        if info is not None and node.referenced.is_garbage(chunk_id, info.last_use):
+        cfg = self.local.config
+        info = self.local.index.get(chunk_id)
+        if info is not None and self.referenced.is_garbage(chunk_id, info.last_use):
             return None  # garbage waiting for GC: copying it back would undo the collection
         staying = [h for h in held if not placement.is_draining(h.node)]
         state = max((h.state for h in held), default=0)
@@ -170,8 +182,8 @@ class Repair:
         if state >= COLD and len(frags) >= cfg.n and info is not None and info.state < COLD:
             # A copy that arrived while the chunk was being encoded (a rebalance or repair
             # copy) missed the encoder's "cold": without it GC would keep it on nvme forever.
-            await node.record_state([chunk_id], COLD)
-        if self.leader(chunk_id, held, placement) != node.id:
+            await self.local.record_state([chunk_id], COLD)
+        if self.leadership.leader(chunk_id, held, placement) != self.local.id:
             return None
         cold = state >= COLD or len(frags) >= cfg.n
         missing = set(range(cfg.n)) - {i for h in staying for i in h.fragments} if cold else set()
@@ -181,89 +193,107 @@ class Repair:
             # at ``replication`` copies on the nodes that stay, until nodes are back.
             cold = False
         if cold:
-            if missing and self.away and len(frags) >= cfg.k + 1:
-                # The away member likely holds them: wait (see the docstring), except for
-                # what a draining node holds: that must leave now, away member or not.
-                on_draining = {
-                    i for h in held if placement.is_draining(h.node) for i in h.fragments
-                }
-                if not missing & on_draining:
-                    return LACKING
-                missing &= on_draining
-            if missing:
-                async with node.reads.local_copy(chunk_id) as local:
-                    if local is None:
-                        # No whole copy here: a draining node's fragments move as they are
-                        # (one read each, not k reads and an encode).
-                        missing -= await self._move_fragments(chunk_id, held, placement, missing)
-                    data = local
-                    if data is None and missing:
-                        data = await node.reads.rebuild(chunk_id, placement)
-                    if data is not None and await node.encoder.encode_and_spread(
-                        chunk_id, data, placement, missing
-                    ):
-                        node.metrics.repaired.labels("fragment").inc(len(missing))
+            return await self._repair_cold(chunk_id, held, placement, missing)
+        return await self._repair_hot(chunk_id, held, placement, missing)
+
+    async def _repair_cold(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> str | None:
+        """A cold chunk: the ``missing`` fragment indexes (none on a node that stays) are
+        stored anew, fragments concentrated beyond one loss move at once, and what lies
+        outside the placement goes to the rebalance."""
+        cfg = self.local.config
+        frags = {i for h in held for i in h.fragments}
+        if missing and self.leadership.away and len(frags) >= cfg.k + 1:
+            # The away member likely holds them: wait (see the docstring), except for
+            # what a draining node holds: that must leave now, away member or not.
+            on_draining = {i for h in held if placement.is_draining(h.node) for i in h.fragments}
+            if not missing & on_draining:
                 return LACKING
-            spread = {h.node: h.fragments for h in staying}
-            if self.exposed(spread, len(placement.placeable), at_most=1):
-                # Every index present, but one node's loss would leave fewer than k: not the
-                # paced rebalance's to fix in its own time. Each index goes to its target
-                # now (the bytes as they are); the rebalance drops the extras later. (Below
-                # the failure model only for two losses, as after a fifth node's return to
-                # six, it is misplaced: the rebalance moves it, paced, as for a join.)
-                await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
-                return LACKING
-            return self._rebalance(chunk_id, held, placement)
-        kept = {h.node for h in staying if h.hot}
-        targets = placement.hot_targets(chunk_id)
-        lacking = [n for n in targets if n not in kept]
+            missing &= on_draining
+        if missing:
+            await self._restore_fragments(chunk_id, held, placement, missing)
+            return LACKING
+        spread = {h.node: h.fragments for h in held if not placement.is_draining(h.node)}
+        if self.leadership.exposed(spread, len(placement.placeable), at_most=1):
+            # Every index present, but one node's loss would leave fewer than k: not the
+            # paced rebalance's to fix in its own time. Each index goes to its target
+            # now (the bytes as they are); the rebalance drops the extras later. (Below
+            # the failure model only for two losses, as after a fifth node's return to
+            # six, it is misplaced: the rebalance moves it, paced, as for a join.)
+            await self._move_fragments(chunk_id, held, placement, set(range(cfg.n)))
+            return LACKING
+        return self._rebalance(chunk_id, held, placement)
+
+    async def _restore_fragments(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> None:
+        """Store the ``missing`` fragment indexes on their targets: encoded from a whole
+        copy (here, or rebuilt from ``k`` fragments), or, without a copy here, a draining
+        node's fragments moved as they are."""
+        async with self.reads.local_copy(chunk_id) as local:
+            if local is None:
+                # No whole copy here: a draining node's fragments move as they are
+                # (one read each, not k reads and an encode).
+                missing -= await self._move_fragments(chunk_id, held, placement, missing)
+            data = local
+            if data is None and missing:
+                data = await self.reads.rebuild(chunk_id, placement)
+            if data is not None and await self.encoder.encode_and_spread(
+                chunk_id, data, placement, missing
+            ):
+                self.local.metrics.repaired.labels("fragment").inc(len(missing))
+
+    async def _repair_hot(
+        self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
+    ) -> str | None:
+        """A chunk kept hot: copies up to ``replication`` on its hot targets; once it has
+        them, on to the encoder (owner side) and the rebalance. ``missing``: the fragment
+        indexes of a cold chunk whose fragments cannot be placed now."""
+        cfg = self.local.config
+        kept = {h.node for h in held if h.hot and not placement.is_draining(h.node)}
+        lacking = [n for n in placement.hot_targets(chunk_id) if n not in kept]
         if missing and len(kept) >= cfg.replication:
             return None  # cold, fragments unplaceable now, and safe as a hot chunk
         if len(kept) >= cfg.replication or not lacking:
             owner = placement.owner(chunk_id)
             if all(h.nvme for h in held if h.hot) and owner is not None:
-                node.encoder.offer(chunk_id)  # owner side: encode when ready
-                if owner != node.id:
+                self.encoder.offer(chunk_id)  # owner side: encode when ready
+                if owner != self.local.id:
                     with contextlib.suppress(PeerError):
-                        await node.call(owner, "drained", {"id": chunk_id})
+                        await self.cluster.drained(owner, chunk_id)
             return self._rebalance(chunk_id, held, placement)
-        if self.away and state >= NVME and len(kept) >= 2:
+        state = max((h.state for h in held), default=0)
+        if self.leadership.away and state >= NVME and len(kept) >= 2:
             return LACKING  # durable on the away member's disk too: wait for it
-        async with node.reads.local_copy(chunk_id) as local:
-            data = local if local is not None else await node.reads.whole_copy(chunk_id, placement)
+        await self._copy_to(chunk_id, placement, lacking[: cfg.replication - len(kept)])
+        return LACKING
+
+    async def _copy_to(self, chunk_id: str, placement: Placement, targets: list[str]) -> None:
+        """A whole copy of the chunk (from here, a peer, or decoded) to each of ``targets``;
+        a target that fails is logged and left for the next pass."""
+        async with self.reads.local_copy(chunk_id) as local:
+            data = local if local is not None else await self.reads.whole_copy(chunk_id, placement)
             if data is None:
                 log.warning("repair of %s: no copy and too few fragments to read", chunk_id)
-                return LACKING
+                return
             view = memoryview(data)
-            for target in lacking[: cfg.replication - len(kept)]:
+            for target in targets:
                 try:
-                    if target == node.id:
-                        await node.writes.keep_copy(chunk_id, view)
+                    if target == self.local.id:
+                        await self.writes.keep_copy(chunk_id, view)
                     else:
-                        await node.writes.push_copy(target, chunk_id, view)
-                    node.metrics.repaired.labels("copy").inc()
+                        await self.writes.push_copy(target, chunk_id, view)
+                    self.local.metrics.repaired.labels("copy").inc()
                 except (PeerError, TierFull) as exc:
                     log.warning("repair copy of %s to %s failed: %s", chunk_id, target, exc)
-        return LACKING
 
     def _can_spread(self, placement: Placement) -> bool:
         """Whether the placeable nodes can hold ``n`` fragments with at most ``n - k`` on
         any one (the encoder's own rule: ``pipeline/encode.py``)."""
-        cfg = self.node.config
+        cfg = self.local.config
         nodes = len(placement.placeable)
         return nodes > 0 and math.ceil(cfg.n / nodes) <= cfg.n - cfg.k
-
-    def exposed(
-        self, fragments: Mapping[str, Collection[int]], nodes: int, at_most: int | None = None
-    ) -> bool:
-        """Whether the fragments on the nodes that stay (node -> the indexes it holds, with
-        ``nodes`` placeable nodes) are
-        more concentrated than the failure model allows (``storaged.placement.exposed``;
-        ``at_most`` losses only, if given): repair moves them (at once where one loss is
-        too many), GC keeps the nvme copies, the drain is not done."""
-        cfg = self.node.config
-        budget = failure_budget(nodes, cfg.replication, cfg.k, cfg.n)
-        return exposed(fragments, cfg.k, budget if at_most is None else min(budget, at_most))
 
     async def _move_fragments(
         self, chunk_id: str, held: list[Holding], placement: Placement, missing: set[int]
@@ -272,7 +302,6 @@ class Repair:
         there, bytes as they are, from a holder (a draining one first: its copy is about
         to leave); the indexes moved. The target checks each fragment against its
         header's checksum (``put_fragment``), as for an encode."""
-        node = self.node
         targets = placement.fragment_targets(chunk_id)
         if not targets:
             return set()
@@ -287,10 +316,10 @@ class Repair:
         async def move(index: int) -> bool:
             key = fragment_key(chunk_id, index)
             try:
-                _, blob = await node.call(sources[index], "get_fragment", {"key": key})
+                blob = await self.cluster.get_fragment(sources[index], key)
                 if blob is None:
                     return False
-                await node.call(targets[index], "put_fragment", {"key": key, "size": size}, blob)
+                await self.cluster.put_fragment(targets[index], key, size, blob)
             except PeerError as exc:
                 log.warning("moving fragment %s to %s failed: %s", key, targets[index], exc)
                 return False
@@ -300,15 +329,15 @@ class Repair:
         moved = await asyncio.gather(*(move(i) for i in wanted))
         done = {i for i, ok in zip(wanted, moved, strict=True) if ok}
         if done:
-            node.metrics.repaired.labels("fragment_moved").inc(len(done))
+            self.local.metrics.repaired.labels("fragment_moved").inc(len(done))
         return done
 
     def _rebalance(self, chunk_id: str, held: list[Holding], placement: Placement) -> str | None:
         """Move what lies outside the placement; not while a member is away (placement over
         the live nodes skips it: what moved would move back on its return)."""
-        rebalance = self.node.rebalance
+        rebalance = self.rebalance
         if not rebalance.misplaced(chunk_id, held, placement):
             return None
-        if not self.away:
+        if not self.leadership.away:
             rebalance.offer(chunk_id)
         return MISPLACED
