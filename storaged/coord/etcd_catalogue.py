@@ -129,7 +129,10 @@ class EtcdCatalogue(Catalogue):
         self.inline_refs = inline_refs
         self.tombstone_ttl = tombstone_ttl
         self.compact_interval = compact_interval
-        self._last_compaction = 0.0
+        #: when the last compaction ran (monotonic), None before the first: monotonic time
+        #: counts from an arbitrary point (boot, on Linux), so a 0.0 here held back every
+        #: compaction for a freshly booted machine's first ``compact_interval`` seconds
+        self._last_compaction: float | None = None
         #: the etcd revision of the last orphan scan: parts created after it are too young
         self._orphan_horizon = 0
         #: names whose live record a read found without all its chunk-id parts
@@ -431,9 +434,13 @@ class EtcdCatalogue(Catalogue):
             except CoordinatorUnavailable as exc:
                 log.warning("checkpoint %r: its chunk ids not repaired yet: %s", name, exc)
                 self._damaged.add(name)
-        if time.monotonic() - self._last_compaction < self.compact_interval:
+        now = time.monotonic()
+        if (
+            self._last_compaction is not None
+            and now - self._last_compaction < self.compact_interval
+        ):
             return done
-        self._last_compaction = time.monotonic()
+        self._last_compaction = now
         return (
             done + await self.compact_tombstones(self.tombstone_ttl) + await self.compact_orphans()
         )
