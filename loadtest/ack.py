@@ -69,8 +69,8 @@ from loadtest.harness.loopback import (
 from loadtest.harness.machine import new_loop, prefaulted, proc_cpu_seconds, proc_cpu_times
 from loadtest.harness.profile import summarize_profile
 from loadtest.harness.report import percentile
-from storaged.cluster import ClusterError, LocalCluster, free_port_block
 from storaged.placement import rendezvous_order
+from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 
 MiB = 1 << 20
 GiB = 1 << 30

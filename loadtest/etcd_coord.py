@@ -21,9 +21,9 @@ from typing import Any
 
 import msgpack
 
-from storaged.catalog import CatalogRecord
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
+from storaged.coord.manifest_store import CatalogRecord
 
 
 def _record(name: str, chunks: int, manifest_bytes: int) -> CatalogRecord:

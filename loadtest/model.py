@@ -19,7 +19,7 @@ is written out in docs/SCALE.md.
 Outputs: a markdown table on stdout and in ``<out>/model.md``, ``<out>/model.json``,
 and a log-log plot ``<out>/scale.png`` (copied to docs/scale.png when ``--out`` is the
 default). ``--mtbf HOURS`` adds the Young/Daly checkpoint interval for every row
-(``storaged.advise``).
+(``storaged.tools.advise``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.harness.plots import PlotUnavailable, pyplot
-from storaged.model import (
+from storaged.tools.model import (
     GB,
     Assumptions,
     Rates,
@@ -59,7 +59,7 @@ def run(
     node_mtbf_hours: float | None = None,
 ) -> dict[str, Any]:
     """The whole projection as a JSON-ready document (what ``model.json`` holds)."""
-    from storaged.advise import advise, at_interval
+    from storaged.tools.advise import advise, at_interval
 
     rows = []
     for nodes in node_counts:

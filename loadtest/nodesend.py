@@ -33,7 +33,7 @@ from loadtest.harness.cluster import TOKEN, start_cluster
 from loadtest.harness.machine import new_loop, proc_cpu_seconds
 from loadtest.harness.response_node import RESPONSE_NODE
 from storaged.client import Client
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 
 GB = 1e9
 MODES = ("stream", "response")

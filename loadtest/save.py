@@ -91,7 +91,7 @@ from loadtest.harness.trace import client_cpu, summarize_latencies
 from loadtest.harness.workers import Prepared, WorkerPool, wall_seconds
 from storaged.client import Client
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
-from storaged.cluster import LocalCluster, default_erasure
+from storaged.tools.local_cluster import LocalCluster, default_erasure
 
 # -- jobs (one per saving process) ----------------------------------------------------------------
 

@@ -38,7 +38,7 @@ import numpy as np
 from loadtest.harness.cluster import TOKEN, start_cluster
 from loadtest.harness.machine import new_loop, proc_cpu_seconds
 from storaged.client.shm import ShmPath, _stage
-from storaged.shm import socket_path
+from storaged.front.shm import socket_path
 
 GB = 1e9
 MiB = 1 << 20

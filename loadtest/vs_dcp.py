@@ -98,7 +98,7 @@ from loadtest.harness.state_dict import start_sized_cluster as start_cluster
 from loadtest.harness.stopwatch import CORES, Stopwatch, Window
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 
 if TYPE_CHECKING:
     import torch
@@ -755,7 +755,7 @@ def run_targets(
     baselines the targets name, and last a degraded restore: this kills a node."""
     import torch
 
-    from storaged.dcp import StoragedReader, StoragedWriter
+    from storaged.client.dcp import StoragedReader, StoragedWriter
 
     pids = node_pids(cluster)
     urls = cluster.urls

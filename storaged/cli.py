@@ -15,8 +15,8 @@ from storaged import __version__
 from storaged.config import Config, ConfigError, config_field_names, load_config
 
 if TYPE_CHECKING:
-    from storaged.cluster import LocalCluster, LocalEtcd
-    from storaged.cluster_file import ClusterFile
+    from storaged.tools.cluster_file import ClusterFile
+    from storaged.tools.local_cluster import LocalCluster, LocalEtcd
 
 
 def _state_dir() -> Path:
@@ -132,8 +132,8 @@ async def _serve(config: Config) -> int:
     import asyncio
     import signal
 
+    from storaged.front.http import serve
     from storaged.node import Node
-    from storaged.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -166,7 +166,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "the catalogue: it is started first and stopped last, on a port kept in the file.",
     )
     # No defaults here: a flag not given leaves the cluster file's value (the defaults
-    # of a new file are in storaged/cluster_file.py).
+    # of a new file are in storaged/tools/cluster_file.py).
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (new file: 4)")
     p.add_argument("--data", default=None, help="data directory (default: user state dir)")
     p.add_argument(
@@ -226,8 +226,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the cluster; 0 once its own nodes serve and a signal stopped them, else 1 or 2."""
-    from storaged.cluster import ClusterError, LocalCluster, supervise
-    from storaged.cluster_file import ClusterFileError
+    from storaged.tools.cluster_file import ClusterFileError
+    from storaged.tools.local_cluster import ClusterError, LocalCluster, supervise
 
     if args.insecure and args.token:
         print("storaged up: --insecure and --token exclude each other", file=sys.stderr)
@@ -284,7 +284,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up_plan(args: argparse.Namespace, data: Path) -> tuple[ClusterFile, LocalEtcd | None]:
     """The cluster file ``up`` will run (the operator's, with the flags as overrides), and
     the local etcd member it names; ``ClusterFileError`` or ``ClusterError`` if neither."""
-    from storaged.cluster_file import UpFlags, plan
+    from storaged.tools.cluster_file import UpFlags, plan
 
     flags = UpFlags(
         nodes=args.nodes,
@@ -311,7 +311,7 @@ def _up_auth(args: argparse.Namespace, file: ClusterFile, cluster: LocalCluster)
     ``--insecure`` was not given. ``ClusterError`` when the flags contradict the file."""
     import secrets
 
-    from storaged.cluster import ClusterError
+    from storaged.tools.local_cluster import ClusterError
 
     auth = file.auth() if file.before is not None else None
     has_token = auth is not None and ("token" in auth or "token_env" in auth)
@@ -359,7 +359,7 @@ def _check_etcd_ports(port: int, path: Path, *, given: bool) -> None:
     move etcd elsewhere on its own (nodes joined by hand know its address)."""
     import socket  # here, as in cmd_serve: ``storaged ls`` starts without it
 
-    from storaged.cluster import ClusterError
+    from storaged.tools.local_cluster import ClusterError
 
     for what, taken in (("port", port), ("peer port", port + 1)):
         try:
@@ -382,7 +382,7 @@ def _local_etcd(data: Path) -> LocalEtcd:
     get what is missing (the etcd server, or the client library of the etcd extra)."""
     import importlib.util
 
-    from storaged.cluster import ETCD_HINT, ClusterError, LocalEtcd, etcd_binary
+    from storaged.tools.local_cluster import ETCD_HINT, ClusterError, LocalEtcd, etcd_binary
 
     binary = etcd_binary()
     if binary is None:
@@ -397,6 +397,48 @@ def _local_etcd(data: Path) -> LocalEtcd:
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``storaged demo``: a tool of its own (``storaged/tools/demo.py``, imported when it
+    runs), not a client command."""
+    from storaged.client.cli import progress_options
+
+    p = sub.add_parser(
+        "demo",
+        parents=[progress_options()],
+        help="save a synthetic multi-rank checkpoint, watch it drain, kill a node, restore",
+        description="Save a synthetic checkpoint from 4 ranks with AsyncSaver, follow it "
+        "memory -> nvme -> cold, kill a node, restore onto 2 ranks and check every byte.",
+    )
+    p.add_argument(
+        "--url",
+        default=None,
+        help="use this cluster (node URLs, comma-separated) instead of starting one",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("STORAGED_TOKEN") or None,
+        help="client token for --url (default $STORAGED_TOKEN)",
+    )
+    p.add_argument("--size", default="2GiB", help="checkpoint size (default %(default)s)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks that save (default 4)")
+    p.add_argument("--restore-ranks", type=int, default=2, help="ranks that restore (default 2)")
+    p.add_argument("--nodes", type=int, default=4, help="nodes of the local cluster")
+    p.add_argument("--kill", type=int, default=1, help="index of the node to kill (default 1)")
+    p.add_argument(
+        "--no-kill", action="store_true", help="restore with every node up (for comparison)"
+    )
+    p.add_argument("--data", default=None, help="parent of the temporary data dir")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to reach cold")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint (with --url)")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from storaged.tools.demo import cmd_demo as run
+
+    return run(args)
+
+
 def _client_commands() -> list[Registrar]:
     """Client-side commands live with the client; absent parts just aren't offered."""
     registrars: list[Registrar] = []
@@ -406,8 +448,9 @@ def _client_commands() -> list[Registrar]:
         pass
     else:
         registrars.append(register)
+        registrars.append(_add_demo)
     try:
-        from storaged.advise import (  # type: ignore[import-not-found,unused-ignore]
+        from storaged.tools.advise import (  # type: ignore[import-not-found,unused-ignore]
             register as register_advise,
         )
     except ImportError:

@@ -25,7 +25,7 @@ Cluster file::
     url = "http://127.0.0.1:7400"
     peer = "127.0.0.1:8400"       # the peer (replication) protocol's address
     data = "/var/lib/storaged/n0" # nvme/, cold/, catalog/ live under it
-    [up]                          # read by `storaged up` alone (storaged/cluster_file.py)
+    [up]                          # read by `storaged up` alone (storaged/tools/cluster_file.py)
     etcd_port = 23790
 """
 
@@ -299,7 +299,7 @@ def _coerce(name: str, raw: object) -> Any:
 
 #: tables whose keys are settings (``[tiers] memory_capacity`` is ``memory_capacity``)
 _TABLES = ("erasure", "tiers", "auth", "tls", "timeouts")
-#: what a node ignores: its own list, and ``storaged up``'s table (storaged/cluster_file.py)
+#: what a node ignores: its own list, and ``storaged up``'s table (storaged/tools/cluster_file.py)
 _NOT_SETTINGS = ("nodes", "up")
 _NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False}  # key: required
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from storaged.membership import MembershipView
+    from storaged.coord.membership import MembershipView
 
 
 def _score(node_id: str, chunk_id: str) -> int:

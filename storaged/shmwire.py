@@ -1,5 +1,5 @@
 """The wire of the co-located fast path: framed msgpack over a Unix socket, file
-descriptors passed with ``SCM_RIGHTS``. Shared by the node's listener (``storaged.shm``)
+descriptors passed with ``SCM_RIGHTS``. Shared by the node's listener (``storaged.front.shm``)
 and the client (``storaged.client.shm``).
 
 A frame is a 4-byte big-endian length and a msgpack map. A frame that carries a file

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from storaged.cluster import ClusterError, LocalCluster, free_port_block
+from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 from tests.etcd import EtcdCluster, etcd_binary
 
 #: a callback holding the loop this long fails the test (generous: the machine is shared)

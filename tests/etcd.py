@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storaged.cluster import free_port_block
+from storaged.tools.local_cluster import free_port_block
 
 #: heartbeat and election timeout of the members (ms): etcd's defaults are 100 and 1000;
 #: a loaded 2-core machine with 3 members and the nodes on it needs more slack

@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storaged.cluster import free_port_block
+from storaged.tools.local_cluster import free_port_block
 
 ACCESS_KEY = "test:tester"
 SECRET_KEY = "testing"

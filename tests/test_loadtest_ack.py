@@ -156,8 +156,8 @@ def test_profile_summary_separates_waits_from_work(tmp_path: Path) -> None:
                "pthread_cond_timedwait (libc.so.6)", "0x1 (libc.so.6) 5"),
         # work
         _stack(POOL, "chunk_id_of (storaged/ids.py:31)", "0x2 (blake3/blake3.cpython-311.so) 7"),
-        _stack(LOOP, "put_chunk (storaged/server.py:168)", "Node._receive (storaged/node.py:683)",
-               "0x7f (libc.so.6) 2"),
+        _stack(LOOP, "put_chunk (storaged/front/http.py:168)",
+               "Node._receive (storaged/node.py:683)", "0x7f (libc.so.6) 2"),
         _stack(LOOP, "Node._receive (storaged/node.py:689)",
                "PutStream.write (storaged/peer.py:1050)", "write (libc.so.6) 6"),
         _stack(LOOP, "uv__read (stream.c:1)", "read (libc.so.6) 4"),

@@ -30,8 +30,8 @@ from loadtest.harness.report import markdown_table, ratio
 from loadtest.harness.trace import TracedClient, TracedGets
 from loadtest.harness.workers import Prepared, WorkerError, WorkerPool
 from storaged.client import ChunkNotFound, Client
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 
 REPO = Path(__file__).resolve().parent.parent

@@ -69,7 +69,7 @@ def imports_of(path: Path, *, type_checking: bool = False) -> Iterator[str]:
 
 def imports_into(packages: tuple[str, ...], forbidden: str) -> dict[str, list[str]]:
     """Module of ``packages`` (dotted, e.g. ``storaged.client``; a module is one too) -> the
-    modules of package ``forbidden`` it imports, type-checking imports included; only
+    modules of package ``forbidden`` (dotted too) it imports, type-checking imports included; only
     modules that do."""
     paths = []
     for package in packages:
@@ -79,7 +79,9 @@ def imports_into(packages: tuple[str, ...], forbidden: str) -> dict[str, list[st
     assert paths, packages
     found = {
         module_name(path): sorted(
-            m for m in imports_of(path, type_checking=True) if m.split(".")[0] == forbidden
+            m
+            for m in imports_of(path, type_checking=True)
+            if m == forbidden or m.startswith(f"{forbidden}.")
         )
         for path in paths
     }
@@ -155,7 +157,15 @@ def test_the_storage_leaves_import_nothing_from_storaged() -> None:
 
 def test_the_client_imports_nothing_from_tiers() -> None:
     """The client speaks the wire's vocabulary (``storaged.wire``), not the server's tiers."""
-    assert imports_into(("storaged.client", "storaged.dcp"), "tiers") == {}
+    assert imports_into(("storaged.client", "storaged.client.dcp"), "tiers") == {}
+
+
+def test_the_client_imports_nothing_of_the_service_or_the_tools() -> None:
+    """A client (a training job, the CLI's client commands) runs no node: it needs neither
+    the node, its front ends, nor the tools (the local-cluster launcher, the demo)."""
+    client = ("storaged.client",)
+    for forbidden in ("storaged.node", "storaged.front", "storaged.tools", "storaged.coord"):
+        assert imports_into(client, forbidden) == {}, forbidden
 
 
 def test_the_product_never_imports_the_load_tests() -> None:
@@ -170,8 +180,8 @@ def test_the_product_never_imports_the_load_tests() -> None:
 def test_no_import_cycle_in_the_product_or_the_load_tests() -> None:
     edges = graph(*PACKAGES)
     # The graph is real: edges within and across packages, lazy imports included.
-    assert "storaged.demo" in edges["storaged.client.cli"]
-    assert "storaged.client.command" in edges["storaged.demo"]
+    assert "storaged.tools.demo" in edges["storaged.cli"]
+    assert "storaged.client.command" in edges["storaged.tools.demo"]
     assert "storaged.client" in edges["loadtest.harness.trace"]
     assert "tiers.nvme" in edges["storaged.node.core"]
     assert a_cycle(edges) is None
@@ -195,8 +205,8 @@ def test_no_module_of_the_node_or_its_coordination_names_the_node() -> None:
         for name, path in ((module_name(p), p) for p in (REPO / "storaged").rglob("*.py"))
         if node & set(imports_of(path, type_checking=True))
     }
-    assert {"storaged.server", "storaged.cli"} <= named  # the search finds its users
-    assert named <= {"storaged.node", "storaged.server", "storaged.cli"}, sorted(named)
+    assert {"storaged.front.http", "storaged.cli"} <= named  # the search finds its users
+    assert named <= {"storaged.node", "storaged.front.http", "storaged.cli"}, sorted(named)
 
 
 def test_a_benchmark_imports_the_harness_not_another_benchmark() -> None:

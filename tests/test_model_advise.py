@@ -1,5 +1,5 @@
-"""The scale model (``storaged.model``, printed by ``loadtest.model``) and the
-checkpoint-interval advice (``storaged.advise``).
+"""The scale model (``storaged.tools.model``, printed by ``loadtest.model``) and the
+checkpoint-interval advice (``storaged.tools.advise``).
 
 Formulas against values worked out by hand, the model's shape (monotone in the node
 count, the filesystem constant, the bounding resource moving where it should), result
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from loadtest.model import NODE_COUNTS, markdown, override_rates, run
-from storaged.advise import (
+from storaged.tools.advise import (
     AdviceError,
     advise,
     at_interval,
@@ -31,7 +31,7 @@ from storaged.advise import (
     register,
     young_interval,
 )
-from storaged.model import Assumptions, Rates, load_rates, phase, pipelined, project
+from storaged.tools.model import Assumptions, Rates, load_rates, phase, pipelined, project
 from tests.conftest import ClusterFactory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -518,7 +518,7 @@ def test_advise_works_without_the_load_tests(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["cost"] > 0 and doc["restore"] > 0
-    assert doc["sources"]["cost"].startswith("storaged.model, 1000 nodes")
+    assert doc["sources"]["cost"].startswith("storaged.tools.model, 1000 nodes")
 
 
 def test_advise_unparsable_mtbf_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -554,7 +554,7 @@ def test_storaged_command_offers_advise() -> None:
 
 
 def test_advise_live_cluster_unreachable_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    from storaged.cluster import free_port_block
+    from storaged.tools.local_cluster import free_port_block
 
     port = free_port_block(1)  # nothing listens there
     url = f"http://127.0.0.1:{port}"

@@ -112,8 +112,8 @@ def test_every_error_code_the_product_writes_is_in_the_vocabulary() -> None:
 
 
 def test_the_client_exceptions_and_the_server_status_table_use_the_vocabulary() -> None:
-    from storaged import server
     from storaged.client import errors
+    from storaged.front import http as server
 
     kinds: list[type[errors.StoragedError]] = [errors.StoragedError]
     kinds += _subclasses(errors.StoragedError)

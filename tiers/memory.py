@@ -36,7 +36,7 @@ which lets the buffer go back to the pool as soon as the last lease ends.
 This tier checks BLAKE3 on ``put`` (unless told the caller did) and does not re-hash
 on reads: the bytes never leave this process' memory.
 
-Shared segments (the co-located fast path, ``storaged.shm``): ``lease_shared``
+Shared segments (the co-located fast path, ``storaged.front.shm``): ``lease_shared``
 reserves a buffer's worth of capacity and backs it with a fresh ``memfd`` whose pages
 are already allocated, for a client on the same host to map and fill. Its size is fixed
 from then on (grow and shrink seals, added before anyone else sees it): a client can

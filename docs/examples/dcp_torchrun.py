@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from storaged.dcp import StoragedReader, StoragedWriter
+from storaged.client.dcp import StoragedReader, StoragedWriter
 
 URL = os.environ["STORAGED_URL"].split(",")
 TOKEN = os.environ.get("STORAGED_TOKEN")

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.harness.machine import MiB, proc_cpu_seconds
-from storaged.cluster import LocalCluster, free_port_block
+from storaged.tools.local_cluster import LocalCluster, free_port_block
 
 HOST = "127.0.0.1"
 

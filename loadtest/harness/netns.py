@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import storaged
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 
 #: prefix of every namespace a load test makes (``ip netns list`` shows them)
 PREFIX = "sdfab"

@@ -2,7 +2,7 @@
 
 ``python -m loadtest.harness.response_node serve ...`` takes ``storaged serve``'s
 arguments; ``LocalCluster(node_module=RESPONSE_NODE)`` starts a cluster of such nodes. The
-product sends a chunk's body as a view after the head (``storaged.server._send_body``):
+product sends a chunk's body as a view after the head (``storaged.front.http._send_body``):
 ``web.Response`` makes aiohttp join head and body into one new ``bytes`` on Python
 < 3.12.9, a copy of the whole chunk per GET. This variant is that old path, kept as the
 baseline of ``loadtest.nodesend`` and as the reference answer of
@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from storaged import cli, server
+from storaged import cli
+from storaged.front import http as server
 
 #: ``LocalCluster.node_module`` of a node of this kind
 RESPONSE_NODE = "loadtest.harness.response_node"
@@ -32,7 +33,7 @@ _answered = False
 async def send_by_response(
     request: web.Request, body: memoryview, status: int, headers: dict[str, str]
 ) -> web.StreamResponse:
-    """What ``storaged.server._send_body`` sends, the old way."""
+    """What ``storaged.front.http._send_body`` sends, the old way."""
     global _answered
     if not _answered:
         _answered = True

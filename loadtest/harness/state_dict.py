@@ -22,7 +22,7 @@ from loadtest.harness.cluster import start_cluster
 from loadtest.harness.machine import MiB
 from storaged.client import Client
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 
 #: RAM tier per node: this much above an even share of three copies, for uneven placement
 MEMORY_MARGIN = 1.2

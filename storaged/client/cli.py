@@ -1,5 +1,5 @@
 """The client commands of ``storaged``: ``ls``, ``status``, ``nodes``, ``rm``, ``save``,
-``restore``, ``demo``.
+``restore`` (``demo`` is the tools', ``storaged/cli.py``).
 
 Every command talks to the cluster named by ``--url`` (one node URL, or several
 separated by commas; default ``$STORAGED_URL`` or ``http://127.0.0.1:7400``) with
@@ -57,7 +57,8 @@ def _connection_options() -> argparse.ArgumentParser:
     return common
 
 
-def _progress_options() -> argparse.ArgumentParser:
+def progress_options() -> argparse.ArgumentParser:
+    """``--progress``/``--no-progress``, for every command that shows bars."""
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_mutually_exclusive_group()
     group.add_argument(
@@ -83,12 +84,11 @@ def _json_option() -> argparse.ArgumentParser:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client commands to the ``storaged`` command's subparsers."""
     conn = _connection_options()
-    progress = _progress_options()
+    progress = progress_options()
     as_json = _json_option()
 
     _add_cluster_commands(sub, [conn, as_json])
     _add_file_commands(sub, [conn, progress, as_json])
-    _add_demo(sub, [progress])
 
 
 def _add_cluster_commands(
@@ -191,41 +191,6 @@ def _add_file_commands(
     p.set_defaults(func=cmd_restore)
 
 
-def _add_demo(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: list[argparse.ArgumentParser],
-) -> None:
-    p = sub.add_parser(
-        "demo",
-        parents=parents,
-        help="save a synthetic multi-rank checkpoint, watch it drain, kill a node, restore",
-        description="Save a synthetic checkpoint from 4 ranks with AsyncSaver, follow it "
-        "memory -> nvme -> cold, kill a node, restore onto 2 ranks and check every byte.",
-    )
-    p.add_argument(
-        "--url",
-        default=None,
-        help="use this cluster (node URLs, comma-separated) instead of starting one",
-    )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("STORAGED_TOKEN") or None,
-        help="client token for --url (default $STORAGED_TOKEN)",
-    )
-    p.add_argument("--size", default="2GiB", help="checkpoint size (default %(default)s)")
-    p.add_argument("--ranks", type=int, default=4, help="ranks that save (default 4)")
-    p.add_argument("--restore-ranks", type=int, default=2, help="ranks that restore (default 2)")
-    p.add_argument("--nodes", type=int, default=4, help="nodes of the local cluster")
-    p.add_argument("--kill", type=int, default=1, help="index of the node to kill (default 1)")
-    p.add_argument(
-        "--no-kill", action="store_true", help="restore with every node up (for comparison)"
-    )
-    p.add_argument("--data", default=None, help="parent of the temporary data dir")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to reach cold")
-    p.add_argument("--keep", action="store_true", help="keep the checkpoint (with --url)")
-    p.set_defaults(func=cmd_demo)
-
-
 # --------------------------------------------------------------------------- the commands
 
 # Each command's module is imported when it runs, not when the command line is parsed:
@@ -271,11 +236,5 @@ def cmd_save(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     from storaged.client.file_commands import cmd_restore as run
-
-    return run(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from storaged.demo import cmd_demo as run
 
     return run(args)

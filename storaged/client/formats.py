@@ -950,7 +950,7 @@ def decode_value(item: OutputItem, value: Any) -> Any:
         raise FormatError(
             f"{item.key}: a pickled value that torch.load(weights_only=True) refuses "
             f"({clean_message(str(exc)).splitlines()[0][:160]}); load the checkpoint with "
-            "storaged.dcp.StoragedReader to read it"
+            "storaged.client.dcp.StoragedReader to read it"
         ) from None
 
 

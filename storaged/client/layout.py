@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 #: dtype of an item holding one msgpack-encoded non-array value.
 MSGPACK_DTYPE: Final = "msgpack"
 #: dtype of a non-tensor value the DCP writer saved: ``torch.save``'s bytes of it
-#: (``storaged.dcp``; numpy must not know the name, see there).
+#: (``storaged.client.dcp``; numpy must not know the name, see there).
 DCP_BYTES_DTYPE: Final = "dcp-bytes"
 #: dtypes of items that are one value (shape ``[]``), not an array.
 VALUE_DTYPES: Final = frozenset({MSGPACK_DTYPE, DCP_BYTES_DTYPE})

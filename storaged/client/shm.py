@@ -2,7 +2,7 @@
 
 ``Client`` opens a ``ShmPath`` when a node it was given (its first seed URL that
 qualifies) reports, in ``/v1/cluster``, the same host identity as this process and a
-socket this process can reach (``storaged.shm`` is the node's side). Then:
+socket this process can reach (``storaged.front.shm`` is the node's side). Then:
 
 - a PUT leases a memfd from the node, copies the chunk into it (one memcpy, in a thread,
   straight into pages the node already allocated), unmaps it and asks the node to seal

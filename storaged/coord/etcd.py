@@ -32,7 +32,7 @@ from etcd3aio.kv import KVService, prefix_range_end
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
 
-from storaged.catalogue import CoordinatorUnavailable
+from storaged.coord.catalogue import CoordinatorUnavailable
 from storaged.coord.target import parse_etcd_url
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """The checkpoint catalogue in etcd: a commit is one transaction, GC reads one revision.
 
-Upholds, for the node (see ``storaged.catalogue.Catalogue``):
+Upholds, for the node (see ``storaged.coord.catalogue.Catalogue``):
 
 - **I4 commits**: a commit creates ``ckpt/<name>`` only if it does not exist (compare
   ``create_revision == 0``) or replaces a tombstone only if that tombstone is unchanged
@@ -59,14 +59,14 @@ import blake3
 import msgpack
 from etcd3aio.kv import KVService
 
-from storaged.catalog import CatalogRecord, CheckpointNotFound
-from storaged.catalogue import Catalogue, CommitConflict, CoordinatorUnavailable, References
+from storaged.coord.catalogue import Catalogue, CommitConflict, CoordinatorUnavailable, References
 from storaged.coord.etcd import (
     EtcdSession,
     RevisionCompacted,
     compare_mod_revision,
     kv_response,
 )
+from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 from storaged.errors import BadInput
 from storaged.ids import chunk_id_of
 from storaged.manifest import MAX_INT, check_manifest

@@ -30,11 +30,11 @@ import msgpack
 from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
-from storaged.catalogue import CoordinatorUnavailable
 from storaged.config import Config, NodeSpec
+from storaged.coord.catalogue import CoordinatorUnavailable
 from storaged.coord.etcd import EtcdSession, compare_mod_revision, kv_response
 from storaged.coord.etcd_catalogue import EtcdCatalogue
-from storaged.membership import ACTIVE, DRAINING, DrainMarks, Membership, MembershipView
+from storaged.coord.membership import ACTIVE, DRAINING, DrainMarks, Membership, MembershipView
 from storaged.peer import PeerClient
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Checkpoints: commits, the catalogue quorum, listings, status and restore plans.
 
-The records themselves are the catalogue's (``storaged.catalogue``, injected into the
+The records themselves are the catalogue's (``storaged.coord.catalogue``, injected into the
 node); this module checks what a commit names and answers for checkpoints.
 
 Upholds:
@@ -32,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from storaged.catalog import CatalogRecord, CheckpointNotFound
-from storaged.catalogue import CatalogueUnavailable, CommitConflict, CoordinatorUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable, CommitConflict, CoordinatorUnavailable
+from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
 from storaged.node.index import COLD, NVME, Holding
@@ -41,7 +41,7 @@ from storaged.placement import Placement
 from storaged.wire import STATES
 
 if TYPE_CHECKING:
-    from storaged.catalogue import Catalogue
+    from storaged.coord.catalogue import Catalogue
     from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.node.checkpoints")

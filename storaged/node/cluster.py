@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from storaged.catalog import CatalogRecord
 from storaged.config import Config, NodeSpec
-from storaged.membership import Membership
+from storaged.coord.manifest_store import CatalogRecord
+from storaged.coord.membership import Membership
 from storaged.node.index import COLD, Holding
 from storaged.node.rpc import DOC_METHODS
 from storaged.peer import PeerClient, PeerError, PeerUnavailable

@@ -25,7 +25,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 Each stage is built from small services alone (``services.py``): what this node holds
 (``local.py``), the cluster as it sees it and the peer calls (``cluster.py``), and the
 sibling stages it hands work to. This module is the wiring and the life cycle; the HTTP
-layer (``storaged.server``) calls the ``Node`` methods below.
+layer (``storaged.front.http``) calls the ``Node`` methods below.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from typing import Any
 
 from erasure import make_codec
 from erasure.base import Codec
-from storaged.catalog import Catalog, CatalogRecord
-from storaged.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
 from storaged.config import Config
+from storaged.coord.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
+from storaged.coord.manifest_store import Catalog, CatalogRecord
+from storaged.coord.membership import Membership, StaticMembership
 from storaged.manifest import CheckedManifest
-from storaged.membership import Membership, StaticMembership
 from storaged.node.checkpoints import Checkpoints
 from storaged.node.cluster import Cluster, ping
 from storaged.node.evacuation import Evacuation
@@ -271,7 +271,7 @@ class Node:
         log.info("node %s stopping: refusing new PUTs, draining RAM-only chunks", self.id)
         while self.writes.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self.local.writes_closed = True  # no lease is sealed after this (storaged.shm)
+        self.local.writes_closed = True  # no lease is sealed after this (storaged.front.shm)
         left = await self.drainer.drain_all(deadline)
         if left:
             log.error(

@@ -28,9 +28,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from storaged.catalogue import CoordinatorUnavailable
+from storaged.coord.catalogue import CoordinatorUnavailable
+from storaged.coord.membership import ACTIVE, DRAINING
 from storaged.errors import NotFound, unavailable
-from storaged.membership import ACTIVE, DRAINING
 from storaged.peer import PeerError
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from typing import Any
 
 from erasure import parse_fragment_key
 from erasure.base import Codec
-from storaged.catalog import Catalog
 from storaged.config import Config
+from storaged.coord.manifest_store import Catalog
 from storaged.metrics import NodeMetrics
 from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo, ChunkLocks, StateLog
 from storaged.node.space import DiskSpace

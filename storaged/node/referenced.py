@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from storaged.catalogue import References
+from storaged.coord.catalogue import References
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from storaged.catalog import CatalogRecord
-from storaged.catalogue import CatalogueUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable
+from storaged.coord.manifest_store import CatalogRecord
 from storaged.node.index import COLD, MEMORY
 from storaged.node.pipeline.rebalance import HOT
 from storaged.peer import PeerError, PeerHandler
@@ -99,7 +99,10 @@ class PeerRpc:
                 info[cid] = [mem, nvme, frags, state, size]
         # Whether this node knows itself draining: a caller whose view is older than the
         # mark (a node just back) must not count what it holds as staying (Node.holdings).
-        return {"info": info, "draining": self.cluster.membership.drains.is_draining(self.local.id)}, None
+        return {
+            "info": info,
+            "draining": self.cluster.membership.drains.is_draining(self.local.id),
+        }, None
 
     async def rpc_get_chunk(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         cid = args["id"]

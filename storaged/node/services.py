@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from erasure.base import Codec
-    from storaged.catalog import Catalog, CatalogRecord
     from storaged.config import Config, NodeSpec
-    from storaged.membership import Membership
+    from storaged.coord.manifest_store import Catalog, CatalogRecord
+    from storaged.coord.membership import Membership
     from storaged.metrics import NodeMetrics
     from storaged.node.index import ChunkInfo, ChunkLocks, Holding, StateLog
     from storaged.node.space import DiskSpace

@@ -110,7 +110,7 @@ class WritePath:
     async def put_sealed(
         self, chunk_id: str, buf: memoryview, crc32c: int | None = None, *, admitted: bool = False
     ) -> tuple[int, dict[str, Any]]:
-        """A chunk handed over in a sealed shared segment (``storaged.shm``): ``buf`` is an
+        """A chunk handed over in a sealed shared segment (``storaged.front.shm``): ``buf`` is an
         allocation of the memory tier that already hashed to ``chunk_id``, and is taken over
         whatever happens (adopted as this node's RAM copy when this node is a holder,
         released otherwise). Replicates and answers as ``put_chunk`` does (I1, I2).

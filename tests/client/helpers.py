@@ -7,7 +7,7 @@ from typing import Any
 
 from storaged.client import Client
 from storaged.client.client import ClusterInfo
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 
 
 def client_for(cluster: LocalCluster, **kwargs: Any) -> Client:

@@ -95,8 +95,8 @@ async def _save(client: Client, name: str) -> str:
 
 @contextlib.asynccontextmanager
 async def _setup(kind: str, factory: InprocFactory) -> AsyncIterator[Setup]:
-    from storaged.server import http_error
-    from storaged.shm import ShmListener, socket_path
+    from storaged.front.http import http_error
+    from storaged.front.shm import ShmListener, socket_path
 
     cluster = await factory.start(4)
     async with contextlib.AsyncExitStack() as stack:

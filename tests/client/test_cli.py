@@ -29,8 +29,8 @@ import pytest
 
 from storaged.cli import main
 from storaged.client.command import ByteProgress, run_async
-from storaged.cluster import LocalCluster, free_port_block
-from storaged.demo import build_model, shares
+from storaged.tools.demo import build_model, shares
+from storaged.tools.local_cluster import LocalCluster, free_port_block
 from tests.client.helpers import client_for
 from tests.conftest import ADMIN_TOKEN, TOKEN
 

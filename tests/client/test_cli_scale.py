@@ -31,7 +31,7 @@ import pytest
 
 from storaged.cli import main
 from storaged.client.formats import OutputItem, safetensors_header
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for
 from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 

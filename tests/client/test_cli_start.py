@@ -21,8 +21,8 @@ import pytest
 
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
 from storaged.client.streaming import DEFAULT_WINDOW
-from storaged.cluster import LocalCluster
 from storaged.config import parse_size
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,11 +37,11 @@ HEAVY = (
     "tqdm",
     "storaged.client.formats",
     "storaged.client.layout",
-    "storaged.model",
+    "storaged.tools.model",
     "storaged.client.checkpoint",
     "storaged.client.streaming",
     "storaged.client.file_commands",
-    "storaged.demo",
+    "storaged.tools.demo",
 )
 #: what ``--version`` (and ``--help``) has no use for on top
 CLIENT = ("aiohttp", "asyncio", "uvloop", "storaged.client.client")

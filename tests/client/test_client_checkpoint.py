@@ -52,8 +52,8 @@ from storaged.client.layout import (
     ShardOverlap,
 )
 from storaged.client.retry import RetryPolicy
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import ClusterFactory
 

@@ -39,8 +39,8 @@ from storaged.client import (
 )
 from storaged.client.errors import BadName, Unauthorized
 from storaged.client.retry import RetryPolicy
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import ADMIN_TOKEN, ClusterFactory
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from storaged.client import Client, restore_checkpoint
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,7 +82,7 @@ def test_the_no_dist_warning_is_what_the_doc_avoids(cluster: LocalCluster, tmp_p
     pytest.importorskip("torch")
     code = (
         "import os, torch, torch.distributed.checkpoint as dcp\n"
-        "from storaged.dcp import StoragedWriter\n"
+        "from storaged.client.dcp import StoragedWriter\n"
         "url = os.environ['STORAGED_URL'].split(',')\n"
         "w = StoragedWriter(url, 'docs/no-dist-control', os.environ['STORAGED_TOKEN'])\n"
         "dcp.save({'x': torch.ones(3)}, storage_writer=w, no_dist=True)\n"

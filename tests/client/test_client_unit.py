@@ -57,9 +57,9 @@ from storaged.client.errors import (
     parse_retry_after,
 )
 from storaged.client.retry import RetryPolicy
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
+from storaged.tools.local_cluster import LocalCluster
 from storaged.wire import ByteRange, state_at_least
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory

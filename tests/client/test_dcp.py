@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from storaged.client import CheckpointNotFound, Client
 from storaged.client.checkpoint import Shard, StagedShard, save_checkpoint
-from storaged.cluster import LocalCluster
-from storaged.dcp import BYTES_DTYPE, FRAMEWORK, StoragedReader, StoragedWriter
+from storaged.client.dcp import BYTES_DTYPE, FRAMEWORK, StoragedReader, StoragedWriter
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(280)]

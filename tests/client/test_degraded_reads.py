@@ -21,8 +21,8 @@ from storaged.client import (
 from storaged.client.client import Holder
 from storaged.client.degraded import decode_cold, fetch_order
 from storaged.client.errors import FragmentNotFound, NotEnoughFragments, StoragedError
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for
 from tests.conftest import ADMIN_TOKEN, ClusterFactory
 

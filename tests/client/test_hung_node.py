@@ -30,8 +30,8 @@ from aiohttp import web
 from storaged.client import Client
 from storaged.client.client import Holder
 from storaged.client.deadlines import Bandwidth, Deadlines
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory
 
@@ -283,7 +283,7 @@ def test_dcp_load_with_a_hung_node(cluster_factory: ClusterFactory) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from storaged.dcp import StoragedReader, StoragedWriter
+    from storaged.client.dcp import StoragedReader, StoragedWriter
 
     cluster = cluster_factory(4, **LIVENESS)
     gen = torch.Generator().manual_seed(5)

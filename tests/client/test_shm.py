@@ -1,4 +1,4 @@
-"""The co-located fast path (``storaged.shm``, ``storaged.client.shm``) against real nodes.
+"""The co-located fast path (``storaged.front.shm``, ``storaged.client.shm``) against real nodes.
 
 Save and restore through ``Client``, ``AsyncSaver`` and DCP with the path on (and proof
 it was used) and off; the socket's mode and token; a seal refused while the client
@@ -33,9 +33,9 @@ import pytest
 from storaged.client import AsyncSaver, Client, restore_checkpoint, save_checkpoint
 from storaged.client.errors import ChecksumMismatch, ChunkNotFound, Unauthorized
 from storaged.client.shm import ShmPath, pick_node
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.shmwire import FrameReader, WireError, send_frame
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for, client_sees_all_alive
 from tests.conftest import TOKEN, ClusterFactory
 from tiers.memory import size_class
@@ -721,7 +721,7 @@ def test_dcp_writer_and_reader(cluster: LocalCluster, shm: bool | None) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from storaged.dcp import StoragedReader, StoragedWriter
+    from storaged.client.dcp import StoragedReader, StoragedWriter
 
     g = torch.Generator().manual_seed(5)
     state = {"w": torch.randn(1024, 512, generator=g), "b": torch.randn(7, generator=g)}

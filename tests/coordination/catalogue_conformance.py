@@ -1,4 +1,4 @@
-"""The conformance suite every ``storaged.catalogue.Catalogue`` passes.
+"""The conformance suite every ``storaged.coord.catalogue.Catalogue`` passes.
 
 Subclass ``CatalogueTests`` and provide the ``catalogues`` fixture: handles on one cluster's
 catalogue as different nodes see it (at least two), so that races between nodes are real.
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from storaged.catalog import CatalogRecord, CheckpointNotFound
-from storaged.catalogue import Catalogue, CommitConflict
+from storaged.coord.catalogue import Catalogue, CommitConflict
+from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 
 _names = itertools.count()
 

@@ -1,4 +1,4 @@
-"""The conformance suite every ``storaged.membership.Membership`` passes.
+"""The conformance suite every ``storaged.coord.membership.Membership`` passes.
 
 Subclass ``MembershipTests`` and provide the ``members`` fixture: a ``Members`` handle on a
 running cluster whose nodes can be stopped and started again.
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from storaged.membership import Membership
+from storaged.coord.membership import Membership
 from tests.service.inproc import InprocCluster
 
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from storaged.catalogue import Catalogue
+from storaged.coord.catalogue import Catalogue
 from tests.coordination.catalogue_conformance import CatalogueTests
 from tests.coordination.membership_conformance import InprocMembers, Members, MembershipTests
 from tests.service.inproc import InprocFactory

@@ -19,13 +19,13 @@ import aiohttp
 import blake3
 import pytest
 
-from storaged.catalog import CheckpointNotFound
-from storaged.catalogue import Catalogue, CatalogueUnavailable, CommitConflict
-from storaged.cluster import free_port_block
 from storaged.config import ConfigError, load_config
+from storaged.coord.catalogue import Catalogue, CatalogueUnavailable, CommitConflict
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue, pack_ids, unpack_ids
 from storaged.coord.etcd_membership import EtcdMembership
+from storaged.coord.manifest_store import CheckpointNotFound
+from storaged.tools.local_cluster import free_port_block
 from tests.conftest import TOKEN
 from tests.coordination.catalogue_conformance import CatalogueTests, cid, fresh, record
 from tests.coordination.membership_conformance import (

@@ -15,7 +15,7 @@ import signal
 import aiohttp
 import pytest
 
-from storaged.cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
+from storaged.tools.local_cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, ClusterFactory
 from tests.service.drain_workload import (
     DrainWorkload,

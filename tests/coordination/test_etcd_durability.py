@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 
-from storaged.catalog import CatalogRecord, CheckpointNotFound
-from storaged.catalogue import CoordinatorUnavailable
+from storaged.coord.catalogue import CoordinatorUnavailable
 from storaged.coord.etcd import EtcdSession
 from storaged.coord.etcd_catalogue import EtcdCatalogue
+from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
 from storaged.node.checkpoints import record_of

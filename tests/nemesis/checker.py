@@ -20,9 +20,9 @@ from pathlib import Path
 
 from erasure import CorruptFragment, parse_fragment
 from storaged.client import Client, StoragedError
-from storaged.cluster import ClusterError
 from storaged.ids import chunk_id_of, is_chunk_id
 from storaged.placement import exposed, failure_budget
+from storaged.tools.local_cluster import ClusterError
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
 from tests.nemesis.history import History
 from tests.nemesis.workload import RawHttp, check_visible, verify_checkpoint

@@ -13,8 +13,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storaged.cluster import LocalCluster, free_port_block
 from storaged.coord.target import parse_etcd_url
+from storaged.tools.local_cluster import LocalCluster, free_port_block
 from tests.nemesis.proxy import FaultProxies
 
 #: the subdirectories of a node's data dir that hold chunk bytes (tiers/_durable.py layout)

@@ -75,7 +75,7 @@ from typing import Any
 
 from erasure import HEADER_SIZE as FRAGMENT_HEADER_SIZE
 from storaged.client import Client, StoragedError
-from storaged.cluster import ClusterError
+from storaged.tools.local_cluster import ClusterError
 from tests.etcd import EtcdCluster
 from tests.nemesis.checker import DiskCensus, Replication
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from storaged.cluster import ClusterError, free_port_block
+from storaged.tools.local_cluster import ClusterError, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, _dump_logs, healthy_rig
 from tests.etcd import EtcdCluster
 from tests.nemesis.checker import Report, check_history, dump

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from storaged.cluster import free_port_block
+from storaged.tools.local_cluster import free_port_block
 from tests.nemesis.proxy import FaultProxies, LinkMode
 
 pytestmark = pytest.mark.timeout(60)

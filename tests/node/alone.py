@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from erasure import make_codec
-from storaged.catalog import Catalog
 from storaged.config import Config, NodeSpec
-from storaged.membership import StaticMembership
+from storaged.coord.manifest_store import Catalog
+from storaged.coord.membership import StaticMembership
 from storaged.node.cluster import Cluster
 from storaged.node.index import StateLog
 from storaged.node.local import Local

@@ -5,7 +5,7 @@ node code, and a test can look at (and break) a node's tiers, index and catalogu
 A node stopped with ``kill`` is the equivalent of a dead process: its HTTP site and peer
 server close without draining (requests in flight are cancelled, peers see their
 connections drop) and its RAM is gone; ``restart`` opens it again from its data directory.
-Where a scenario needs a real crash or SIGTERM, use ``storaged.cluster.LocalCluster``.
+Where a scenario needs a real crash or SIGTERM, use ``storaged.tools.local_cluster.LocalCluster``.
 
 ``EtcdInprocCluster`` runs the same nodes on an etcd's membership and catalogue; the
 ``inproc`` fixture starts those under ``--coordinator etcd``.
@@ -25,11 +25,11 @@ from typing import Any
 import msgpack
 from aiohttp import web
 
-from storaged.cluster import ClusterError, default_erasure, free_port_block
 from storaged.config import Config, NodeSpec
+from storaged.front.http import make_app
 from storaged.ids import chunk_id_of
 from storaged.node import Node
-from storaged.server import make_app
+from storaged.tools.local_cluster import ClusterError, default_erasure, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN
 
 SECRET = "inproc-cluster-secret-0123456789"

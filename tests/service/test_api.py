@@ -13,8 +13,8 @@ import aiohttp
 import msgpack
 import pytest
 
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 from tests.service.http import Api, manifest_for, random_chunk
 

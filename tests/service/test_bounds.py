@@ -21,8 +21,8 @@ import aiohttp
 import msgpack
 import pytest
 
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 

@@ -1,4 +1,4 @@
-"""The cluster file as ``storaged up`` keeps it (storaged/cluster_file.py), without nodes.
+"""The cluster file as ``storaged up`` keeps it (storaged/tools/cluster_file.py), without nodes.
 
 An override edits only its own line (comments, order and every other byte stay); a
 restart's plan without flags changes nothing; what follows ``--nodes`` follows it only
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from storaged.cluster import LocalCluster, free_port_block
-from storaged.cluster_file import ClusterFile, ClusterFileError, UpFlags, plan
+from storaged.tools.cluster_file import ClusterFile, ClusterFileError, UpFlags, plan
+from storaged.tools.local_cluster import LocalCluster, free_port_block
 
 
 def _written(path: Path, flags: UpFlags) -> ClusterFile:

@@ -20,10 +20,10 @@ import pytest
 from erasure import fragment_key
 from storaged.client import Client
 from storaged.config import NodeSpec
+from storaged.coord.membership import MembershipView
 from storaged.errors import NotFound
 from storaged.ids import chunk_id_of
 from storaged.manifest import CheckedManifest, check_manifest
-from storaged.membership import MembershipView
 from storaged.node import Node
 from storaged.peer import PeerError
 from storaged.placement import Placement, rendezvous_order

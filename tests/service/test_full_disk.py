@@ -22,8 +22,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from storaged.cluster import ClusterError, LocalCluster, free_port_block
 from storaged.ids import chunk_id_of
+from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, _node_env
 from tests.service.http import Api, random_chunk
 

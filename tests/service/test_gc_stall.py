@@ -149,7 +149,7 @@ async def test_a_stalled_gc_hides_no_new_chunk_from_can_leave_or_repair(
 def test_the_referenced_set_answers_only_from_a_fresh_snapshot() -> None:
     """The freshness rule alone, on a clock the test moves: unreferenced only from a
     complete snapshot younger than ``fresh_for``; before any and past it, referenced."""
-    from storaged.catalogue import References
+    from storaged.coord.catalogue import References
 
     now = [1000.0]
     refs = ReferencedSet(fresh_for=5.0, grace=10.0, clock=lambda: now[0])

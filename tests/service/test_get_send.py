@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from loadtest.harness.response_node import ANSWERED, RESPONSE_NODE
-from storaged.cluster import LocalCluster
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import ADMIN_TOKEN, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from storaged.cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
+from storaged.tools.local_cluster import LocalCluster, LocalEtcd, etcd_binary, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, ClusterFactory
 from tests.service.http import Api, manifest_for, random_chunk
 

@@ -1,4 +1,4 @@
-"""A lease of the co-located path (``storaged.shm``) on an in-process node: its size and
+"""A lease of the co-located path (``storaged.front.shm``) on an in-process node: its size and
 what a graceful stop does with it.
 
 A client talks to the node's real Unix socket by hand (``_Raw``), to do what the client
@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from storaged.front.http import http_error
+from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import chunk_id_of
 from storaged.node import Node
-from storaged.server import http_error
-from storaged.shm import ShmListener, socket_path
 from storaged.shmwire import FrameReader, send_frame
 from tests.conftest import TOKEN
 from tests.service.inproc import InprocFactory

@@ -151,8 +151,8 @@ async def test_shared_copy_that_fails_its_id_is_never_served(inproc: InprocFacto
     and the client reads another holder's copy over HTTP, checked, never the same node's
     RAM copy again (a node serves RAM as it holds it)."""
     from storaged.client import Client
-    from storaged.server import http_error
-    from storaged.shm import ShmListener, socket_path
+    from storaged.front.http import http_error
+    from storaged.front.shm import ShmListener, socket_path
     from storaged.wire import ByteRange
 
     cluster = await inproc.start(3, drain_workers=0, encode_workers=0)
@@ -191,8 +191,8 @@ async def test_entry_node_keeps_a_local_copy_that_counts_for_nothing(
     is never drained, and a copy of the chunk's own that later lands here makes it a held,
     dirty copy (drained like any other)."""
     from storaged.client import Client
-    from storaged.server import http_error
-    from storaged.shm import ShmListener, socket_path
+    from storaged.front.http import http_error
+    from storaged.front.shm import ShmListener, socket_path
 
     # A node counted down under load (down_after 1.5 s) makes the PUT or repair place a
     # real copy on the entry node, which the test would then take for its local copy.

@@ -42,7 +42,9 @@ async def _streams(
     for node_id in ids[rf - refusing : rf]:
         await entry.drain(node_id)
         replica = cluster.node(cluster.index_of(node_id))
-        await wait_until("the mark reached it", partial(replica.membership.drains.is_draining, node_id))
+        await wait_until(
+            "the mark reached it", partial(replica.membership.drains.is_draining, node_id)
+        )
     refused: list[Refusal] = []
     await entry.writes._send_all(memoryview(sent or data), streams, refused)
     assert refused == []

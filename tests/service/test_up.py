@@ -34,9 +34,9 @@ from typing import Any
 
 import pytest
 
-from storaged import cluster as cluster_module
 from storaged.cli import EXIT_CONFIG, main
-from storaged.cluster import LocalCluster, etcd_binary, free_port_block
+from storaged.tools import local_cluster as cluster_module
+from storaged.tools.local_cluster import LocalCluster, etcd_binary, free_port_block
 
 pytestmark = pytest.mark.timeout(300)
 

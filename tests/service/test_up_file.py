@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from storaged.cluster import free_port_block
+from storaged.tools.local_cluster import free_port_block
 from tests.service.test_up import (
     Up,
     _alive,
@@ -138,8 +138,8 @@ def test_a_port_override_moves_the_nodes_and_is_said(tmp_path: Path, ups: list[U
 def _file_as_up_writes_it(data: Path, port: int) -> Path:
     """The cluster file ``up --port PORT --peer-port PORT+4 --memory 128MiB`` makes, without
     starting its nodes (the refusals below need no running cluster)."""
-    from storaged.cluster import LocalCluster
-    from storaged.cluster_file import UpFlags, plan
+    from storaged.tools.cluster_file import UpFlags, plan
+    from storaged.tools.local_cluster import LocalCluster
 
     file = plan(data / "cluster.toml", UpFlags(port=port, peer_port=port + 4, memory="128MiB"))
     cluster = LocalCluster(nodes=4, data=data, port=port, peer_port=port + 4, token="t")

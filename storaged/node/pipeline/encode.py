@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.catalogue import CatalogueUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, NVME
 from storaged.node.pipeline import ChunkWorkers
 from storaged.peer import PeerError

@@ -31,14 +31,14 @@ import time
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.catalog import CatalogRecord
-from storaged.catalogue import CatalogueUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable
+from storaged.coord.manifest_store import CatalogRecord
 from storaged.node.index import COLD
 from storaged.node.referenced import ReferencedSet
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
-    from storaged.catalogue import Catalogue
+    from storaged.coord.catalogue import Catalogue
     from storaged.node.pipeline.leadership import Leadership
     from storaged.node.services import ClusterView, LocalStore
 

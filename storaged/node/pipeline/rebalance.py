@@ -62,7 +62,7 @@ import time
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.catalogue import CatalogueUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable
 from storaged.node.index import COLD, Holding
 from storaged.node.pipeline import ChunkWorkers
 from storaged.node.pipeline.leadership import Leadership

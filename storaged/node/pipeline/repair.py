@@ -31,7 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
-from storaged.catalogue import CatalogueUnavailable, CoordinatorUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable, CoordinatorUnavailable
 from storaged.node.index import COLD, NVME, Holding
 from storaged.node.pipeline.leadership import Leadership
 from storaged.peer import PeerError
@@ -39,7 +39,7 @@ from storaged.placement import Placement
 from tiers import TierFull
 
 if TYPE_CHECKING:
-    from storaged.catalogue import Catalogue
+    from storaged.coord.catalogue import Catalogue
     from storaged.node.pipeline.encode import Encoder
     from storaged.node.read import ReadPath
     from storaged.node.referenced import ReferencedSet

@@ -3,7 +3,7 @@
 ::
 
     import torch.distributed.checkpoint as dcp
-    from storaged.dcp import StoragedReader, StoragedWriter
+    from storaged.client.dcp import StoragedReader, StoragedWriter
 
     dcp.save(state, storage_writer=StoragedWriter(url, "job42/step-001000", token))
     dcp.load(state, storage_reader=StoragedReader(url, "job42/step-001000", token))

@@ -36,8 +36,13 @@ import tomlkit
 from tomlkit.container import Container
 from tomlkit.items import AoT, Table
 
-from storaged.cluster import ClusterError, choose_etcd_port, default_erasure, write_private
 from storaged.config import ConfigError, check_file_document, config_from_document, parse_size
+from storaged.tools.local_cluster import (
+    ClusterError,
+    choose_etcd_port,
+    default_erasure,
+    write_private,
+)
 
 DEFAULT_NODES = 4
 DEFAULT_PORT = 7400

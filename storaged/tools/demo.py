@@ -358,7 +358,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace, size: int) -> int:
-    from storaged.cluster import ClusterError, LocalCluster, free_port_block
+    from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 
     cluster: LocalCluster | None = None
     tmp: Path | None = None

@@ -3,7 +3,7 @@
 What a node needs from it: a create-if-absent commit of name -> record, reads, listings,
 deletes (tombstones), and, for GC, the chunks referenced at one consistent point. The
 embedded implementation keeps records on the nodes (``EmbeddedCatalogue``, over the
-peer protocol and each node's durable ``storaged.catalog.Catalog``); a coordination
+peer protocol and each node's durable ``storaged.coord.manifest_store.Catalog``); a coordination
 service (etcd) implements the same interface. One conformance suite
 (``tests/coordination/catalogue_conformance.py``) runs against every implementation.
 """
@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from storaged.catalog import CatalogRecord, CheckpointNotFound
+from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 from storaged.peer import PeerError
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
     from storaged.node.services import ClusterView, LocalStore
 
-log = logging.getLogger("storaged.catalogue")
+log = logging.getLogger("storaged.coord.catalogue")
 
 #: names per catalog_versions call of a repair pass
 _REPAIR_BATCH = 2048

@@ -133,7 +133,7 @@ class LocalCluster:
     #: taking ``storaged serve``'s arguments runs a variant node (a benchmark's baseline)
     node_module: str = "storaged"
     #: the cluster file is written already and ``keep_auth`` was called for it: ``start``
-    #: leaves it as it is (``storaged up`` keeps the operator's, storaged/cluster_file.py)
+    #: leaves it as it is (``storaged up`` keeps the operator's, storaged/tools/cluster_file.py)
     config_written: bool = False
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: where each node's log stood when it was last started: its exit cause is after that

@@ -21,7 +21,7 @@ from storaged.config import NodeSpec
 from tiers import TierFull
 from tiers._durable import write_file_durably
 
-log = logging.getLogger("storaged.membership")
+log = logging.getLogger("storaged.coord.membership")
 
 #: a member's states: ``draining`` is on its way out (decommission) but still serves
 ACTIVE = "active"

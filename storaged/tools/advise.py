@@ -15,7 +15,7 @@ between failures, with what it costs:
 The cost and the restore time come, by strength: from ``--stall`` / ``--restore``; from a
 live cluster (``--url``: a quick save of ``--size`` bytes with ``AsyncSaver`` for the stall,
 then ``restore_checkpoint``); from the scale model's projection (``--nodes``,
-``--model-bytes``, see ``storaged.model``, with the rates of any ``--results`` files);
+``--model-bytes``, see ``storaged.tools.model``, with the rates of any ``--results`` files);
 from the load tests' result files named by ``--results`` (``save.json`` and
 ``restore.json`` as ``python -m loadtest save`` / ``restore`` write them, or a directory
 holding them).
@@ -181,9 +181,9 @@ def _pick(doc: Any, keys: tuple[str, ...], tier: str | None = None) -> Mapping[s
 
 
 def named_results(paths: Sequence[Path]) -> dict[str, Path]:
-    """Result kind (``storaged.model.RESULT_KINDS``) -> file, from ``--results`` paths: a
+    """Result kind (``storaged.tools.model.RESULT_KINDS``) -> file, from ``--results`` paths: a
     file whose name ends in ``<kind>.json``, or a directory holding such files."""
-    from storaged.model import RESULT_KINDS  # here: ``storaged ls`` registers advise only
+    from storaged.tools.model import RESULT_KINDS  # here: ``storaged ls`` registers advise only
 
     files: dict[str, Path] = {}
     for path in paths:
@@ -262,11 +262,11 @@ def from_model(
 ) -> tuple[float, str, float, str, float]:
     """The scale model's stall, restore (from ``tier``) and ack for ``nodes`` nodes, with the
     rates of the ``results`` files (documented defaults for what they do not measure)."""
-    from storaged.model import Assumptions, load_rates, project
+    from storaged.tools.model import Assumptions, load_rates, project
 
     assumptions = Assumptions(model_bytes=model_bytes)
     phases = project(nodes, assumptions, load_rates(results, k=assumptions.k, n=assumptions.n))
-    where = f"storaged.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"
+    where = f"storaged.tools.model, {nodes} nodes, {model_bytes / 1e12:.2f} TB"
     stall, restore = phases["stall"], phases[f"restore_{tier}"]
     return (
         stall.seconds,

@@ -23,7 +23,7 @@ import msgpack
 from aiohttp import web
 
 from storaged import __version__
-from storaged.catalogue import CatalogueUnavailable, CoordinatorUnavailable
+from storaged.coord.catalogue import CatalogueUnavailable, CoordinatorUnavailable
 from storaged.errors import (
     ApiError,
     BadInput,
@@ -36,10 +36,10 @@ from storaged.errors import (
     bad_request,
     unavailable,
 )
+from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import Node
-from storaged.shm import ShmListener, socket_path
 from storaged.wire import STATES, ErrorCode, state_name
 from tiers import ByteRange, ChunkNotFound
 
@@ -632,7 +632,7 @@ async def cluster(request: web.Request) -> web.Response:
         entry["repair_pass_at"] = info.get("repair_pass_at")
         # GC's health (node/referenced.py): the last complete pass, and a stall with its cause.
         entry["gc"] = info.get("gc")
-        # The co-located fast path (storaged.shm): host identity and socket, if it listens.
+        # The co-located fast path (storaged.front.shm): host identity and socket, if it listens.
         entry["shm"] = info.get("shm")
         nodes.append(entry)
     cfg = node.config

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from storaged.node.services import LocalStore
     from storaged.node.write import WritePath
 
-log = logging.getLogger("storaged.shm")
+log = logging.getLogger("storaged.front.shm")
 
 #: a connection must authenticate within this many seconds
 _HELLO_TIMEOUT = 10.0
