@@ -609,7 +609,13 @@ def test_nodes_and_status_after_a_kill(cluster_factory: ClusterFactory, tmp_path
     deadline = time.monotonic() + 60
     while True:  # until the survivors have noticed (down_after)
         proc = _nodes(cluster, url=cluster.url(0))
-        if proc.returncode == 3 or time.monotonic() > deadline:
+        # Exit 3 comes as soon as the client finds the node not answering (marked NOT
+        # ANSWERING), before the survivors' heartbeats call it DOWN: wait for the verdict.
+        rows = proc.stdout.decode().splitlines()
+        killed = [r for r in rows if r.startswith(cluster.node_id(1))]
+        if (proc.returncode == 3 and killed and "DOWN" in killed[0]) or (
+            time.monotonic() > deadline
+        ):
             break
         time.sleep(0.3)
     assert proc.returncode == 3, proc.stdout.decode() + proc.stderr.decode()

@@ -265,20 +265,25 @@ TRACEBACK = "Traceback (most recent call last)"
 TRACEBACK_ALLOWED: tuple[tuple[str, str], ...] = ()
 
 
-def tracebacks(text: str) -> list[str]:
-    """The last line (the exception) of every traceback in a log."""
+def tracebacks(text: str) -> list[tuple[str, str]]:
+    """Every traceback in a log: its last line (the exception), and where it came from (the
+    log line that logged it and the innermost frames), for the event log."""
     found = []
     lines = text.splitlines()
     for n, line in enumerate(lines):
         if TRACEBACK not in line:
             continue
-        last = line
+        last, frames = line, []
         for follow in lines[n + 1 : n + 400]:
             last = follow
             # A traceback's frames are indented; its exception line is not.
             if follow and not follow.startswith((" ", "\t")):
                 break
-        found.append(last.strip())
+            if follow.strip().startswith("File "):
+                frames.append(follow.strip())
+        logged = lines[n - 1].strip() if n and TRACEBACK not in lines[n - 1] else line.strip()
+        where = " <- ".join(reversed(frames[-4:]))
+        found.append((last.strip(), f"logged as {logged[:200]!r}; innermost: {where}"))
     return found
 
 
@@ -290,16 +295,18 @@ def check_logs(cluster: NemesisCluster, history: History) -> None:
         except FileNotFoundError:
             continue
         counts: dict[str, int] = defaultdict(int)
-        for exc in tracebacks(text):
+        origin: dict[str, str] = {}
+        for exc, where in tracebacks(text):
             if any(exc.startswith(prefix) for prefix, _ in TRACEBACK_ALLOWED):
                 history.counts["tracebacks_allowed"] += 1
                 continue
             counts[exc] += 1
+            origin.setdefault(exc, where)
         for exc, times in sorted(counts.items()):
             history.violate(
                 "log",
                 f"{cluster.node_id(i)} logged a traceback {times}x ending {exc!r} "
-                f"(log: {cluster.log_path(i)})",
+                f"(log: {cluster.log_path(i)}); the first {origin[exc]}",
             )
 
 
