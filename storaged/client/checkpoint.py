@@ -731,7 +731,8 @@ class AsyncSaver:
 
     ``staging_budget``: the bytes of host staging memory the saver may hold, all saves
     together. A state larger than half of it is staged in waves of whole chunks, at most
-    half the budget each: one wave is copied while the one before uploads, and a wave's
+    half the budget each (a chunk larger than that is a wave of its own: give the budget
+    two chunks at least): one wave is copied while the one before uploads, and a wave's
     buffer is reused once that wave is acknowledged (``buffers`` is then unused). A save
     that is not lazy returns once its last wave is copied. Its bytes are gone once
     uploaded: a commit refused for chunks the cluster lost meanwhile (``MissingChunks``)
