@@ -1036,7 +1036,10 @@ class AsyncSaver:
 
     async def staged(self) -> None:
         """Wait until the copy of every lazy save in progress is done: from then on the
-        states they were given may change. Raises the first failed copy's error."""
+        states they were given may change. Raises the error of the first of them whose
+        copy fails meanwhile; a copy that had failed before is its handle's to report
+        (as for ``hold_optimizer``)."""
+        self._copying = tuple(gate for gate in self._copying if not gate.is_open())
         for gate in self._copying:
             await gate.wait()
 

@@ -240,6 +240,32 @@ async def test_a_budget_save_not_lazy_returns_once_all_waves_are_copied(
         assert back["step"] == 3 and np.array_equal(back["b"], np.arange(10))
 
 
+async def test_lazy_saves_of_several_ranks_with_and_without_a_budget(
+    inproc: InprocFactory, slow_copies: list[float]
+) -> None:
+    """Two ranks' boxes of one array and a replicated one, lazily: the copies of both ranks
+    (a thread each, or waves crossing from one rank's stream to the next) end before
+    ``staged`` returns; the state changes right after, and each checkpoint restores whole."""
+    rng = np.random.default_rng(8)
+    g = rng.standard_normal((400, 300))
+    bias = np.arange(300.0)
+    async with client_of(inproc) as client:
+        for budget in (None, 300_000):
+            states = {
+                r: {"g": Shard(g[r * 200 : (r + 1) * 200], g.shape, (r * 200, 0)), "b": bias}
+                for r in range(2)
+            }
+            before = g.copy()
+            async with AsyncSaver(client, staging_budget=budget, chunk_size=64 << 10) as saver:
+                handle = await saver.save(f"ranks/{budget}", states, lazy=True)
+                await saver.staged()
+                g += 1.0  # the next step
+                result = await handle.acked()
+                assert sorted(result.shards) == [0, 1] and result.commit is not None
+            back = await restored(client, f"ranks/{budget}")
+            assert np.array_equal(back["g"], before) and np.array_equal(back["b"], bias)
+
+
 # --------------------------------------------------------------------------- failures
 
 
