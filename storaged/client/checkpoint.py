@@ -15,7 +15,9 @@ gets back its *shard entry*, a msgpack-able dict (``upload_shard`` /
 one manifest (``commit_checkpoint``). A rank that fails never hands over an
 entry, so the checkpoint is never committed. ``save_checkpoint`` does all of it
 for several ranks in one process; ``AsyncSaver`` returns as soon as the state is
-copied to reusable host staging buffers and uploads in the background.
+copied to reusable host staging buffers and uploads in the background, or, lazily,
+before the copy, which then runs in threads while an optimizer step waits for it
+(``hold_optimizer``); with a staging budget it stages a larger state in waves.
 
 ``restore_checkpoint`` fills caller-supplied arrays of any sharding: every
 requested box is intersected with the saved ones and only the byte ranges it
