@@ -15,7 +15,9 @@ gets back its *shard entry*, a msgpack-able dict (``upload_shard`` /
 one manifest (``commit_checkpoint``). A rank that fails never hands over an
 entry, so the checkpoint is never committed. ``save_checkpoint`` does all of it
 for several ranks in one process; ``AsyncSaver`` returns as soon as the state is
-copied to reusable host staging buffers and uploads in the background.
+copied to reusable host staging buffers and uploads in the background, or, lazily,
+before the copy, which then runs in threads while an optimizer step waits for it
+(``hold_optimizer``); with a staging budget it stages a larger state in waves.
 
 ``restore_checkpoint`` fills caller-supplied arrays of any sharding: every
 requested box is intersected with the saved ones and only the byte ranges it
@@ -32,8 +34,9 @@ import bisect
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -286,18 +289,19 @@ def _flat_bytes(array: np.ndarray[Any, Any]) -> memoryview:
     return array.reshape(-1).view(np.uint8).data
 
 
-def stage_shard(
-    rank: int,
-    state: StateDict,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    staging: StagingBuffer | None = None,
-) -> StagedShard:
-    """Pack a rank's state into one stream and cut it into chunks (CPU bound: run in a thread).
+@dataclass(frozen=True, slots=True)
+class _RankLayout:
+    """A rank's state described and laid out, nothing copied yet: which bytes go where."""
 
-    With ``staging`` every byte is copied there, so the state may change as soon as
-    this returns. Without it large C-contiguous native arrays are referenced, not
-    copied: they must not change until the upload is done.
-    """
+    rank: int
+    described: tuple[_SaveItem, ...]
+    items: tuple[Item, ...]
+    #: (offset, size) of each chunk of the stream; together they cover it.
+    chunks: tuple[tuple[int, int], ...]
+    size: int
+
+
+def _lay_out(rank: int, state: StateDict, chunk_size: int) -> _RankLayout:
     if rank < 0:
         raise ValueError("rank must be >= 0")
     described = describe_state(state)
@@ -314,19 +318,42 @@ def stage_shard(
         )
         for d, start in zip(described, layout.starts, strict=True)
     )
+    return _RankLayout(rank, tuple(described), items, layout.chunks, layout.size)
+
+
+def stage_shard(
+    rank: int,
+    state: StateDict,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    staging: StagingBuffer | None = None,
+) -> StagedShard:
+    """Pack a rank's state into one stream and cut it into chunks (CPU bound: run in a thread).
+
+    With ``staging`` every byte is copied there, so the state may change as soon as
+    this returns. Without it large C-contiguous native arrays are referenced, not
+    copied: they must not change until the upload is done.
+    """
+    return _stage_laid_out(_lay_out(rank, state, chunk_size), chunk_size, staging)
+
+
+def _stage_laid_out(
+    layout: _RankLayout, chunk_size: int, staging: StagingBuffer | None
+) -> StagedShard:
+    described = layout.described
     # Segments of the stream: (offset, bytes); no chunk straddles two of them, because
     # large items start and end chunks of their own (pack_stream).
     segments: list[tuple[int, memoryview]] = []
     if staging is not None:
         buffer = staging.reserve(layout.size)
-        for d, start in zip(described, layout.starts, strict=True):
-            _copy_item(d, buffer[start : start + d.nbytes])
+        for d, item in zip(described, layout.items, strict=True):
+            _copy_item(d, buffer[item.start : item.end])
         segments.append((0, buffer.data))
     else:
         small = sum(d.nbytes for d in described if d.nbytes < chunk_size)
         packed = np.empty(small, dtype=np.uint8)
         segments.append((0, packed.data))
-        for d, start in zip(described, layout.starts, strict=True):
+        for d, item in zip(described, layout.items, strict=True):
+            start = item.start
             if d.nbytes < chunk_size:
                 _copy_item(d, packed[start : start + d.nbytes])
                 continue
@@ -346,7 +373,82 @@ def stage_shard(
         index = bisect.bisect_right(starts, offset) - 1
         seg_start, seg = segments[index]
         chunks.append(seg[offset - seg_start : offset - seg_start + size])
-    return StagedShard(rank, items, tuple(chunks))
+    return StagedShard(layout.rank, layout.items, tuple(chunks))
+
+
+def _copy_range(item: _SaveItem, lo: int, hi: int, into: np.ndarray[Any, Any]) -> None:
+    """Bytes ``[lo, hi)`` of ``item``'s stream bytes into ``into`` (a wave's part of it)."""
+    if lo == 0 and hi == item.nbytes:
+        _copy_item(item, into)
+        return
+    source = item.source
+    if isinstance(source, bytes):
+        into[:] = np.frombuffer(source, dtype=np.uint8, count=hi - lo, offset=lo)
+    elif source.flags.c_contiguous and source.dtype.isnative:
+        into[:] = source.reshape(-1).view(np.uint8)[lo:hi]
+    else:
+        # Strided or foreign byte order: the elements covering the range, copied once
+        # more on purpose (at most the range and two elements, never the whole array).
+        size = source.itemsize
+        first, last = lo // size, -(-hi // size)
+        elements = np.empty(last - first, dtype=source.dtype.newbyteorder("="))
+        np.copyto(elements, source.flat[first:last], casting="equiv")
+        skip = lo - first * size
+        into[:] = elements.view(np.uint8)[skip : skip + hi - lo]
+
+
+#: A wave's part of one rank: (index of the rank's layout, first chunk, end chunk).
+_WavePart = tuple[int, int, int]
+
+
+def _plan_waves(layouts: Sequence[_RankLayout], limit: int) -> list[list[_WavePart]]:
+    """Cut the ranks' streams, in order, into waves of whole chunks of at most ``limit``
+    bytes each (a chunk larger than ``limit`` is a wave of its own)."""
+    waves: list[list[_WavePart]] = []
+    current: list[_WavePart] = []
+    used = 0
+    for index, layout in enumerate(layouts):
+        first = 0
+        for c, (_, size) in enumerate(layout.chunks):
+            if used and used + size > limit:
+                if c > first:
+                    current.append((index, first, c))
+                waves.append(current)
+                current, used, first = [], 0, c
+            used += size
+        if len(layout.chunks) > first:
+            current.append((index, first, len(layout.chunks)))
+    if current:
+        waves.append(current)
+    return waves
+
+
+def _stage_wave(
+    layouts: Sequence[_RankLayout], wave: Sequence[_WavePart], staging: StagingBuffer
+) -> list[tuple[_WavePart, tuple[memoryview, ...]]]:
+    """Copy a wave's bytes into ``staging``; each part's chunks (CPU bound: run in a thread)."""
+    spans = []
+    for index, lo, hi in wave:
+        cuts = layouts[index].chunks
+        spans.append((cuts[lo][0], cuts[hi - 1][0] + cuts[hi - 1][1]))
+    buffer = staging.reserve(sum(end - begin for begin, end in spans))
+    staged = []
+    pos = 0
+    for part, (begin, end) in zip(wave, spans, strict=True):
+        layout = layouts[part[0]]
+        segment = buffer[pos : pos + end - begin]
+        for d, item in zip(layout.described, layout.items, strict=True):
+            lo, hi = max(begin, item.start), min(end, item.end)
+            if lo < hi:
+                _copy_range(d, lo - item.start, hi - item.start, segment[lo - begin : hi - begin])
+        data = segment.data
+        chunks = tuple(
+            data[offset - begin : offset - begin + size]
+            for offset, size in layout.chunks[part[1] : part[2]]
+        )
+        staged.append((part, chunks))
+        pos += end - begin
+    return staged
 
 
 def _chunk_size_for(store: CheckpointStore, chunk_size: int | None) -> int:
@@ -451,6 +553,25 @@ async def save_checkpoint(
     return await _commit_staged(store, name, staged, entries, meta)
 
 
+def _stage_part(
+    gate: _StagingGate, layout: _RankLayout, chunk_size: int, staging: StagingBuffer
+) -> StagedShard:
+    """A lazy save's copy of one rank (in a thread); the gate learns its end from here."""
+    try:
+        staged = _stage_laid_out(layout, chunk_size, staging)
+    except BaseException as exc:
+        gate.part_done(exc)
+        raise
+    gate.part_done()
+    return staged
+
+
+class _StepHooks(Protocol):
+    """What ``AsyncSaver.hold_optimizer`` needs of an optimizer (``torch.optim`` has it)."""
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SaveResult:
     """What an acknowledged save produced."""
@@ -462,19 +583,95 @@ class SaveResult:
     commit: CommitResult | None
 
 
+class _StagingGate:
+    """Opens once every byte of a lazy save is in its staging buffers, or its copy failed.
+
+    Waited on from the loop (``wait``) and, blocking, from any thread (``wait_blocking``:
+    an optimizer's step hook). ``parts`` copies each call ``part_done`` once, from any
+    thread: the gate opens with the last, in that thread, so a hook blocking the loop's
+    own thread still sees it open when the copies need no loop (``needs_loop`` False).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, parts: int, *, needs_loop: bool) -> None:
+        self.needs_loop = needs_loop
+        self._loop = loop
+        self._left = parts
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._opened: asyncio.Future[None] = loop.create_future()
+        # The failure is the handle's to report (acked); staged() raises it to who asks.
+        self._opened.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if parts == 0:
+            self._event.set()
+            self._opened.set_result(None)
+
+    def part_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            if self._left:
+                return
+        self._event.set()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits there
+            self._loop.call_soon_threadsafe(self._settle)
+
+    def _settle(self) -> None:
+        if self._opened.done():
+            return
+        if self._error is None:
+            self._opened.set_result(None)
+        else:
+            self._opened.set_exception(self._error)
+
+    def is_open(self) -> bool:
+        return self._event.is_set()
+
+    def wait_blocking(self) -> BaseException | None:
+        """Block this thread until the gate opens; the copy's failure, if any."""
+        self._event.wait()
+        return self._error
+
+    async def wait(self) -> None:
+        """Until the gate opens (raises the copy's failure); a cancel leaves it as it is."""
+        await asyncio.shield(self._opened)
+
+    async def ended(self) -> None:
+        """Until the gate opens, even when cancelled meanwhile (the copies' threads touch
+        their staging buffers until then, bounded by their own work); raises nothing of
+        the copy's, and ``CancelledError`` after if it was cancelled."""
+        cancelled = False
+        while not self._opened.done():
+            try:
+                await asyncio.wait([self._opened])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+
+
 class SaveHandle:
-    """A save in progress, returned by ``AsyncSaver.save`` once the state is staged."""
+    """A save in progress, returned by ``AsyncSaver.save`` once the state is staged (or,
+    with ``lazy=True``, once its copy has begun: ``staged`` says when it is done)."""
 
     def __init__(
-        self, store: CheckpointStore, name: str, staged_bytes: int, stall: float, commit: bool
+        self,
+        store: CheckpointStore,
+        name: str,
+        staged_bytes: int,
+        stall: float,
+        commit: bool,
+        gate: _StagingGate | None = None,
     ) -> None:
         self.name = name
-        #: Bytes copied into staging buffers.
+        #: Bytes copied (or, lazily, to be copied) into staging buffers.
         self.staged_bytes = staged_bytes
         #: Seconds ``save`` took (waiting for a free staging buffer included).
         self.stall_seconds = stall
         self._store = store
         self._commit = commit
+        self._gate = gate
         self._result: asyncio.Future[SaveResult] = asyncio.get_running_loop().create_future()
         self._result.add_done_callback(self._log_unseen_failure)
 
@@ -484,6 +681,14 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._result.done()
+
+    async def staged(self) -> None:
+        """Wait until every byte of the state is copied into staging memory: from then on
+        the caller may change it. Raises the copy's failure (then ``acked`` raises it too).
+        Returns at once for a save that was not lazy. Cancelling the caller does not
+        cancel the copy."""
+        if self._gate is not None:
+            await self._gate.wait()
 
     async def acked(self) -> SaveResult:
         """Wait until every chunk is acknowledged and, if committing, the manifest committed.
@@ -525,6 +730,19 @@ class AsyncSaver:
     as they are, unhashed: the node hashes them (and finds those the cluster holds
     already). ``False``: this saver's uploads take the HTTP way, hashed here, with the
     chunks the cluster holds skipped, whatever the client could do.
+
+    ``staging_budget``: the bytes of host staging memory the saver may hold, all saves
+    together. A state larger than half of it is staged in waves of whole chunks, at most
+    half the budget each (a chunk larger than that is a wave of its own: give the budget
+    two chunks at least): one wave is copied while the one before uploads, and a wave's
+    buffer is reused once that wave is acknowledged (``buffers`` is then unused). A save
+    that is not lazy returns once its last wave is copied. Its bytes are gone once
+    uploaded: a commit refused for chunks the cluster lost meanwhile (``MissingChunks``)
+    fails the save instead of sending them again.
+
+    Lazy saves (``save(..., lazy=True)``) return before copying; ``hold_optimizer`` makes
+    a torch optimizer's ``step`` wait for their copies, ``staged`` does the same for callers
+    without one.
     """
 
     def __init__(
@@ -534,9 +752,12 @@ class AsyncSaver:
         chunk_size: int | None = None,
         buffers: int = 1,
         shm: bool | None = None,
+        staging_budget: int | None = None,
     ) -> None:
         if buffers < 1:
             raise ValueError("buffers must be >= 1")
+        if staging_budget is not None and staging_budget < 2:
+            raise ValueError("staging_budget must be at least 2 bytes (two waves)")
         self._store = store
         self._shm = shm
         self._chunk_size = chunk_size
@@ -546,6 +767,17 @@ class AsyncSaver:
         self._tasks: set[asyncio.Task[Any]] = set()
         # At most one hashing thread per core, as the client's own hashing.
         self._hash_slots = asyncio.Semaphore(max(1, os.cpu_count() or 1))
+        #: Two wave buffers of half the budget each, with a budget.
+        self._wave_limit = 0 if staging_budget is None else staging_budget // 2
+        self._waves: asyncio.Queue[StagingBuffer] | None = None
+        if staging_budget is not None:
+            self._waves = asyncio.Queue()
+            for _ in range(2):
+                self._waves.put_nowait(StagingBuffer())
+        #: Gates of the lazy saves whose copy may still run (replaced, never changed in
+        #: place: a step hook reads it from the training thread).
+        self._copying: tuple[_StagingGate, ...] = ()
+        self._loop_thread: int | None = None
 
     async def __aenter__(self) -> AsyncSaver:
         return self
@@ -563,6 +795,8 @@ class AsyncSaver:
         sizes = await asyncio.to_thread(
             lambda: {rank: staged_size(state, size) for rank, state in states.items()}
         )
+        if self._waves is not None:
+            return await self._prepare_waves(sum(sizes.values()))
         taken: list[dict[int, StagingBuffer]] = []
         while not self._free.empty():
             taken.append(self._free.get_nowait())
@@ -578,6 +812,17 @@ class AsyncSaver:
                 self._free.put_nowait(buffers)
         return sum(sizes.values()) * len(taken)
 
+    async def _prepare_waves(self, total: int) -> int:
+        assert self._waves is not None
+        size = min(total, self._wave_limit)
+        taken = [self._waves.get_nowait() for _ in range(self._waves.qsize())]
+        try:
+            await run_all([in_thread(buffer.prefault, size) for buffer in taken])
+        finally:
+            for buffer in taken:
+                self._waves.put_nowait(buffer)
+        return size * len(taken)
+
     async def save(
         self,
         name: str,
@@ -585,6 +830,7 @@ class AsyncSaver:
         *,
         meta: Mapping[str, Any] | None = None,
         commit: bool = True,
+        lazy: bool = False,
     ) -> SaveHandle:
         """Copy ``{rank: state dict}`` into staging buffers, start the upload, return a handle.
 
@@ -592,7 +838,15 @@ class AsyncSaver:
         ranks' shard entries are the result (``SaveResult.shards``), for a coordinator
         to commit; ``name`` is then only a label. With ``commit``, ranks whose boxes of
         a key leave a gap or overlap are refused here (``ShardGap``, ``ShardOverlap``).
+
+        ``lazy=True``: return as soon as the copy has started in threads (after waiting
+        for free staging buffers, as any save); the state must not change until
+        ``handle.staged()`` returns, or until a step ``hold_optimizer`` holds. What the
+        state's form gets wrong (``TypeError``, ``ShardGap``...) is still raised here; a
+        failed copy is raised by ``staged`` and ``acked``.
         """
+        if lazy or self._waves is not None:
+            return await self._save_laid_out(name, states, meta, commit, lazy)
         began = time.perf_counter()
         size = _chunk_size_for(self._store, self._chunk_size)
         buffers = await self._free.get()
@@ -628,6 +882,199 @@ class AsyncSaver:
         task.add_done_callback(self._tasks.discard)
         return handle
 
+    async def _save_laid_out(
+        self,
+        name: str,
+        states: Mapping[int, StateDict],
+        meta: Mapping[str, Any] | None,
+        commit: bool,
+        lazy: bool,
+    ) -> SaveHandle:
+        """``save`` when lazy or in waves: laid out here (no bytes move: cheap), copied
+        behind the caller."""
+        began = time.perf_counter()
+        size = _chunk_size_for(self._store, self._chunk_size)
+        layouts = [_lay_out(rank, state, size) for rank, state in states.items()]
+        if commit:  # the ranks saved here are all of them: refuse a bad layout now
+            check_layout({layout.rank: layout.items for layout in layouts})
+        loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        total = sum(layout.size for layout in layouts)
+        work: Callable[[SaveHandle], Coroutine[Any, Any, None]]
+        if self._waves is None:
+            buffers = await self._free.get()
+            gate = _StagingGate(loop, len(layouts), needs_loop=False)
+            # Submitted now, not when the loop next runs: the copy proceeds while the
+            # caller computes, even on the loop's own thread.
+            copies = [
+                loop.run_in_executor(
+                    None,
+                    _stage_part,
+                    gate,
+                    layout,
+                    size,
+                    buffers.setdefault(layout.rank, StagingBuffer()),
+                )
+                for layout in layouts
+            ]
+
+            def work(handle: SaveHandle) -> Coroutine[Any, Any, None]:
+                return self._upload_lazy(handle, gate, copies, buffers, meta, commit)
+        else:
+            # One part: the save's own task opens the gate after the last wave's copy.
+            gate = _StagingGate(loop, 1, needs_loop=True)
+
+            def work(handle: SaveHandle) -> Coroutine[Any, Any, None]:
+                return self._upload_in_waves(handle, gate, layouts, meta, commit)
+
+        handle = SaveHandle(self._store, name, total, 0.0, commit, gate)
+        with http_only() if self._shm is False else contextlib.nullcontext():
+            task = loop.create_task(work(handle))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if lazy:
+            self._copying = (*(g for g in self._copying if not g.is_open()), gate)
+        else:
+            try:
+                await handle.staged()  # in waves: the state may change once all are copied
+            except asyncio.CancelledError:
+                task.cancel()  # the caller will change the state: this save cannot stand
+                raise
+        handle.stall_seconds = time.perf_counter() - began
+        return handle
+
+    async def _upload_lazy(
+        self,
+        handle: SaveHandle,
+        gate: _StagingGate,
+        copies: Sequence[asyncio.Future[StagedShard]],
+        buffers: dict[int, StagingBuffer],
+        meta: Mapping[str, Any] | None,
+        commit: bool,
+    ) -> None:
+        try:
+            await gate.ended()  # every copy's thread is past the buffers once it is open
+            outcomes = await asyncio.gather(*copies, return_exceptions=True)
+        except BaseException as exc:
+            self._free.put_nowait(buffers)
+            handle._settle(exc)
+            raise
+        staged = [o for o in outcomes if not isinstance(o, BaseException)]
+        if len(staged) < len(outcomes):
+            self._free.put_nowait(buffers)
+            handle._settle(next(o for o in outcomes if isinstance(o, BaseException)))
+            return
+        await self._upload(handle, staged, buffers, meta, commit)
+
+    async def _upload_in_waves(
+        self,
+        handle: SaveHandle,
+        gate: _StagingGate,
+        layouts: Sequence[_RankLayout],
+        meta: Mapping[str, Any] | None,
+        commit: bool,
+    ) -> None:
+        assert self._waves is not None
+        ids = [[""] * len(layout.chunks) for layout in layouts]
+        uploads: list[asyncio.Task[None]] = []
+        try:
+            try:
+                for wave in _plan_waves(layouts, self._wave_limit):
+                    staging = await self._waves.get()
+                    try:
+                        for upload in uploads:  # a failed wave fails the save: stop copying
+                            if upload.done():
+                                upload.result()
+                        parts = await in_thread(_stage_wave, layouts, wave, staging)
+                    except BaseException:
+                        self._waves.put_nowait(staging)
+                        raise
+                    uploads.append(asyncio.create_task(self._upload_wave(parts, ids, staging)))
+            except BaseException as exc:
+                gate.part_done(exc)
+                raise
+            gate.part_done()
+            await run_all(uploads)
+            entries = [
+                ShardEntry(
+                    layout.rank,
+                    tuple(zip(chunk_ids, (n for _, n in layout.chunks), strict=True)),
+                    layout.items,
+                ).to_wire()
+                for layout, chunk_ids in zip(layouts, ids, strict=True)
+            ]
+            result = None
+            if commit:
+                result = await commit_checkpoint(self._store, handle.name, entries, meta=meta)
+            shards = {layout.rank: entry for layout, entry in zip(layouts, entries, strict=True)}
+            handle._settle(SaveResult(handle.name, shards, result))
+        except BaseException as exc:
+            handle._settle(exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            # Each wave's buffer goes back only once its upload (and hashing) has ended.
+            for upload in uploads:
+                upload.cancel()
+            if uploads:
+                await asyncio.wait(uploads)
+            for upload in uploads:  # the first failure is the save's; the rest its echo
+                if not upload.cancelled():
+                    upload.exception()
+
+    async def _upload_wave(
+        self,
+        parts: Sequence[tuple[_WavePart, tuple[memoryview, ...]]],
+        ids: list[list[str]],
+        staging: StagingBuffer,
+    ) -> None:
+        assert self._waves is not None
+        try:
+            got = await run_all([self._put(chunks) for _, chunks in parts])
+            for ((index, lo, hi), _), chunk_ids in zip(parts, got, strict=True):
+                ids[index][lo:hi] = chunk_ids
+        finally:
+            self._waves.put_nowait(staging)
+
+    async def staged(self) -> None:
+        """Wait until the copy of every lazy save in progress is done: from then on the
+        states they were given may change. Raises the error of the first of them whose
+        copy fails meanwhile; a copy that had failed before is its handle's to report
+        (as for ``hold_optimizer``)."""
+        self._copying = tuple(gate for gate in self._copying if not gate.is_open())
+        for gate in self._copying:
+            await gate.wait()
+
+    def hold_optimizer(self, optimizer: _StepHooks) -> Any:
+        """Make every ``optimizer.step()`` first wait for the copy of each lazy save in
+        progress (``register_step_pre_hook``; the handle it returns ``remove()``s it).
+
+        The wait blocks the step's thread. It works on any thread, the event loop's own
+        included, for saves without a staging budget (their copies need no loop). A save
+        in waves needs the loop to upload the waves before the last: if one is still
+        copying when the loop's own thread steps, the hook raises ``RuntimeError`` instead
+        of deadlocking; ``await saver.staged()`` before the step there. A failed copy does
+        not stop the step: its handle reports it."""
+
+        def hold(*_: Any) -> None:
+            self.wait_staged_blocking()
+
+        return optimizer.register_step_pre_hook(hold)
+
+    def wait_staged_blocking(self) -> None:
+        """``staged`` for a synchronous caller: block this thread until the copy of every
+        lazy save in progress is done (see ``hold_optimizer`` for the loop's own thread)."""
+        on_loop = threading.get_ident() == self._loop_thread
+        for gate in self._copying:
+            if gate.is_open():
+                continue
+            if on_loop and gate.needs_loop:
+                raise RuntimeError(
+                    "a lazy save in waves is still copying and its waves need the event loop "
+                    "this thread runs: await saver.staged() before the optimizer step"
+                )
+            gate.wait_blocking()
+
     async def _upload(
         self,
         handle: SaveHandle,
@@ -656,19 +1103,22 @@ class AsyncSaver:
         """``upload_shard`` whose hashing threads are the saver's own, so that a failed or
         cancelled upload ends only once none of them reads the staging buffer any more
         (the client's hashing threads would go on after a cancel)."""
+        return staged.entry(await self._put(staged.chunks))
+
+    async def _put(self, chunks: Sequence[memoryview]) -> list[str]:
+        """Upload staged chunks; their ids, in order (see ``_upload_shard``)."""
         if usable(getattr(self._store, "shm", None)) is not None:
             # The node hashes what it is handed (and dedups): hashing here would be a pass
             # over the bytes for nothing. Each copy into shared memory ends with its thread.
-            ids = await run_all([self._store.put_chunk(chunk) for chunk in staged.chunks])
-            return staged.entry(ids)
+            return await run_all([self._store.put_chunk(chunk) for chunk in chunks])
 
         async def group(lo: int) -> list[str]:
-            chunks = staged.chunks[lo : lo + _HASH_GROUP]
-            ids = await run_all([self._chunk_id(chunk) for chunk in chunks])
-            return await self._store.put_chunks(chunks, ids)
+            part = chunks[lo : lo + _HASH_GROUP]
+            ids = await run_all([self._chunk_id(chunk) for chunk in part])
+            return await self._store.put_chunks(part, ids)
 
-        groups = await run_all([group(lo) for lo in range(0, len(staged.chunks), _HASH_GROUP)])
-        return staged.entry([chunk for ids in groups for chunk in ids])
+        groups = await run_all([group(lo) for lo in range(0, len(chunks), _HASH_GROUP)])
+        return [chunk for ids in groups for chunk in ids]
 
     async def _chunk_id(self, chunk: memoryview) -> str:
         if len(chunk) <= _INLINE_HASH_BYTES:

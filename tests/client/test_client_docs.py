@@ -41,6 +41,8 @@ def test_the_blocks_are_found() -> None:
         "save_checkpoint",
         "restore_checkpoint",
         "AsyncSaver",
+        "hold_optimizer",
+        "staging_budget",
         "StoragedWriter",
     ):
         assert name in joined, name
@@ -72,6 +74,7 @@ def test_client_doc_examples_run(cluster: LocalCluster, tmp_path: Path) -> None:
     assert re.search(r"committed \d+ chunks, 256\d+ bytes", out), out
     assert "state nvme" in out or "state cold" in out
     assert out.count("training stalled") == 3
+    assert "lazy saves restored as taken" in out
     # The single-process DCP form runs in a process group of one: torch does not warn.
     assert NO_DIST_WARNING not in proc.stderr, proc.stderr
 
