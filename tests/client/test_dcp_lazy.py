@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-from storaged.cluster import LocalCluster
-from storaged.dcp import StoragedReader, StoragedWriter
+from storaged.client.dcp import StoragedReader, StoragedWriter
+from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(200)]

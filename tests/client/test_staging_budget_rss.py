@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from storaged.client import restore_checkpoint
-from storaged.cluster import LocalCluster
+from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for
 from tests.conftest import TOKEN
 
