@@ -21,7 +21,7 @@ from storaged.metrics import NodeMetrics
 from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo, ChunkLocks, StateLog
 from storaged.node.space import DiskSpace
 from tiers import ChunkNotFound, CorruptChunk
-from tiers.cold import ColdTier
+from tiers.cold import ColdTier, forget_fragment
 from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
 
@@ -199,12 +199,7 @@ class Local:
         await self.state_log.append(records, sync=True)
 
     def forget_fragment(self, key: str) -> None:
-        cid, index = parse_fragment_key(key)
-        held = self.fragments.get(cid)
-        if held is not None:
-            held.discard(index)
-            if not held:
-                del self.fragments[cid]
+        forget_fragment(self.fragments, key)
 
     def update_gauges(self) -> None:
         for tier in (self.memory, self.nvme, self.cold):
