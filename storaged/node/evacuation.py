@@ -47,7 +47,7 @@ log = logging.getLogger("storaged.node.evacuation")
 _PROGRESS_TIMEOUT = 120.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Evacuation:
     local: LocalStore
     cluster: ClusterView

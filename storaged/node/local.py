@@ -29,7 +29,7 @@ from tiers.nvme import NvmeTier
 log = logging.getLogger("storaged.node")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Local:
     """This node's own holdings (``services.LocalStore``)."""
 

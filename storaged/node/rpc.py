@@ -40,7 +40,7 @@ Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
 Method = Callable[[dict[str, Any], memoryview | None], Awaitable[Reply]]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class PeerRpc:
     local: LocalStore
     cluster: ClusterView

@@ -59,7 +59,7 @@ def newest_per_prefix(records: list[CatalogRecord], keep: int) -> set[str]:
     return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Collector:
     local: LocalStore
     cluster: ClusterView

@@ -60,7 +60,7 @@ LACKING = "lacking"
 MISPLACED = "misplaced"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Repair:
     local: LocalStore
     cluster: ClusterView
