@@ -10,16 +10,9 @@ is stored under ``fragment_key(chunk_id, i)``.
 
 from __future__ import annotations
 
+from erasure import errors
 from erasure.base import DEFAULT_MAX_DECODE_ATTEMPTS, Codec, FragmentInput, FragmentsArg
-from erasure.errors import (
-    BytesLike,
-    CorruptFragment,
-    DecodeMismatch,
-    ErasureError,
-    InvalidParameters,
-    NotEnoughFragments,
-    check_parameters,
-)
+from erasure.errors import *  # noqa: F403 (the codec errors, named in errors.__all__)
 from erasure.fragment import (
     HEADER_SIZE,
     Fragment,
@@ -36,21 +29,14 @@ __all__ = [
     "DEFAULT_CODEC",
     "DEFAULT_MAX_DECODE_ATTEMPTS",
     "HEADER_SIZE",
-    "BytesLike",
     "Codec",
-    "CorruptFragment",
-    "DecodeMismatch",
-    "ErasureError",
     "Fragment",
     "FragmentHeader",
     "FragmentInput",
     "FragmentsArg",
-    "InvalidParameters",
     "IsalCodec",
-    "NotEnoughFragments",
     "ZfecCodec",
     "build_fragment",
-    "check_parameters",
     "fragment_key",
     "isal_available",
     "make_codec",
@@ -58,6 +44,7 @@ __all__ = [
     "parse_fragment_key",
     "parse_header",
 ]
+__all__ += errors.__all__
 
 #: codec name (as recorded in fragment headers) -> implementation
 CODECS: dict[str, type[Codec]] = {ZfecCodec.name: ZfecCodec, IsalCodec.name: IsalCodec}
@@ -73,7 +60,9 @@ def make_codec(name: str, k: int, n: int) -> Codec:
     """
     codec_class = CODECS.get(name)
     if codec_class is None:
-        raise InvalidParameters(f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
+        raise errors.InvalidParameters(
+            f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}"
+        )
     return codec_class(k, n)
 
 

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "BytesLike",
+    "CorruptFragment",
+    "DecodeMismatch",
+    "ErasureError",
+    "InvalidParameters",
+    "NotEnoughFragments",
+    "check_parameters",
+]
+
 BytesLike = bytes | bytearray | memoryview
 
 

@@ -67,6 +67,7 @@ from tiers.base import (
     TierFull,
     TierUsage,
 )
+from tiers.keylocks import KeyLocks
 
 log = logging.getLogger("storaged.tiers")
 
@@ -165,14 +166,6 @@ def preadv_all(fd: int, parts: Sequence[memoryview], offset: int) -> int:
         if got:
             pending[0] = pending[0][got:]
     return total
-
-
-class _KeyLock:
-    __slots__ = ("lock", "users")
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
 
 
 @dataclass(slots=True)
@@ -349,7 +342,7 @@ class DurableTier(Tier):
         self._index: dict[str, int] = {}
         self._used = 0
         self._reserved = 0
-        self._locks: dict[str, _KeyLock] = {}
+        self._locks = KeyLocks()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._lock_fd = -1
         self._closed = False
@@ -477,20 +470,6 @@ class DurableTier(Tier):
         task.add_done_callback(_forget_task(self._tasks))
         await asyncio.shield(task)
 
-    @contextlib.asynccontextmanager
-    async def _key_lock(self, key: str) -> AsyncIterator[None]:
-        entry = self._locks.get(key)
-        if entry is None:
-            entry = self._locks[key] = _KeyLock()
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[key]
-
     def _add(self, key: str, size: int) -> None:
         self._index[key] = size
         self._used += size
@@ -508,7 +487,7 @@ class DurableTier(Tier):
         self, key: str, parts: list[memoryview], digest: bytes, index: int, verified: bool
     ) -> None:
         size = sum(p.nbytes for p in parts)
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             if key in self._index:
                 if not verified:
                     await asyncio.to_thread(self._files.check_or_raise, key, parts)
@@ -529,7 +508,7 @@ class DurableTier(Tier):
             self._add(key, size)
 
     async def _remove(self, key: str) -> None:
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             if self._drop(key):
                 await asyncio.to_thread(_unlink_quietly, self._files.paths(key)[2])
 
@@ -548,13 +527,13 @@ class DurableTier(Tier):
     async def _forget_if_vanished(self, key: str, path: str) -> None:
         """Drop ``key`` from the index if its file is gone (removed behind the tier's back).
         Under the key's lock, so that a put or delete in flight cannot be mistaken for it."""
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             if key in self._index and not await asyncio.to_thread(os.path.exists, path):
                 log.warning("%s tier: %s vanished from disk", self.name, key)
                 self._drop(key)
 
     async def _quarantine(self, key: str, inode: int, reason: str) -> None:
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             gone = await asyncio.to_thread(self._files.quarantine, key, inode, reason)
             if gone:
                 self._drop(key)

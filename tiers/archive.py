@@ -83,6 +83,7 @@ from tiers.base import (
     TierFull,
     TierUsage,
 )
+from tiers.keylocks import KeyLocks
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, ObjectStore, RetryConfig, S3Config
@@ -174,7 +175,8 @@ class ArchiveTier(Tier):
         self._sizes: dict[str, int] = {}
         self._used = 0
         self._reserved = 0
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        #: one put or delete of a key at a time (a second put of it waits, then finds it held)
+        self._locks = KeyLocks()
         self._closed = False
 
     @classmethod
@@ -212,7 +214,7 @@ class ArchiveTier(Tier):
         digest = await _hash(view)
         if digest != key:
             raise CorruptChunk(key, f"BLAKE3 of the bytes is {digest}")
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             # Asked of the store, not of what this tier knows: another writer may have
             # deleted the object since (a put that trusted a stale "held" would lose it)
             try:
@@ -277,7 +279,7 @@ class ArchiveTier(Tier):
     async def delete(self, key: str) -> None:
         self._check_open()
         _check_chunk_id(key)
-        async with self._key_lock(key):
+        async with self._locks.hold(key):
             await self._delete_object(CHUNKS + key)
             self._gone(key)
 
@@ -403,22 +405,6 @@ class ArchiveTier(Tier):
             if refused or _REFUSED.search(text):
                 raise ArchiveDenied(f"{self._url}: refused: {first}") from exc
             raise ArchiveUnavailable(f"{self._url}: {first}") from exc
-
-    @asynccontextmanager
-    async def _key_lock(self, key: str) -> AsyncIterator[None]:
-        """One put or delete of ``key`` at a time (a second put of it waits, then finds
-        it held)."""
-        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
-        self._locks[key] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[key]
-            if users == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = (lock, users - 1)
 
     def _held(self, key: str, size: int) -> None:
         self._used += size - self._sizes.get(key, 0)

@@ -19,6 +19,21 @@ from dataclasses import dataclass
 #: and client, who may not need the codecs).
 from erasure.errors import BytesLike as BytesLike
 
+#: the package's names (``tiers`` re-exports exactly these)
+__all__ = [
+    "ByteRange",
+    "BytesLike",
+    "ChunkNotFound",
+    "ChunkStat",
+    "CorruptChunk",
+    "InvalidKey",
+    "InvalidRange",
+    "Tier",
+    "TierError",
+    "TierFull",
+    "TierUsage",
+]
+
 
 class TierError(Exception):
     """Base class of every tier error."""

@@ -83,12 +83,18 @@ class ColdTier(DurableTier):
         self._by_chunk.setdefault(chunk_id, set()).add(index)
 
     def _index_removed(self, key: str) -> None:
-        chunk_id, index = parse_fragment_key(key)
-        held = self._by_chunk.get(chunk_id)
-        if held is not None:
-            held.discard(index)
-            if not held:
-                del self._by_chunk[chunk_id]
+        forget_fragment(self._by_chunk, key)
+
+
+def forget_fragment(by_chunk: dict[str, set[int]], key: str) -> None:
+    """Take fragment ``key`` out of ``by_chunk`` (chunk id -> the indexes of its fragments
+    held), and the chunk once none is left."""
+    chunk_id, index = parse_fragment_key(key)
+    held = by_chunk.get(chunk_id)
+    if held is not None:
+        held.discard(index)
+        if not held:
+            del by_chunk[chunk_id]
 
 
 def _check_fragment_parts(parts: Sequence[memoryview]) -> tuple[str, int]:

@@ -361,13 +361,8 @@ class HttpSource:
 
     @staticmethod
     async def _handle(read: ChunkRead, resp: aiohttp.ClientResponse) -> memoryview:
-        # A server that ignores Range answers 200 with the whole chunk: skip to the range.
-        ranged = read.ranged
-        whole = ranged and resp.status == 200
-        to_skip = read.skip if whole else 0
         length = resp.content_length
-        if ranged and resp.status == 206:
-            check_content_range(resp.headers.get("Content-Range"), read.skip, length)
+        whole, to_skip = _skip_to_range(read, resp.status, resp.headers, length)
         expected = (
             read.want
             if read.want is not None
@@ -383,15 +378,24 @@ class HttpSource:
             raise ChecksumMismatch(message=f"chunk {read.chunk_id} read back with other bytes")
 
 
+def _skip_to_range(
+    read: ChunkRead, status: int, headers: Mapping[str, str], length: int | None
+) -> tuple[bool, int]:
+    """Whether a ranged read's answer is the whole chunk (a server that ignores Range
+    answers 200 with it), and the bytes to skip to the range; a 206's ``Content-Range``
+    checked (``ProtocolError``). ``headers``: aiohttp's (any case) or a direct GET's (lower
+    case)."""
+    whole = read.ranged and status == 200
+    if read.ranged and status == 206:
+        check_content_range(headers.get("content-range"), read.skip, length)
+    return whole, read.skip if whole else 0
+
+
 def _plan_body(read: ChunkRead, dest: memoryview | None, head: ResponseHead) -> BodyPlan:
     """Where a direct GET's body goes: the same decisions as ``HttpSource._handle`` and
     ``read_body``, made before any body byte."""
-    ranged = read.ranged
-    whole = ranged and head.status == 200
-    to_skip = read.skip if whole else 0
     length = head.content_length
-    if ranged and head.status == 206:
-        check_content_range(head.headers.get("content-range"), read.skip, length)
+    whole, to_skip = _skip_to_range(read, head.status, head.headers, length)
     body = length - to_skip
     expected = read.want if read.want is not None else body
     if body > expected and not whole:

@@ -669,13 +669,4 @@ def _key(item: Any) -> str:
 
 def _record(summary: dict[str, Any]) -> CatalogRecord:
     """The record as listed: no manifest, no chunk list."""
-    return CatalogRecord(
-        name=str(summary["name"]),
-        digest=str(summary["digest"]),
-        created=float(summary["created"]),
-        committed=float(summary["committed"]),
-        total_bytes=int(summary["bytes"]),
-        chunks=[],
-        manifest=None,
-        deleted=summary.get("deleted"),
-    )
+    return CatalogRecord.from_wire(summary, listed=True)

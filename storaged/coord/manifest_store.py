@@ -58,15 +58,17 @@ class CatalogRecord:
         }
 
     @classmethod
-    def from_wire(cls, doc: dict[str, Any]) -> CatalogRecord:
+    def from_wire(cls, doc: dict[str, Any], *, listed: bool = False) -> CatalogRecord:
+        """The record ``to_wire`` wrote; ``listed``: as a listing gives it, without its
+        manifest and chunk list (``doc`` need not hold them)."""
         return cls(
             name=str(doc["name"]),
             digest=str(doc["digest"]),
             created=float(doc["created"]),
             committed=float(doc["committed"]),
             total_bytes=int(doc["bytes"]),
-            chunks=[str(c) for c in doc["chunks"]],
-            manifest=doc.get("manifest"),
+            chunks=[] if listed else [str(c) for c in doc["chunks"]],
+            manifest=None if listed else doc.get("manifest"),
             deleted=doc.get("deleted"),
         )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 from storaged.coord.catalogue import CoordinatorUnavailable
@@ -46,21 +47,14 @@ log = logging.getLogger("storaged.node.evacuation")
 _PROGRESS_TIMEOUT = 120.0
 
 
+@dataclass(eq=False, repr=False)
 class Evacuation:
-    def __init__(
-        self,
-        local: LocalStore,
-        cluster: ClusterView,
-        *,
-        writes: WritePath,
-        leadership: Leadership,
-        referenced: ReferencedSet,
-    ) -> None:
-        self.local = local
-        self.cluster = cluster
-        self.writes = writes
-        self.leadership = leadership
-        self.referenced = referenced
+    local: LocalStore
+    cluster: ClusterView
+    _: KW_ONLY
+    writes: WritePath
+    leadership: Leadership
+    referenced: ReferencedSet
 
     def _known(self, node_id: str) -> None:
         try:

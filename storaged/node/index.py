@@ -16,11 +16,10 @@ Invariants this module upholds:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import struct
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import msgpack
 
 from storaged.wire import ChunkState
 from tiers._durable import write_file_durably
+from tiers.keylocks import KeyLocks
 
 log = logging.getLogger("storaged.node.index")
 
@@ -70,30 +70,8 @@ class Holding:
         return self.memory or self.nvme
 
 
-class ChunkLocks:
-    """One asyncio lock per chunk id, created on demand and dropped when unused."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, chunk_id: str) -> AsyncIterator[None]:
-        lock, users = self._locks.get(chunk_id, (None, 0))
-        if lock is None:
-            lock = asyncio.Lock()
-        self._locks[chunk_id] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[chunk_id]
-            if users <= 1:
-                del self._locks[chunk_id]
-            else:
-                self._locks[chunk_id] = (lock, users - 1)
-
-    def busy(self, chunk_id: str) -> bool:
-        return chunk_id in self._locks
+#: one asyncio lock per chunk id, created on demand and dropped when unused
+ChunkLocks = KeyLocks
 
 
 class StateLog:

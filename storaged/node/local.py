@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from erasure import parse_fragment_key
@@ -21,50 +22,44 @@ from storaged.metrics import NodeMetrics
 from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo, ChunkLocks, StateLog
 from storaged.node.space import DiskSpace
 from tiers import ChunkNotFound, CorruptChunk
-from tiers.cold import ColdTier
+from tiers.cold import ColdTier, forget_fragment
 from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
 
 log = logging.getLogger("storaged.node")
 
 
+@dataclass(eq=False, repr=False)
 class Local:
     """This node's own holdings (``services.LocalStore``)."""
 
-    def __init__(
-        self,
-        config: Config,
-        memory: MemoryTier,
-        nvme: NvmeTier,
-        cold: ColdTier,
-        codec: Codec,
-        catalog: Catalog,
-        state_log: StateLog,
-        index: dict[str, ChunkInfo],
-    ) -> None:
-        self.config = config
-        self.id = config.node_id
-        self.memory = memory
-        self.nvme = nvme
-        self.cold = cold
-        self.codec = codec
-        self.catalog = catalog
-        self.state_log = state_log
-        self.index = index
-        self.fragments: dict[str, set[int]] = {}
-        #: full and nearly-full marks of the disk tiers, from their writes and a probe
-        self.space = DiskSpace({"nvme": nvme, "cold": cold})
-        self.locks = ChunkLocks()
-        #: chunks whose collection has been decided and is under way: held by no one
-        self.collecting: set[str] = set()
-        self.metrics = NodeMetrics()
-        #: set by ``Node.shutdown``: new PUTs (HTTP and peer) are refused from then on
-        self.stopping = False
-        #: set by ``Node.shutdown`` once it no longer waits for PUTs in flight: a co-located
-        #: client's lease taken before the stop is no longer sealed from then on
-        self.writes_closed = False
-        #: the node's background tasks (cancelled by ``cancel_tasks``)
-        self.tasks: set[asyncio.Task[None]] = set()
+    config: Config
+    memory: MemoryTier
+    nvme: NvmeTier
+    cold: ColdTier
+    codec: Codec
+    catalog: Catalog
+    state_log: StateLog
+    index: dict[str, ChunkInfo]
+    id: str = field(init=False)
+    fragments: dict[str, set[int]] = field(default_factory=dict, init=False)
+    #: full and nearly-full marks of the disk tiers, from their writes and a probe
+    space: DiskSpace = field(init=False)
+    locks: ChunkLocks = field(default_factory=ChunkLocks, init=False)
+    #: chunks whose collection has been decided and is under way: held by no one
+    collecting: set[str] = field(default_factory=set, init=False)
+    metrics: NodeMetrics = field(default_factory=NodeMetrics, init=False)
+    #: set by ``Node.shutdown``: new PUTs (HTTP and peer) are refused from then on
+    stopping: bool = field(default=False, init=False)
+    #: set by ``Node.shutdown`` once it no longer waits for PUTs in flight: a co-located
+    #: client's lease taken before the stop is no longer sealed from then on
+    writes_closed: bool = field(default=False, init=False)
+    #: the node's background tasks (cancelled by ``cancel_tasks``)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.id = self.config.node_id
+        self.space = DiskSpace({"nvme": self.nvme, "cold": self.cold})
 
     @property
     def url(self) -> str:
@@ -199,12 +194,7 @@ class Local:
         await self.state_log.append(records, sync=True)
 
     def forget_fragment(self, key: str) -> None:
-        cid, index = parse_fragment_key(key)
-        held = self.fragments.get(cid)
-        if held is not None:
-            held.discard(index)
-            if not held:
-                del self.fragments[cid]
+        forget_fragment(self.fragments, key)
 
     def update_gauges(self) -> None:
         for tier in (self.memory, self.nvme, self.cold):

@@ -10,6 +10,7 @@ enough others hold it (``pipeline/rebalance.py``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -39,28 +40,20 @@ Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
 Method = Callable[[dict[str, Any], memoryview | None], Awaitable[Reply]]
 
 
+@dataclass(eq=False, repr=False)
 class PeerRpc:
-    def __init__(
-        self,
-        local: LocalStore,
-        cluster: ClusterView,
-        *,
-        writes: WritePath,
-        reads: ReadPath,
-        encoder: Encoder,
-        rebalance: Rebalance,
-        evacuation: Evacuation,
-        heartbeat: Callable[[], dict[str, Any]],
-    ) -> None:
-        self.local = local
-        self.cluster = cluster
-        self.writes = writes
-        self.reads = reads
-        self.encoder = encoder
-        self.rebalance = rebalance
-        self.evacuation = evacuation
-        #: what this node tells its peers about itself (``Node.heartbeat``)
-        self.heartbeat = heartbeat
+    local: LocalStore
+    cluster: ClusterView
+    _: KW_ONLY
+    writes: WritePath
+    reads: ReadPath
+    encoder: Encoder
+    rebalance: Rebalance
+    evacuation: Evacuation
+    #: what this node tells its peers about itself (``Node.heartbeat``)
+    heartbeat: Callable[[], dict[str, Any]]
+
+    def __post_init__(self) -> None:
         self.handler = _PeerHandler(self)
 
     async def call_local(self, method: str, args: dict[str, Any], body: memoryview | None) -> Reply:

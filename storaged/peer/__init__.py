@@ -14,33 +14,17 @@ One module per part:
 - ``handler``: ``PeerHandler``, what the server calls, and its buffer-ownership contract;
 - ``server``: ``PeerServer``; ``client``: ``PeerClient`` and ``PutStream``.
 
-Every name other modules use is importable from here.
+Every name other modules use is importable from here; the format's other constants
+from ``wire``.
 """
 
 from storaged.peer.client import PeerClient, PutStream
 from storaged.peer.handler import PeerHandler
 from storaged.peer.server import PeerServer
-from storaged.peer.wire import (
-    MAX_BODY,
-    MAX_CHUNK_ID_LEN,
-    MAX_HEADER,
-    MAX_NODE_ID_LEN,
-    MAX_PREAUTH_HEADER,
-    NONCE_LEN,
-    PROTOCOL_VERSION,
-    Addr,
-    PeerError,
-    PeerUnavailable,
-)
+from storaged.peer.wire import MAX_HEADER, Addr, PeerError, PeerUnavailable
 
 __all__ = [
-    "MAX_BODY",
-    "MAX_CHUNK_ID_LEN",
     "MAX_HEADER",
-    "MAX_NODE_ID_LEN",
-    "MAX_PREAUTH_HEADER",
-    "NONCE_LEN",
-    "PROTOCOL_VERSION",
     "Addr",
     "PeerClient",
     "PeerError",

@@ -46,6 +46,16 @@ __all__ = ["PeerServer"]
 log = logging.getLogger("storaged.peer")
 
 
+def _failed(exc: Exception, what: str) -> Header:
+    """The reply to a handler call ``what`` that raised ``exc``: a ``PeerError`` as its code
+    and message, anything else as "internal", logged with its traceback (call it in the
+    ``except`` block)."""
+    if isinstance(exc, PeerError):
+        return error_header(exc.code, exc.message)
+    log.exception("peer handler %s failed", what)
+    return error_header("internal", repr(exc))
+
+
 class PeerServer:
     """Accepts authenticated peer connections and serves them with a ``PeerHandler``.
 
@@ -385,12 +395,8 @@ class _ServerConn(FramedProtocol):
         handler = self._server.handler
         try:
             raw = await handler.receive_chunk(chunk_id, size)
-        except PeerError as exc:
-            self._early_refusal(error_header(exc.code, exc.message), size)
-            return
         except Exception as exc:
-            log.exception("peer handler receive_chunk(%s) failed", chunk_id)
-            self._early_refusal(error_header("internal", repr(exc)), size)
+            self._early_refusal(_failed(exc, f"receive_chunk({chunk_id})"), size)
             return
         if self._closed:
             self._inflight = (chunk_id, raw)
@@ -471,11 +477,8 @@ class _ServerConn(FramedProtocol):
             else:
                 result = await handler.chunk_received_crc(chunk_id, buf, crc)
             reply: Header = {"ok": True, "result": result}
-        except PeerError as exc:
-            reply = error_header(exc.code, exc.message)
         except Exception as exc:
-            log.exception("peer handler chunk_received(%s) failed", chunk_id)
-            reply = error_header("internal", repr(exc))
+            reply = _failed(exc, f"chunk_received({chunk_id})")
         self._reply(reply, None)
 
     async def _run_call(self, method: str, args: dict[str, Any], body: memoryview | None) -> None:
@@ -491,11 +494,8 @@ class _ServerConn(FramedProtocol):
                     reply["body"] = out.nbytes
                 else:
                     out = None
-        except PeerError as exc:
-            reply = error_header(exc.code, exc.message)
         except Exception as exc:
-            log.exception("peer handler call(%r) failed", method)
-            reply = error_header("internal", repr(exc))
+            reply = _failed(exc, f"call({method!r})")
         self._reply(reply, out)
 
     def _reply(self, reply: Header, body: memoryview | None) -> None:

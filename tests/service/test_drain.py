@@ -329,7 +329,7 @@ async def test_a_draining_node_takes_no_fragment_and_waits_for_one_in_flight(
     async with victim.locks.hold(cid):
         in_flight = asyncio.create_task(send(0))
         # the call arrived (its body with it) and waits for the chunk's lock held here
-        await wait_until("the fragment is under way", lambda: victim.locks._locks[cid][1] == 2)
+        await wait_until("the fragment is under way", lambda: victim.locks.users(cid) == 2)
         await sender.drain("n3")
         await _seen(cluster, "n3")
         progress = await victim.evacuation.local_progress()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
@@ -58,24 +59,17 @@ def newest_per_prefix(records: list[CatalogRecord], keep: int) -> set[str]:
     return out
 
 
+@dataclass(eq=False, repr=False)
 class Collector:
-    def __init__(
-        self,
-        local: LocalStore,
-        cluster: ClusterView,
-        *,
-        referenced: ReferencedSet,
-        leadership: Leadership,
-        catalogue: Catalogue,
-    ) -> None:
-        self.local = local
-        self.cluster = cluster
-        self.leadership = leadership
-        self.catalogue = catalogue
-        #: what every stage asks "is this chunk unreferenced?" (fed by the passes here)
-        self.referenced = referenced
-        #: GC passes are skipped until then (``POST /v1/admin/gc``), counted as failed
-        self.paused_until = 0.0
+    local: LocalStore
+    cluster: ClusterView
+    _: KW_ONLY
+    #: what every stage asks "is this chunk unreferenced?" (fed by the passes here)
+    referenced: ReferencedSet
+    leadership: Leadership
+    catalogue: Catalogue
+    #: GC passes are skipped until then (``POST /v1/admin/gc``), counted as failed
+    paused_until: float = field(default=0.0, init=False)
 
     def is_garbage(self, chunk_id: str) -> bool:
         """Unreferenced in a fresh complete snapshot and unused here for the grace period

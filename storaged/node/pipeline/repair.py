@@ -28,6 +28,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
@@ -59,36 +60,25 @@ LACKING = "lacking"
 MISPLACED = "misplaced"
 
 
+@dataclass(eq=False, repr=False)
 class Repair:
-    def __init__(
-        self,
-        local: LocalStore,
-        cluster: ClusterView,
-        *,
-        leadership: Leadership,
-        reads: ReadPath,
-        writes: WritePath,
-        encoder: Encoder,
-        rebalance: Rebalancing,
-        referenced: ReferencedSet,
-        catalogue: Catalogue,
-    ) -> None:
-        self.local = local
-        self.cluster = cluster
-        self.leadership = leadership
-        self.reads = reads
-        self.writes = writes
-        self.encoder = encoder
-        self.rebalance = rebalance
-        self.referenced = referenced
-        self.catalogue = catalogue
-        #: chunks this node leads the repair of that lacked something at the last pass
-        self.backlog = 0
-        #: chunks it leads that lacked nothing but sat (partly) outside their placement
-        self.misplaced = 0
-        #: when the last complete pass started (wall clock; None before the first): its
-        #: backlogs describe the cluster as of then, not before
-        self.last_pass_started: float | None = None
+    local: LocalStore
+    cluster: ClusterView
+    _: KW_ONLY
+    leadership: Leadership
+    reads: ReadPath
+    writes: WritePath
+    encoder: Encoder
+    rebalance: Rebalancing
+    referenced: ReferencedSet
+    catalogue: Catalogue
+    #: chunks this node leads the repair of that lacked something at the last pass
+    backlog: int = field(default=0, init=False)
+    #: chunks it leads that lacked nothing but sat (partly) outside their placement
+    misplaced: int = field(default=0, init=False)
+    #: when the last complete pass started (wall clock; None before the first): its
+    #: backlogs describe the cluster as of then, not before
+    last_pass_started: float | None = field(default=None, init=False)
 
     async def repair_pass(self) -> None:
         started = time.time()
