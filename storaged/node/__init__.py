@@ -5,8 +5,8 @@ from storaged.node.index import (
     COLD,
     MEMORY,
     NVME,
-    ChunkInfo,
     Holding,
+    IndexEntry,
 )
 from storaged.wire import STATES, state_name, state_rank
 
@@ -15,8 +15,8 @@ __all__ = [
     "MEMORY",
     "NVME",
     "STATES",
-    "ChunkInfo",
     "Holding",
+    "IndexEntry",
     "Node",
     "state_name",
     "state_rank",

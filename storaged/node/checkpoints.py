@@ -11,7 +11,7 @@ Upholds:
   under one name, the catalogue's create-if-absent picks the one that wins; the other
   writes nothing and gets 409.
 - **I3, the commit's part**: the chunks a commit names are checked held *and touched*
-  (``ChunkInfo.last_use``) until the end of the commit window plus a margin; the
+  (``IndexEntry.last_use``) until the end of the commit window plus a margin; the
   catalogue writes must finish inside the window, so a GC pass whose catalogue snapshot
   predates the record cannot reach the touched copies before the record is in every
   later snapshot (see ``pipeline/gc.py``).

@@ -239,7 +239,7 @@ class Cluster:
         """Which of ``node_ids`` hold which of ``ids``, and how. Unreachable nodes are skipped.
 
         With ``touch``, every node that reports a chunk held also records that a request
-        relies on its copy until that time (see ``ChunkInfo.last_use``): the answer and the
+        relies on its copy until that time (see ``IndexEntry.last_use``): the answer and the
         touch are one step on that node, so GC cannot collect what was just reported held.
         ``answered``, if given, gets the ids of the nodes that answered; ``draining`` those
         that said they are draining (whatever the caller's view says: it may predate the

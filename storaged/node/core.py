@@ -49,7 +49,7 @@ from storaged.manifest import CheckedManifest
 from storaged.node.checkpoints import Checkpoints
 from storaged.node.cluster import Cluster, ping
 from storaged.node.evacuation import Evacuation
-from storaged.node.index import COLD, ChunkInfo, StateLog
+from storaged.node.index import COLD, IndexEntry, StateLog
 from storaged.node.local import Local
 from storaged.node.pipeline.drain import Drain
 from storaged.node.pipeline.encode import Encoder
@@ -91,7 +91,7 @@ class Node:
         codec: Codec,
         catalog: Catalog,
         state_log: StateLog,
-        index: dict[str, ChunkInfo],
+        index: dict[str, IndexEntry],
         *,
         membership: Membership | None = None,
         catalogue: Catalogue | Callable[[DataPlane], Catalogue] | None = None,

@@ -40,9 +40,11 @@ MEMORY, NVME, COLD = (int(state) for state in ChunkState)
 
 
 @dataclass(slots=True)
-class ChunkInfo:
+class IndexEntry:
     """What this node knows of a chunk it holds (or held): size, furthest state, first seen,
-    and the latest moment a request relied on this node's copy (``last_use``)."""
+    and the latest moment a request relied on this node's copy (``last_use``). The node's own
+    record, not the answer a client gets about a chunk (``storaged.client.ChunkInfo``: what a
+    HEAD says of it)."""
 
     size: int
     state: int
@@ -105,19 +107,19 @@ class StateLog:
         head = cls._HEAD.pack(cls.MAGIC, cls.VERSION, 0)
         return head + cls._CRC.pack(crc32c.crc32c(head))
 
-    def load(self) -> dict[str, ChunkInfo]:
+    def load(self) -> dict[str, IndexEntry]:
         try:
             blob = self.path.read_bytes()
         except FileNotFoundError:
             blob = b""
         records, damage = self._records(memoryview(blob))
-        entries: dict[str, ChunkInfo] = {}
+        entries: dict[str, IndexEntry] = {}
         for cid, state, size, stored_at in records:
             if state == 0:
                 entries.pop(cid, None)
             else:
                 prev = entries.get(cid)
-                entries[cid] = ChunkInfo(size, max(state, prev.state if prev else 0), stored_at)
+                entries[cid] = IndexEntry(size, max(state, prev.state if prev else 0), stored_at)
         if damage is not None:
             log.warning("%s: %s; the file is kept as %s.damaged", self.path, damage, self.path.name)
             os.replace(self.path, self.path.with_name(self.path.name + ".damaged"))

@@ -19,7 +19,7 @@ from erasure.base import Codec
 from storaged.config import Config
 from storaged.coord.manifest_store import Catalog
 from storaged.metrics import NodeMetrics
-from storaged.node.index import COLD, MEMORY, NVME, ChunkInfo, ChunkLocks, StateLog
+from storaged.node.index import COLD, MEMORY, NVME, ChunkLocks, IndexEntry, StateLog
 from storaged.node.space import DiskSpace
 from tiers import ChunkNotFound, CorruptChunk
 from tiers.cold import ColdTier, forget_fragment
@@ -40,7 +40,7 @@ class Local:
     codec: Codec
     catalog: Catalog
     state_log: StateLog
-    index: dict[str, ChunkInfo]
+    index: dict[str, IndexEntry]
     id: str = field(init=False)
     fragments: dict[str, set[int]] = field(default_factory=dict, init=False)
     #: full and nearly-full marks of the disk tiers, from their writes and a probe
@@ -89,14 +89,14 @@ class Local:
         for cid, size in on_nvme.items():
             info = self.index.get(cid)
             if info is None:
-                self.index[cid] = ChunkInfo(size, NVME, now)
+                self.index[cid] = IndexEntry(size, NVME, now)
             else:
                 info.state = max(info.state, NVME)
         for cid in self.fragments:
             if cid not in self.index:
                 # Fragments only: the state log was lost; a fragment is only written when the
                 # chunk was fully on nvme, so "nvme" is a safe lower bound.
-                self.index[cid] = ChunkInfo(-1, NVME, now)
+                self.index[cid] = IndexEntry(-1, NVME, now)
         gone = [cid for cid in self.index if cid not in on_nvme and cid not in self.fragments]
         for cid in gone:
             del self.index[cid]
@@ -178,7 +178,7 @@ class Local:
         now = time.time()
         info = self.index.get(chunk_id)
         if info is None:
-            self.index[chunk_id] = ChunkInfo(size, MEMORY, now, now)
+            self.index[chunk_id] = IndexEntry(size, MEMORY, now, now)
         else:
             if info.size < 0:
                 info.size = size

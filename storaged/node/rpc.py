@@ -1,7 +1,7 @@
 """The peer calls other nodes make on this one (``rpc_*``), and the peer server's handler.
 
 Chunk receives go to the write path; ``chunk_info`` answers for the index and, with
-``touch``, records the use in the same step (see ``index.ChunkInfo.last_use``). No call
+``touch``, records the use in the same step (see ``index.IndexEntry.last_use``). No call
 deletes a chunk on a request's behalf: collections are this node's own GC's decision, and
 ``drop_misplaced`` (rebalance) drops a copy only once this node has itself checked that
 enough others hold it (``pipeline/rebalance.py``).

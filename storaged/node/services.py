@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from storaged.coord.manifest_store import Catalog, CatalogRecord
     from storaged.coord.membership import Membership
     from storaged.metrics import NodeMetrics
-    from storaged.node.index import ChunkInfo, ChunkLocks, Holding, StateLog
+    from storaged.node.index import ChunkLocks, Holding, IndexEntry, StateLog
     from storaged.node.space import DiskSpace
     from storaged.peer import PeerClient
     from storaged.placement import Placement
@@ -55,7 +55,7 @@ class LocalStore(Protocol):
     catalog: Catalog
     state_log: StateLog
     #: chunk id -> what this node knows of its copy here
-    index: dict[str, ChunkInfo]
+    index: dict[str, IndexEntry]
     #: chunk id -> the fragment indexes this node stores of it
     fragments: dict[str, set[int]]
     space: DiskSpace

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from erasure import parse_fragment_key
 from storaged.errors import BadInput, InsufficientStorage, StoragedError, unavailable
 from storaged.ids import chunk_id_of_async, crc32c_of_async
-from storaged.node.index import NVME, ChunkInfo
+from storaged.node.index import NVME, IndexEntry
 from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
 from storaged.wire import state_name
@@ -602,7 +602,7 @@ class WritePath:
                 now = time.time()
                 info = self.local.index.get(cid)
                 if info is None:
-                    self.local.index[cid] = ChunkInfo(size, NVME, now, now)
+                    self.local.index[cid] = IndexEntry(size, NVME, now, now)
                 else:
                     info.touch(now)
         finally:

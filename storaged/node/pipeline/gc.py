@@ -4,7 +4,7 @@ Relies on: the catalogue's ``references()`` naming every committed record's chun
 one point in time when it says ``complete``; the referenced set (``node/referenced.py``),
 which this module feeds and which answers every stage from a fresh snapshot only; every
 use of a copy touching it
-(``ChunkInfo.last_use``: acks, ``/missing`` answers, commits — the commit's touch reaches
+(``IndexEntry.last_use``: acks, ``/missing`` answers, commits — the commit's touch reaches
 past its commit window); the per-chunk locks.
 
 Upholds **I3 referenced means kept**: a chunk is collected here only if no checkpoint
