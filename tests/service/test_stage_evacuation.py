@@ -15,6 +15,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
+
 from storaged.coord.membership import ACTIVE, DRAINING
 from storaged.ids import chunk_id_of
 from storaged.node import Node
@@ -94,6 +96,9 @@ async def test_a_put_under_way_on_the_draining_node_keeps_it(inproc: InprocFacto
     await wait_until("can leave again", lambda: _can_leave(leaving), 30.0)
 
 
+@pytest.mark.embedded_only(
+    "the embedded marks are kept in the data directory; with etcd the mark is etcd's"
+)
 async def test_a_mark_survives_the_restart_of_the_marked_node(inproc: InprocFactory) -> None:
     """Restarted with every peer down, the node has only its own data directory to learn
     its mark from; the same for the mark's cancellation."""
