@@ -151,7 +151,7 @@ async def test_a_chunk_touched_while_the_pass_waits_for_its_lock_is_spared(
     async with node.locks.hold(loose):
         gc = asyncio.create_task(node.gc_pass())
         # the pass has found it garbage and waits for the lock (a second user of it)
-        await wait_until("the pass waits", lambda: node.locks._locks[loose][1] == 2, 10.0)
+        await wait_until("the pass waits", lambda: node.locks.users(loose) == 2, 10.0)
         assert await node.missing([loose]) == []
     await gc
     assert node.holds_hot(loose)
