@@ -122,8 +122,8 @@ class Cluster:
             # Checked as often as heartbeats come: no sooner can the verdict change.
             step = max(0.05, self.config.heartbeat_interval)
             while True:
-                done, _ = await asyncio.wait({task}, timeout=step)
-                if done:
+                await asyncio.wait({task}, timeout=step)
+                if task.done():  # its own answer first: a failing call marks the node down
                     return task.result()
                 if not self.membership.is_alive(node_id):
                     raise PeerUnavailable("timeout", f"{node_id} went down while asked")
@@ -132,6 +132,11 @@ class Cluster:
                 task.cancel()  # the peer client drops the connection
                 with contextlib.suppress(asyncio.CancelledError, PeerError):
                     await task
+            elif not task.cancelled():
+                # Done while this asker was cancelled (a caller's timeout in the same step):
+                # its outcome is nobody's now, but taken, or the loop logs it as a traceback
+                # ("Task exception was never retrieved": the etcd soak, run 34).
+                task.exception()
 
     # ---- the peer calls the stages make, one method each (``rpc.py`` serves them) ----------
     async def get_chunk(

@@ -8,6 +8,8 @@ Background passes and the encoders are kept out of the way: the chunks stay hot.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytest
 
 from storaged.ids import chunk_id_of
 from storaged.node.pipeline.rebalance import HOT, PIN_SECONDS
-from storaged.peer import PeerError
+from storaged.peer import PeerError, PeerUnavailable
 from tests.service.inproc import InprocCluster, InprocFactory, put_bytes, wait_until
 
 QUIET: dict[str, Any] = {
@@ -76,3 +78,34 @@ async def test_an_unknown_method_is_refused(inproc: InprocFactory) -> None:
     with pytest.raises(PeerError) as refused:
         await cluster.node(0).call("n1", "no_such_call", {})
     assert refused.value.code == "bad_request"
+
+
+async def test_a_call_abandoned_as_it_fails_leaves_no_unretrieved_exception(
+    inproc: InprocFactory,
+) -> None:
+    """A question asked ``until_down`` whose call fails in the very step its asker is
+    cancelled (a caller's timeout): the call's exception is taken, not left for the loop to
+    log as a traceback (the etcd soak, run 34: "Task exception was never retrieved")."""
+    cluster = await inproc.start(3)
+    node = cluster.node(0)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    asker: asyncio.Task[Any] | None = None
+
+    async def failing_call() -> tuple[dict[str, Any], None]:
+        await asyncio.sleep(0.05)
+        assert asker is not None
+        asker.cancel()  # the asker's caller gives up in the same step the call fails
+        raise PeerUnavailable("connection_lost", "reset")
+
+    try:
+        asker = asyncio.ensure_future(node.cluster._until_down(node.cluster.id, failing_call()))
+        with pytest.raises(asyncio.CancelledError):
+            await asker
+        await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert [c for c in unretrieved if "never retrieved" in str(c.get("message"))] == []
