@@ -43,14 +43,21 @@ MiB, GiB = 2**20, 2**30
 
 
 def _capacities(up: Up, token: str) -> dict[str, tuple[int, int, int]]:
-    """(memory, nvme, cold) capacity of each node, as ``storaged nodes --json`` shows them."""
-    listed = _client(up, token, "nodes", "--json")
-    assert listed.returncode == 0, listed.stdout + listed.stderr
-    rows = json.loads(listed.stdout)["nodes"]
-    return {
-        r["id"]: (r["memory"]["capacity"], r["nvme"]["capacity"], r["cold"]["capacity"])
-        for r in rows
-    }
+    """(memory, nvme, cold) capacity of each node, as ``storaged nodes --json`` shows them,
+    once every node's has reached the node asked: a peer's usage comes with its heartbeats,
+    so right after "4 nodes up" a loaded machine may still show a peer's as 0 (failed so)."""
+    deadline = time.monotonic() + 30
+    while True:
+        listed = _client(up, token, "nodes", "--json")
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        rows = json.loads(listed.stdout)["nodes"]
+        found = {
+            r["id"]: (r["memory"]["capacity"], r["nvme"]["capacity"], r["cold"]["capacity"])
+            for r in rows
+        }
+        if all(all(c) for c in found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.3)
 
 
 def _overrides(up: Up) -> list[str]:
