@@ -38,6 +38,7 @@ from storaged.peer import (
     PutStream,
 )
 from storaged.wire import BytesLike
+from tests.peer.conftest import RawPeer as _ContractRawPeer
 
 SECRET = b"cluster-secret-for-the-peer-tests"
 CLIENT_TOKEN = b"a-client-token-is-not-the-cluster-secret"
@@ -214,39 +215,14 @@ def frame(header: Any) -> bytes:
     return struct.pack("!I", len(payload)) + payload
 
 
-class RawPeer:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+class RawPeer(_ContractRawPeer):
+    """The contract suite's raw peer (``tests/peer/conftest.py``), dialled by port only:
+    this module's server speaks plain TCP on 127.0.0.1."""
 
     @classmethod
-    async def connect(cls, port: int) -> RawPeer:
+    async def connect(cls, port: int) -> RawPeer:  # type: ignore[override]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         return cls(reader, writer)
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def recv(self) -> tuple[dict[str, Any], bytes]:
-        async with asyncio.timeout(5):
-            (length,) = struct.unpack("!I", await self.reader.readexactly(4))
-            header = msgpack.unpackb(await self.reader.readexactly(length))
-            assert isinstance(header, dict)
-            body = await self.reader.readexactly(header.get("body", 0))
-        return header, body
-
-    async def closed_by_server(self, within: float = 5) -> bool:
-        """Read until EOF; True when the server closed the connection in time."""
-        try:
-            async with asyncio.timeout(within):
-                while await self.reader.read(65536):
-                    pass
-        except TimeoutError:
-            return False
-        except ConnectionError:
-            pass
-        return True
 
     async def authenticate(self, secret: bytes = SECRET, node: str = "raw") -> dict[str, Any]:
         cn = os.urandom(32)
