@@ -120,7 +120,7 @@ def summarize(times: dict[str, list[float]], total: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for mode, seconds in times.items():
         row: dict[str, Any] = {
-            "seconds": [round(s, 4) for s in seconds],
+            "seconds": [round(s, 6) for s in seconds],
             "best_gbps": round(total / min(seconds) / 1e9, 3),
             "median_gbps": round(total / statistics.median(seconds) / 1e9, 3),
         }
