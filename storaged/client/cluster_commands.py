@@ -195,8 +195,10 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     # A drain's own start, not the node's: how long the evacuation has been going on.
     drain = raw.get("draining_since")
     row["draining_since"] = drain if isinstance(drain, int | float) else None
+    # A peer not heard from yet by the node asked: its zeros mean "not known", shown as such.
+    reported = raw.get("usage_reported") is not False
     for tier in STATES:
-        given = raw.get(tier)
+        given = raw.get(tier) if reported else None
         space: Mapping[str, Any] = given if isinstance(given, Mapping) else {}
         count = space.get("count")
         if count is None and metrics is not None:

@@ -606,6 +606,9 @@ async def cluster(request: web.Request) -> web.Response:
         info = node.heartbeat() if spec.id == node.id else node.membership.info(spec.id)
         entry: dict[str, Any] = {"id": spec.id, "url": spec.url, "alive": alive}
         entry["state"] = "draining" if spec.id in view.draining else "active"
+        # Extension: False until a heartbeat of this node has reached the node asked (the
+        # tier figures below are then zeros that stand for "not known yet").
+        entry["usage_reported"] = usage is not None
         for tier in STATES:
             u = (usage or {}).get(tier, {})
             entry[tier] = {
