@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import json
 import math
 import os
@@ -402,7 +403,9 @@ class LocalCluster:
             ) as resp:
                 if resp.status != 200:
                     return False
-        except (urllib.error.URLError, OSError):
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            # (HTTPException: something else answers there, as another cluster's peer
+            # server did, its error frame read as a bad status line: not ours)
             return False
         return _listens_on(proc.pid, self.port + i) is not False
 

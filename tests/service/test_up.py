@@ -267,6 +267,40 @@ def test_port_taken_by_a_non_http_listener(tmp_path: Path) -> None:
     assert f"node n1 exited with status 3: peer port {port + 5}" in line, line
 
 
+def test_http_port_answered_in_another_protocol(tmp_path: Path) -> None:
+    """Something that answers the health check in another protocol (another cluster's peer
+    server, whose error frame reads as a bad HTTP status line) is not our node: the node's
+    own refusal is reported, not a BadStatusLine from the health check."""
+    port = free_port_block(9)
+    listener = socket.create_server(("127.0.0.1", port + 2))
+    stop = threading.Event()
+
+    def answer() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"\x00\x00\x00\x44\xa2ok\xc2\xa5error not http\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        result = _run_up(tmp_path / "cluster", port)
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    assert result.returncode != 0
+    line = _one_line(result.stderr)
+    assert f"node n2 exited with status 3: HTTP port {port + 2}" in line, line
+    assert "BadStatusLine" not in result.stderr
+    for pid_file in (tmp_path / "cluster").glob("n*/node.pid"):
+        _kill_if_alive(int(pid_file.read_text()))
+
+
 # --------------------------------------------------------------------------- supervision
 
 
