@@ -61,8 +61,9 @@ def payload_crc(data: BytesLike) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class FragmentHeader:
-    """What a fragment's header says, already checked (magic, version, header checksum)."""
+class _FragmentFields:
+    """The fields a fragment and its header share: the code it was made by, its place in
+    it, and the chunk it is of."""
 
     codec: str
     k: int
@@ -72,6 +73,12 @@ class FragmentHeader:
     length: int
     #: lowercase hex BLAKE3-256 of the original chunk
     chunk_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentHeader(_FragmentFields):
+    """What a fragment's header says, already checked (magic, version, header checksum)."""
+
     payload_size: int
     payload_crc: int
     version: int
@@ -95,21 +102,31 @@ class FragmentHeader:
         )
         return body + _HEADER_CRC.pack(_crc(body))
 
+    def fragment(self, payload: memoryview, header: bytes) -> Fragment:
+        """The fragment this header describes: ``header`` its packed bytes, ``payload`` a
+        view of the bytes after them (kept, not copied)."""
+        return Fragment(
+            codec=self.codec,
+            k=self.k,
+            n=self.n,
+            index=self.index,
+            length=self.length,
+            chunk_id=self.chunk_id,
+            payload=payload,
+            payload_crc=self.payload_crc,
+            version=self.version,
+            header=header,
+        )
+
 
 @dataclass(frozen=True)
-class Fragment:
+class Fragment(_FragmentFields):
     """One fragment: its header fields, the packed header, and a view of its payload.
 
     ``payload`` is a ``memoryview`` of the buffer the fragment was built or parsed from:
     that buffer must stay unchanged while the fragment is in use.
     """
 
-    codec: str
-    k: int
-    n: int
-    index: int
-    length: int
-    chunk_id: str
     payload: memoryview
     payload_crc: int
     version: int
@@ -176,18 +193,7 @@ def build_fragment(
         payload_crc=_crc(view) if payload_crc is None else payload_crc,
         version=VERSION,
     )
-    return Fragment(
-        codec=codec,
-        k=k,
-        n=n,
-        index=index,
-        length=length,
-        chunk_id=chunk_id,
-        payload=view,
-        payload_crc=info.payload_crc,
-        version=VERSION,
-        header=info.pack(),
-    )
+    return info.fragment(view, info.pack())
 
 
 def parse_header(buf: BytesLike) -> FragmentHeader:
@@ -271,15 +277,5 @@ def parse_fragment(buf: BytesLike, *, verify_payload: bool = True) -> Fragment:
     payload = view[HEADER_SIZE:]
     if verify_payload and _crc(payload) != info.payload_crc:
         raise CorruptFragment(f"fragment {info.index}: payload checksum mismatch", info.index)
-    return Fragment(
-        codec=info.codec,
-        k=info.k,
-        n=info.n,
-        index=info.index,
-        length=info.length,
-        chunk_id=info.chunk_id,
-        payload=payload,
-        payload_crc=info.payload_crc,
-        version=info.version,
-        header=bytes(view[:HEADER_SIZE]),  # 80 bytes: a copy keeps the header hashable/immutable
-    )
+    # 80 bytes: a copy keeps the header hashable/immutable
+    return info.fragment(payload, bytes(view[:HEADER_SIZE]))

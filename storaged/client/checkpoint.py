@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -717,6 +717,28 @@ class SaveHandle:
         else:
             self._result.set_result(result)
 
+    @contextlib.contextmanager
+    def _reporting(self) -> Iterator[None]:
+        """The save's upload runs in this: its failure is the handle's to report (``acked``
+        raises it) and ends there, but for a cancellation or an exit, which propagate too."""
+        try:
+            yield
+        except BaseException as exc:
+            self._settle(exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _conclude(
+        self,
+        ranks: Iterable[int],
+        entries: list[dict[str, Any]],
+        commit: Callable[[], Awaitable[CommitResult]],
+    ) -> None:
+        """Settle with the save's result: the ranks' shard entries (``entries``, in the
+        order of ``ranks``) and, when the save commits, what ``commit()`` returns."""
+        result = await commit() if self._commit else None
+        self._settle(SaveResult(self.name, dict(zip(ranks, entries, strict=True)), result))
+
 
 class AsyncSaver:
     """Saves that stall the caller only for the copy into host staging buffers.
@@ -876,7 +898,7 @@ class AsyncSaver:
         # The upload task copies this context: http_only() holds for all it does.
         with http_only() if self._shm is False else contextlib.nullcontext():
             task = asyncio.get_running_loop().create_task(
-                self._upload(handle, staged, buffers, meta, commit)
+                self._upload(handle, staged, buffers, meta)
             )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -919,13 +941,13 @@ class AsyncSaver:
             ]
 
             def work(handle: SaveHandle) -> Coroutine[Any, Any, None]:
-                return self._upload_lazy(handle, gate, copies, buffers, meta, commit)
+                return self._upload_lazy(handle, gate, copies, buffers, meta)
         else:
             # One part: the save's own task opens the gate after the last wave's copy.
             gate = _StagingGate(loop, 1, needs_loop=True)
 
             def work(handle: SaveHandle) -> Coroutine[Any, Any, None]:
-                return self._upload_in_waves(handle, gate, layouts, meta, commit)
+                return self._upload_in_waves(handle, gate, layouts, meta)
 
         handle = SaveHandle(self._store, name, total, 0.0, commit, gate)
         with http_only() if self._shm is False else contextlib.nullcontext():
@@ -950,7 +972,6 @@ class AsyncSaver:
         copies: Sequence[asyncio.Future[StagedShard]],
         buffers: dict[int, StagingBuffer],
         meta: Mapping[str, Any] | None,
-        commit: bool,
     ) -> None:
         try:
             await gate.ended()  # every copy's thread is past the buffers once it is open
@@ -964,7 +985,7 @@ class AsyncSaver:
             self._free.put_nowait(buffers)
             handle._settle(next(o for o in outcomes if isinstance(o, BaseException)))
             return
-        await self._upload(handle, staged, buffers, meta, commit)
+        await self._upload(handle, staged, buffers, meta)
 
     async def _upload_in_waves(
         self,
@@ -972,46 +993,26 @@ class AsyncSaver:
         gate: _StagingGate,
         layouts: Sequence[_RankLayout],
         meta: Mapping[str, Any] | None,
-        commit: bool,
     ) -> None:
         assert self._waves is not None
         ids = [[""] * len(layout.chunks) for layout in layouts]
         uploads: list[asyncio.Task[None]] = []
         try:
-            try:
-                for wave in _plan_waves(layouts, self._wave_limit):
-                    staging = await self._waves.get()
-                    try:
-                        for upload in uploads:  # a failed wave fails the save: stop copying
-                            if upload.done():
-                                upload.result()
-                        parts = await in_thread(_stage_wave, layouts, wave, staging)
-                    except BaseException:
-                        self._waves.put_nowait(staging)
-                        raise
-                    uploads.append(asyncio.create_task(self._upload_wave(parts, ids, staging)))
-            except BaseException as exc:
-                gate.part_done(exc)
-                raise
-            gate.part_done()
-            await run_all(uploads)
-            entries = [
-                ShardEntry(
-                    layout.rank,
-                    tuple(zip(chunk_ids, (n for _, n in layout.chunks), strict=True)),
-                    layout.items,
-                ).to_wire()
-                for layout, chunk_ids in zip(layouts, ids, strict=True)
-            ]
-            result = None
-            if commit:
-                result = await commit_checkpoint(self._store, handle.name, entries, meta=meta)
-            shards = {layout.rank: entry for layout, entry in zip(layouts, entries, strict=True)}
-            handle._settle(SaveResult(handle.name, shards, result))
-        except BaseException as exc:
-            handle._settle(exc)
-            if not isinstance(exc, Exception):
-                raise
+            with handle._reporting():
+                await self._stage_and_upload_waves(gate, layouts, ids, uploads)
+                entries = [
+                    ShardEntry(
+                        layout.rank,
+                        tuple(zip(chunk_ids, (n for _, n in layout.chunks), strict=True)),
+                        layout.items,
+                    ).to_wire()
+                    for layout, chunk_ids in zip(layouts, ids, strict=True)
+                ]
+                await handle._conclude(
+                    (layout.rank for layout in layouts),
+                    entries,
+                    lambda: commit_checkpoint(self._store, handle.name, entries, meta=meta),
+                )
         finally:
             # Each wave's buffer goes back only once its upload (and hashing) has ended.
             for upload in uploads:
@@ -1021,6 +1022,34 @@ class AsyncSaver:
             for upload in uploads:  # the first failure is the save's; the rest its echo
                 if not upload.cancelled():
                     upload.exception()
+
+    async def _stage_and_upload_waves(
+        self,
+        gate: _StagingGate,
+        layouts: Sequence[_RankLayout],
+        ids: list[list[str]],
+        uploads: list[asyncio.Task[None]],
+    ) -> None:
+        """Copy the waves in turn, each uploaded (into ``ids``) while the next is copied;
+        every upload started is in ``uploads``. Returns once all are done."""
+        assert self._waves is not None
+        try:
+            for wave in _plan_waves(layouts, self._wave_limit):
+                staging = await self._waves.get()
+                try:
+                    for upload in uploads:  # a failed wave fails the save: stop copying
+                        if upload.done():
+                            upload.result()
+                    parts = await in_thread(_stage_wave, layouts, wave, staging)
+                except BaseException:
+                    self._waves.put_nowait(staging)
+                    raise
+                uploads.append(asyncio.create_task(self._upload_wave(parts, ids, staging)))
+        except BaseException as exc:
+            gate.part_done(exc)
+            raise
+        gate.part_done()
+        await run_all(uploads)
 
     async def _upload_wave(
         self,
@@ -1081,19 +1110,15 @@ class AsyncSaver:
         staged: Sequence[StagedShard],
         buffers: dict[int, StagingBuffer],
         meta: Mapping[str, Any] | None,
-        commit: bool,
     ) -> None:
         try:
-            entries = await run_all([self._upload_shard(shard) for shard in staged])
-            result = None
-            if commit:
-                result = await _commit_staged(self._store, handle.name, staged, entries, meta)
-            shards = {shard.rank: entry for shard, entry in zip(staged, entries, strict=True)}
-            handle._settle(SaveResult(handle.name, shards, result))
-        except BaseException as exc:
-            handle._settle(exc)
-            if not isinstance(exc, Exception):
-                raise
+            with handle._reporting():
+                entries = await run_all([self._upload_shard(shard) for shard in staged])
+                await handle._conclude(
+                    (shard.rank for shard in staged),
+                    entries,
+                    lambda: _commit_staged(self._store, handle.name, staged, entries, meta),
+                )
         finally:
             # run_all has waited for every rank's upload, and each of those for its hashing
             # threads: nothing reads the staged bytes any more.

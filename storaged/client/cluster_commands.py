@@ -57,24 +57,22 @@ def _ls_row(c: CheckpointInfo) -> list[str]:
     return [*row, _clock(c.created)]
 
 
+def _ls_entry(c: CheckpointInfo) -> dict[str, Any]:
+    """A checkpoint as ``ls --json`` prints it: its fields in order, ``costs`` only when
+    asked for (``--costs``)."""
+    entry = dataclasses.asdict(c)
+    if c.costs is None:
+        del entry["costs"]
+    return entry
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     def body() -> None:
         async def main() -> None:
             async with client_of(args) as client:
                 listed = await client.list(args.prefix, costs=args.costs)
             if args.json:
-                entries = []
-                for c in listed:
-                    entry: dict[str, Any] = {
-                        "name": c.name,
-                        "created": c.created,
-                        "bytes": c.bytes,
-                        "state": c.state,
-                    }
-                    if c.costs is not None:
-                        entry["costs"] = dataclasses.asdict(c.costs)
-                    entries.append(entry)
-                print_json({"checkpoints": entries})
+                print_json({"checkpoints": [_ls_entry(c) for c in listed]})
                 return
             if not listed:
                 return

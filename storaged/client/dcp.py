@@ -49,6 +49,7 @@ that runs an event loop.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import bisect
 import concurrent.futures
@@ -393,6 +394,17 @@ class _ClusterCheckpoint:
     def __repr__(self) -> str:  # never shows the token
         return f"{type(self).__name__}({self.urls!r}, {self.name!r})"
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """DCP's call before each save or load (and ours, when made): under
+        ``checkpoint_id`` when given, else the name it had, with nothing of the last."""
+        if checkpoint_id is not None:
+            self.name = _check_name(checkpoint_id)
+        self._forget_last()
+
+    @abc.abstractmethod
+    def _forget_last(self) -> None:
+        """Start afresh: a new id, and nothing of the last save or load."""
+
     def _client(self) -> Client:
         return Client(self.urls, token=self._token, **self._client_options)
 
@@ -426,6 +438,10 @@ class StoragedWriter(_ClusterCheckpoint, StorageWriter):
     serves one save at a time (like DCP's file system writer).
     """
 
+    save_id: str
+    last_commit: CommitResult | None
+    last_stats: ClientStats | None
+
     def __init__(
         self,
         url: str | Sequence[str],
@@ -444,15 +460,11 @@ class StoragedWriter(_ClusterCheckpoint, StorageWriter):
         self._chunk_size = chunk_size
         self._meta = dict(meta or {})
         self.is_coordinator = True
-        self.save_id = uuid.uuid4().hex
-        self.last_commit: CommitResult | None = None
-        self.last_stats: ClientStats | None = None
+        self.reset()
 
     # ------------------------------------------------------------------ DCP protocol
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.name = _check_name(checkpoint_id)
+    def _forget_last(self) -> None:
         self.save_id = uuid.uuid4().hex
         self.last_commit = None
         self.last_stats = None
@@ -634,6 +646,12 @@ class StoragedReader(_ClusterCheckpoint, StorageReader):
     read from shared memory unless it is ``False``.
     """
 
+    load_id: str
+    _manifest: Manifest | None
+    #: DCP storage index -> (shard position in the manifest, item)
+    _items: dict[MetadataIndex, tuple[int, Item]]
+    last_read: ReadStats | None
+
     def __init__(
         self,
         url: str | Sequence[str],
@@ -649,15 +667,9 @@ class StoragedReader(_ClusterCheckpoint, StorageReader):
             raise ValueError("coalesce_gap must be >= 0")
         self._connect(url, name, token, client_options, shm)
         self._coalesce_gap = coalesce_gap
-        self.load_id = uuid.uuid4().hex
-        self._manifest: Manifest | None = None
-        #: DCP storage index -> (shard position in the manifest, item)
-        self._items: dict[MetadataIndex, tuple[int, Item]] = {}
-        self.last_read: ReadStats | None = None
+        self.reset()
 
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None:
-            self.name = _check_name(checkpoint_id)
+    def _forget_last(self) -> None:
         self.load_id = uuid.uuid4().hex
         self._manifest = None
         self._items = {}
