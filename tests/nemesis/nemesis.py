@@ -251,6 +251,8 @@ class Nemesis:
         #: a domain_kill was drawn and waits for every node to be free: no other fault
         #: that impairs a node starts meanwhile
         self._domain_waiting = False
+        #: the kinds the first pass has yet to start
+        self._first_left: list[str] = []
         #: set once every kind has been started once
         self.first_pass_done = asyncio.Event()
 
@@ -304,7 +306,7 @@ class Nemesis:
         weights = [WEIGHTS[k] if k in self.kinds else 0 for k in names]
         while not self.stopping.is_set():
             first = [k for k in first if self._possible(k)]
-            self._first_pass = bool(first)
+            self._first_pass, self._first_left = bool(first), first
             if not first:
                 self.first_pass_done.set()
             if first:
@@ -534,7 +536,13 @@ class Nemesis:
             domain = self._whole_domain()
             # Drawn, it waits for the faults under way to end (else it would seldom find
             # every node free), unless placement cannot survive a domain now.
-            self._domain_waiting = domain is None and self._domain_possible()
+            # (In the first pass only once every other kind has started: the long ones
+            # would otherwise hold the rest of the pass back.)
+            self._domain_waiting = (
+                domain is None
+                and self._domain_possible()
+                and not (self._first_pass and self._first_left != ["domain_kill"])
+            )
             if domain is None:
                 return False
             # More nodes than the node budget, maybe: the one failure the cluster then
