@@ -32,7 +32,6 @@ Cluster file::
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -40,6 +39,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from storaged.domains import domain_key, fragments_per_node, sizes
 
 
 class ConfigError(Exception):
@@ -69,6 +70,13 @@ class NodeSpec:
     url: str
     peer: str  # "host:port"
     data: str = ""
+    #: the failure domain it shares with others (a rack, a switch, a power feed); empty:
+    #: a domain of its own (storaged/domains.py)
+    domain: str = ""
+
+    @property
+    def failure_domain(self) -> str:
+        return domain_key(self.id, self.domain)
 
     @property
     def peer_addr(self) -> tuple[str, int]:
@@ -165,6 +173,9 @@ class Config:
     #: this node's advertised HTTP URL and peer address when no cluster file lists it
     url: str = ""
     peer: str = ""
+    #: this node's failure domain when no cluster file lists it (on etcd: its member record
+    #: carries it); in a cluster file, each [[nodes]] entry's ``domain``
+    domain: str = ""
     log_level: str = "INFO"
     log_json: bool = False
 
@@ -175,7 +186,7 @@ class Config:
             if spec.id == self.node_id:
                 return spec
         if self.coordinator and self.url and self.peer:
-            return NodeSpec(self.node_id, self.url.rstrip("/"), self.peer, self.data)
+            return NodeSpec(self.node_id, self.url.rstrip("/"), self.peer, self.data, self.domain)
         raise ConfigError(f"node {self.node_id!r} is not in the cluster file")
 
     @property
@@ -212,9 +223,16 @@ class Config:
             )
         if not (1 <= self.k < self.n <= 256):
             raise ConfigError(f"erasure k={self.k} n={self.n}: need 1 <= k < n <= 256")
-        # Fragment i goes to the i-th node of a placement order (wrapping), so one node holds
-        # up to ceil(n / nodes) fragments; losing it must leave >= k of them.
-        per_node = math.ceil(self.n / len(self.nodes))
+        if self.domain and self.domain != self.node.domain:
+            raise ConfigError(
+                f"domain {self.domain!r}: node {self.node_id}'s entry in the cluster file says "
+                f"{self.node.domain or 'none'}; with a cluster file its [[nodes]] entries say "
+                "each node's domain"
+            )
+        # Fragment i goes to the i-th node of a placement order (wrapping, domains taking
+        # turns: storaged/domains.py), so one node holds up to ceil(n / nodes) fragments
+        # (more on a small domain's nodes); losing it must leave >= k of them.
+        per_node = fragments_per_node(sizes(n.failure_domain for n in self.nodes), self.n)
         if per_node > self.n - self.k:
             raise ConfigError(
                 f"erasure k={self.k} of n={self.n} over {len(self.nodes)} nodes puts up to "
@@ -301,7 +319,7 @@ def _coerce(name: str, raw: object) -> Any:
 _TABLES = ("erasure", "tiers", "auth", "tls", "timeouts")
 #: what a node ignores: its own list, and ``storaged up``'s table (storaged/tools/cluster_file.py)
 _NOT_SETTINGS = ("nodes", "up")
-_NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False}  # key: required
+_NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False, "domain": False}  # required?
 
 
 def _file_entries(doc: Mapping[str, Any]) -> list[tuple[str, str, object]]:
@@ -415,6 +433,7 @@ def config_from_document(
                         url=str(entry["url"]).rstrip("/"),
                         peer=str(entry["peer"]),
                         data=str(entry.get("data", "")),
+                        domain=str(entry.get("domain", "")),
                     )
                 )
             except KeyError as exc:

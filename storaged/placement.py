@@ -1,4 +1,5 @@
-"""Where a chunk lives: rendezvous (highest-random-weight) hashing over node ids.
+"""Where a chunk lives: rendezvous (highest-random-weight) hashing over node ids, spread
+over failure domains (``storaged.domains``).
 
 Every client and node computes the same order from the membership alone, so no
 lookup service sits on the data path. When a node leaves, only the chunks it
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from storaged import domains
 
 if TYPE_CHECKING:
     from storaged.coord.membership import MembershipView
@@ -68,10 +70,21 @@ class Placement:
         a chunk's repair (the first holder, a draining one included: it has the bytes)."""
         return rendezvous_order(key, self.alive)
 
+    @property
+    def domain_of(self) -> dict[str, str]:
+        """Each member's failure-domain key (``storaged.domains.domain_key``)."""
+        return {m.id: m.failure_domain for m in self.view.members}
+
+    def domain_sizes(self, without: Collection[str] = ()) -> list[int]:
+        """How many placeable nodes (less ``without``) each failure domain has."""
+        domain_of = self.domain_of
+        return domains.sizes(domain_of[n] for n in self.placeable if n not in without)
+
     def write_order(self, chunk_id: str) -> list[str]:
-        """The placeable nodes in the chunk's order: hot targets first, then the nodes a PUT
-        or a repair falls back to."""
-        return rendezvous_order(chunk_id, self.placeable)
+        """The placeable nodes in the chunk's order, each domain's best before any domain's
+        second (``storaged.domains.interleave``): hot targets first, then the nodes a PUT
+        or a repair falls back to. The first is the rendezvous first."""
+        return domains.interleave(rendezvous_order(chunk_id, self.placeable), self.domain_of)
 
     def hot_targets(self, chunk_id: str) -> list[str]:
         return self.write_order(chunk_id)[: self.replication]
@@ -83,9 +96,10 @@ class Placement:
 
     def fragment_targets(self, chunk_id: str) -> list[str]:
         """Node of fragment ``i`` at position ``i``: a second ordering of the placeable
-        nodes, wrapped (empty when there is none)."""
+        nodes, dealt to the failure domains in turn (``storaged.domains.spread``; with one
+        node a domain, that ordering wrapped); empty when there is none."""
         order = rendezvous_order("fragments/" + chunk_id, self.placeable)
-        return [order[i % len(order)] for i in range(self.n)] if order else []
+        return domains.spread(order, self.n, self.domain_of)
 
     def name_targets(self, name: str) -> list[str]:
         """Where a checkpoint's record lives in the embedded catalogue: its primary (the
@@ -93,17 +107,27 @@ class Placement:
         on every node whatever each thinks is alive) and the next ``replication - 1``
         placeable nodes."""
         order = rendezvous_order("checkpoint/" + name, [m.id for m in self.view.members])
+        order = domains.interleave(order, self.domain_of)  # the first stays first
         placeable = set(self.placeable)
         secondaries = [n for n in order[1:] if n in placeable]
         return [order[0], *secondaries[: self.replication - 1]]
 
+    def node_budget(self, k: int, without: Collection[str] = ()) -> int:
+        """How many placeable nodes (less ``without``) may lose their data at once, the
+        failure model placement is built for (``storaged.domains.node_budget``)."""
+        return domains.node_budget(self.domain_sizes(without), self.replication, k, self.n)
+
+    def survives_a_domain(self, k: int, without: Collection[str] = ()) -> bool:
+        """Whether placement over the placeable nodes (less ``without``) survives the loss
+        of any one whole failure domain (``storaged.domains.survives_a_domain``)."""
+        return domains.survives_a_domain(self.domain_sizes(without), self.replication, k, self.n)
+
 
 def failure_budget(nodes: int, replication: int, k: int, n: int) -> int:
-    """How many nodes may lose their data at once with ``nodes`` placeable, the failure
-    model placement is built for: ``replication - 1`` (hot copies), and no more than lose
-    ``n - k`` fragments of a chunk whose fragments are spread ``ceil(n / nodes)`` a node."""
-    per_node = math.ceil(n / max(nodes, 1))
-    return max(0, min(replication - 1, (n - k) // per_node))
+    """How many of ``nodes`` placeable nodes, each its own failure domain, may lose their
+    data at once: ``replication - 1`` (hot copies), and no more than lose ``n - k``
+    fragments of a chunk whose fragments are spread ``ceil(n / nodes)`` a node."""
+    return domains.node_budget([1] * max(nodes, 1), replication, k, n)
 
 
 def exposed(fragments: Mapping[str, Collection[int]], k: int, budget: int) -> bool:
@@ -133,3 +157,32 @@ def exposed(fragments: Mapping[str, Collection[int]], k: int, budget: int) -> bo
         if sum(1 for nodes in holders.values() if not gone.issuperset(nodes)) < k:
             return True
     return False
+
+
+def tolerance(
+    hot: Collection[str],
+    fragments: Mapping[str, Collection[int]],
+    k: int,
+    budget: int,
+    domain_of: Mapping[str, str] | None,
+) -> tuple[int, bool]:
+    """What a chunk held so (the nodes with a hot copy; node -> the fragment indexes it
+    holds) survives: how many nodes lost at once, up to ``budget`` (a hot copy left, or
+    ``k`` indexes: a bound that may say fewer than the truth, never more), and, where
+    ``domain_of`` is given, whether the loss of any one failure domain leaves it readable.
+    A chunk unreadable now survives nothing: ``(0, False)``."""
+    if not hot and len({i for held in fragments.values() for i in held}) < k:
+        return 0, False
+    nodes = budget
+    while nodes > 0 and len(hot) <= nodes and exposed(fragments, k, nodes):
+        nodes -= 1
+    if domain_of is None:
+        return nodes, False
+    of = {n: domain_of.get(n) or domains.domain_key(n, "") for n in (*hot, *fragments)}
+    for domain in set(of.values()):
+        if any(of[n] != domain for n in hot):
+            continue
+        left = {i for node, held in fragments.items() if of[node] != domain for i in held}
+        if len(left) < k:
+            return nodes, False
+    return nodes, True

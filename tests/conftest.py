@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +257,7 @@ class ClusterFactory:
         token: str = TOKEN,
         https: bool = False,
         node_module: str = "storaged",
+        domains: Mapping[int, str] | None = None,
         **settings: Any,
     ) -> LocalCluster:
         merged = {**FAST_SETTINGS, **settings}
@@ -275,6 +276,7 @@ class ClusterFactory:
                 https=https,
                 coordinator=self.coordinator() if self.coordinator is not None else "",
                 node_module=node_module,
+                domains=dict(domains or {}),
             )
             self.clusters.append(cluster)
             try:
@@ -295,12 +297,19 @@ class ClusterFactory:
         token: str = TOKEN,
         https: bool = False,
         node_module: str = "storaged",
+        domains: Mapping[int, str] | None = None,
         **settings: Any,
     ) -> LocalCluster:
         """``self(...)`` off the event loop: for async tests."""
         return await asyncio.to_thread(
             functools.partial(
-                self, nodes, token=token, https=https, node_module=node_module, **settings
+                self,
+                nodes,
+                token=token,
+                https=https,
+                node_module=node_module,
+                domains=domains,
+                **settings,
             )
         )
 

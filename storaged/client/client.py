@@ -45,6 +45,7 @@ from storaged.client.documents import (
     NodeInfo,
     PutResult,
     RestorePlanDoc,
+    Survives,
     TierCost,
     TierSpace,
     WaitTimeout,
@@ -505,6 +506,7 @@ class Client:
                         )
                         for b in doc.get("blocked") or ()
                     ),
+                    Survives.of(doc.get("survives")),
                 )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed status: {exc!r}") from exc

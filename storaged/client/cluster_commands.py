@@ -31,6 +31,7 @@ from storaged.client.command import (
     run_async,
     run_command,
 )
+from storaged.client.documents import Survives
 from storaged.client.errors import CheckpointNotFound
 from storaged.wire import STATES
 
@@ -131,6 +132,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         }
         if status.lost is not None:
             doc["lost"] = status.lost
+        if status.survives is not None:
+            doc["survives"] = {"nodes": status.survives.nodes, "domain": status.survives.domain}
         if args.json:
             print_json(doc)
             return
@@ -145,6 +148,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if status.lost is not None:
             print(f"lost    {status.lost}")
+        if status.survives is not None:
+            print(f"survives the loss of {status.survives} (as its copies are held now)")
 
     return run_command(args, body)
 
@@ -185,6 +190,7 @@ def _node_row(raw: Mapping[str, Any], metrics: Mapping[str, float] | None) -> di
     """A node's figures: ``/v1/cluster``'s, else its ``/metrics``'; None where neither has one."""
     alive = bool(raw.get("alive"))
     row: dict[str, Any] = {"id": raw.get("id"), "url": raw.get("url"), "alive": alive}
+    row["domain"] = raw.get("domain")
     # Alive to its peers' heartbeats for a while yet, a hung node answers nobody.
     row["answering"] = metrics is not None if alive else False
     row["state"] = str(raw.get("state") or "active")
@@ -296,10 +302,12 @@ def cmd_nodes(args: argparse.Namespace) -> int:
                     "replication": doc.get("replication"),
                     "erasure": doc.get("erasure"),
                     "max_chunk_size": doc.get("max_chunk_size"),
+                    "survives": doc.get("survives"),
                 }
             )
         else:
             _print_nodes(rows)
+            print(_survives_line(doc, rows))
         problems = []
         if down:
             problems.append(f"{len(down)} of {len(rows)} nodes down: {', '.join(map(str, down))}")
@@ -362,6 +370,22 @@ def _print_nodes(rows: list[dict[str, Any]]) -> None:
                 f"{row['id']}: GC stalled since {_clock(since)[11:]} ({now - since:.0f} s), "
                 f"nothing is freed meanwhile: {gc.get('cause')}"
             )
+
+
+def _survives_line(doc: Mapping[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What placement survives, with the failure domains where any is declared."""
+    survives = Survives.of(doc.get("survives"))
+    line = f"placement survives the loss of {survives}" if survives else "placement: -"
+    domains: dict[str, list[str]] = {}
+    for row in rows:
+        if row["domain"]:
+            domains.setdefault(str(row["domain"]), []).append(str(row["id"]))
+    if domains:
+        alone = [str(row["id"]) for row in rows if not row["domain"]]
+        listed = [f"{d}: {' '.join(ids)}" for d, ids in sorted(domains.items())]
+        listed += [f"{node} alone" for node in alone]
+        line += f" (failure domains: {'; '.join(listed)})"
+    return line
 
 
 def _gc_cell(gc: Mapping[str, Any] | None) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storaged.client.errors import ColdFull, NvmeFull, ProtocolError, StorageFull
+from storaged.domains import describe
 from storaged.wire import STATES, state_at_least
 
 
@@ -149,6 +150,9 @@ class CheckpointStatus:
     lost: int | None = None
     #: Full disk tiers that keep some of its chunks from nvme or cold (E16).
     blocked: tuple[FullTier, ...] = ()
+    #: What it survives as held now: nodes lost at once, and whether one whole failure
+    #: domain (None: the node did not say)
+    survives: Survives | None = None
 
     def reached(self, level: str) -> bool:
         return state_at_least(self.state, level)
@@ -160,6 +164,24 @@ class CheckpointStatus:
             return []
         tiers = ("nvme",) if level == "nvme" else ("nvme", "cold")
         return [b for b in self.blocked if b.tier in tiers]
+
+
+@dataclass(frozen=True, slots=True)
+class Survives:
+    """What data survives lost at once: ``nodes`` nodes, or (``domain``) one whole failure
+    domain (``storaged.domains``)."""
+
+    nodes: int
+    domain: bool
+
+    @classmethod
+    def of(cls, doc: Any) -> Survives | None:
+        if not isinstance(doc, Mapping) or "nodes" not in doc:
+            return None
+        return cls(int(doc["nodes"]), bool(doc.get("domain")))
+
+    def __str__(self) -> str:
+        return describe(self.nodes, self.domain)
 
 
 def blocked_error(name: str, status: CheckpointStatus, level: str) -> StorageFull | None:

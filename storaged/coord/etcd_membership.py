@@ -281,6 +281,8 @@ class EtcdMembership(Membership):
                 "peer": spec.peer,
                 "state": state,
             }
+            if spec.domain:
+                member["domain"] = spec.domain
             if "since" in kept:
                 member["since"] = kept["since"]
             alive = {"id": spec.id, "since": time.time()}
@@ -389,7 +391,9 @@ class EtcdMembership(Membership):
                 members.pop(node_id, None)
                 return
             doc = msgpack.unpackb(value, raw=False)
-            spec = NodeSpec(str(doc["id"]), str(doc["url"]), str(doc["peer"]))
+            spec = NodeSpec(
+                str(doc["id"]), str(doc["url"]), str(doc["peer"]), domain=str(doc.get("domain", ""))
+            )
             members[node_id] = (spec, str(doc.get("state", ACTIVE)))
             since = doc.get("since")
             if isinstance(since, int | float):

@@ -605,6 +605,7 @@ async def cluster(request: web.Request) -> web.Response:
         usage = node.usage() if spec.id == node.id else node.membership.info(spec.id).get("usage")
         info = node.heartbeat() if spec.id == node.id else node.membership.info(spec.id)
         entry: dict[str, Any] = {"id": spec.id, "url": spec.url, "alive": alive}
+        entry["domain"] = spec.domain or None  # extension: its failure domain, if declared
         entry["state"] = "draining" if spec.id in view.draining else "active"
         # Extension: False until a heartbeat of this node has reached the node asked (the
         # tier figures below are then zeros that stand for "not known yet").
@@ -639,6 +640,12 @@ async def cluster(request: web.Request) -> web.Response:
         entry["shm"] = info.get("shm")
         nodes.append(entry)
     cfg = node.config
+    placement = node.cluster.placement()
+    survives = {
+        "nodes": placement.node_budget(cfg.k),
+        "domain": placement.survives_a_domain(cfg.k),
+        "domains": len(placement.domain_sizes()),
+    }
     return reply(
         request,
         {
@@ -646,6 +653,8 @@ async def cluster(request: web.Request) -> web.Response:
             "replication": cfg.replication,
             "erasure": {"codec": cfg.codec, "k": cfg.k, "n": cfg.n},
             "max_chunk_size": cfg.max_chunk_size,
+            # Extension: what placement over the placeable nodes survives lost at once.
+            "survives": survives,
             # A cluster without a client token serves anyone: say so wherever it is looked at.
             "insecure": not cfg.token,
         },

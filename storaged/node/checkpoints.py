@@ -37,7 +37,7 @@ from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
 from storaged.errors import Conflict, NotFound, unavailable
 from storaged.manifest import CheckedManifest, bad_manifest
 from storaged.node.index import COLD, NVME, Holding
-from storaged.placement import Placement
+from storaged.placement import Placement, tolerance
 from storaged.wire import STATES
 
 if TYPE_CHECKING:
@@ -234,7 +234,30 @@ class Checkpoints:
             "under_replicated": under,
             "now": now,
             "blocked": self._blocked(record.chunks, states, held, placement),
+            "survives": self._survives(record.chunks, held, placement),
         }
+
+    def _survives(
+        self,
+        chunks: Sequence[str],
+        held: dict[str, builtins.list[Holding]],
+        placement: Placement,
+    ) -> dict[str, Any]:
+        """What the checkpoint survives as its chunks are held now (each chunk's
+        ``storaged.placement.tolerance``, the worst of them): nodes lost at once, up to what
+        placement promises, and one whole failure domain where placement promises that."""
+        k = self.local.config.k
+        nodes = placement.node_budget(k)
+        domain_of = placement.domain_of if placement.survives_a_domain(k) else None
+        domain = domain_of is not None
+        for cid in dict.fromkeys(chunks):
+            hot = {h.node for h in held[cid] if h.hot}
+            fragments = {h.node: h.fragments for h in held[cid] if h.fragments}
+            got, whole = tolerance(hot, fragments, k, nodes, domain_of if domain else None)
+            nodes, domain = min(nodes, got), domain and whole
+            if nodes == 0 and not domain:
+                break
+        return {"nodes": nodes, "domain": domain}
 
     def _blocked(
         self,

@@ -151,7 +151,6 @@ class Evacuation:
         others = [n for n in placement.placeable if n != self.local.id]
         leaving: set[str] = set()  # others that say they drain too: they do not stay
         held = await self.cluster.holdings(others, ids, draining=leaving) if ids else {}
-        staying = set(others) - leaving
         cfg = self.local.config
         pending: set[str] = set()
         for cid in ids:
@@ -159,7 +158,7 @@ class Evacuation:
             copies = sum(1 for h in answers if h.hot)
             frags = {i for h in answers for i in h.fragments}
             spread = len(frags) >= cfg.n and not self.leadership.exposed(
-                {h.node: h.fragments for h in answers}, len(staying)
+                {h.node: h.fragments for h in answers}, placement, without={*leaving, self.local.id}
             )
             if copies < cfg.replication and not spread:
                 pending.add(cid)

@@ -136,6 +136,8 @@ class LocalCluster:
     #: the cluster file is written already and ``keep_auth`` was called for it: ``start``
     #: leaves it as it is (``storaged up`` keeps the operator's, storaged/tools/cluster_file.py)
     config_written: bool = False
+    #: node index -> its failure domain (storaged/domains.py); a node not named has none
+    domains: Mapping[int, str] = field(default_factory=dict)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: where each node's log stood when it was last started: its exit cause is after that
     _log_starts: dict[int, int] = field(default_factory=dict)
@@ -214,6 +216,7 @@ class LocalCluster:
                     "url": self.url(i),
                     "peer": f"127.0.0.1:{self.peer_port + i}",
                     "data": str(self.data / self.node_id(i)),
+                    **({"domain": self.domains[i]} if self.domains.get(i) else {}),
                 }
                 for i in range(self.nodes)
             ]
@@ -347,6 +350,8 @@ class LocalCluster:
         if self.coordinator_url:
             cmd += ["--coordinator", self.coordinator_url, "--url", self.url(i)]
             cmd += ["--peer", f"127.0.0.1:{self.peer_port + i}", "--data", str(node_dir)]
+            if self.domains.get(i):
+                cmd += ["--domain", self.domains[i]]
         env = self.node_environ()
         root = _package_root()
         if root is not None:

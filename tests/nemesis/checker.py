@@ -20,8 +20,9 @@ from pathlib import Path
 
 from erasure import CorruptFragment, parse_fragment
 from storaged.client import Client, StoragedError
+from storaged.domains import domain_exposed, domain_key, node_budget, sizes, survives_a_domain
 from storaged.ids import chunk_id_of, is_chunk_id
-from storaged.placement import exposed, failure_budget
+from storaged.placement import exposed
 from storaged.tools.local_cluster import ClusterError
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
 from tests.nemesis.history import History
@@ -125,6 +126,7 @@ class Replication:
         nodes: Collection[int] | None = None,
         census: DiskCensus | None = None,
     ) -> None:
+        self.cluster = cluster
         self.history = history
         self.client = client
         self.nodes = set(range(cluster.nodes) if nodes is None else nodes)
@@ -154,9 +156,20 @@ class Replication:
                     h.node for h in holders if h.tier == "memory" and h.node in self.names
                 )
         nvme, held = await asyncio.to_thread(self.census.scan, self.nodes)
-        # The failure model over the nodes counted: fragments all there but concentrated on
-        # too few of them (a node the only holder of more than it may lose) are short too.
-        budget = failure_budget(len(self.nodes), replication, k, n)
+        # The failure model over the nodes counted and their failure domains: fragments
+        # all there but concentrated on too few of them (a node the only holder of more
+        # than it may lose; a domain, where placement promises to survive one) are short
+        # too, and so are hot copies on fewer domains than placement spreads them over.
+        domain_of = {
+            self.cluster.node_id(i): domain_key(
+                self.cluster.node_id(i), self.cluster.domains.get(i, "")
+            )
+            for i in self.nodes
+        }
+        domain_sizes = sizes(domain_of.values())
+        budget = node_budget(domain_sizes, replication, k, n)
+        whole = survives_a_domain(domain_sizes, replication, k, n)
+        hot_domains = min(replication, len(domain_sizes)) if whole else 1
         lost: set[str] = set()
         for record in live:
             for cid in record.chunks:
@@ -164,7 +177,16 @@ class Replication:
                 frags = {i for indexes in held[cid].values() for i in indexes}
                 if not hot and len(frags) < k:
                     lost.add(cid)  # beyond repair: the reads report it lost
-                elif len(hot) < replication and (len(frags) < n or exposed(held[cid], k, budget)):
+                    continue
+                hot_ok = len(hot) >= replication and (
+                    len({domain_of.get(node, node) for node in hot}) >= hot_domains
+                )
+                cold_ok = (
+                    len(frags) >= n
+                    and not exposed(held[cid], k, budget)
+                    and not (whole and domain_exposed(held[cid], k, domain_of))
+                )
+                if not hot_ok and not cold_ok:
                     where = {node: sorted(f) for node, f in sorted(held[cid].items())}
                     short[cid] = f"{len(hot)} hot ({sorted(hot)}), fragments {where}"
         return short, lost

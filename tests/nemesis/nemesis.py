@@ -41,7 +41,10 @@ Faults (each lasts a drawn 1-3 s unless said otherwise, then is undone):
 At most ``replication - 1`` nodes are impaired at once (killed, stopped, flipped, full,
 partitioned, draining, gone, emptied, cut off from etcd): the failure model the cluster
 promises to survive; fewer when fewer members remain than the erasure code spreads
-fragments over one a node (``budget_for``). A node whose data was
+fragments over one a node, or where a small failure domain puts more on its nodes
+(``Nemesis.budget``). Or, instead, one whole failure domain (``domain_kill``: every member
+of one, SIGKILLed at once, nothing else meanwhile), which placement over the cluster's
+domains survives (``storaged.domains``). A node whose data was
 lost (kill -9, flips) still counts as impaired after its restart, for ``settle`` seconds
 and then until no chunk of the checkpoints live at the fault is short of full
 replication (however long repair takes: every ``settle_max`` s it is noted as overdue),
@@ -75,6 +78,7 @@ from typing import Any
 
 from erasure import HEADER_SIZE as FRAGMENT_HEADER_SIZE
 from storaged.client import Client, StoragedError
+from storaged.domains import domain_key, node_budget, sizes, survives_a_domain
 from storaged.tools.local_cluster import ClusterError
 from tests.etcd import EtcdCluster
 from tests.nemesis.checker import DiskCensus, Replication
@@ -101,6 +105,7 @@ KINDS = (
     "join",
     "etcd_cut",
     "etcd_delay",
+    "domain_kill",
 )
 WEIGHTS = {
     "kill9": 3,
@@ -119,6 +124,7 @@ WEIGHTS = {
     "join": 1,
     "etcd_cut": 1,
     "etcd_delay": 1,
+    "domain_kill": 1,
 }
 #: kinds that need the nodes to coordinate through etcd
 ETCD_KINDS = ("join", "etcd_cut", "etcd_delay")
@@ -130,14 +136,6 @@ FREE_KINDS = ("delay", "gc_stall", "shm_kill", "join")
 
 #: the checkout the co-located writer's process imports ``tests`` from
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def budget_for(members: int, replication: int, k: int, n: int) -> int:
-    """Nodes that may be impaired at once among ``members``: at most ``replication - 1``
-    (hot copies) and no more than lose ``n - k`` fragments of a chunk when fragments
-    are spread ``ceil(n / members)`` a node."""
-    per_node = math.ceil(n / max(members, 1))
-    return max(0, min(replication - 1, (n - k) // per_node))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +214,9 @@ class Nemesis:
         self.kinds = [
             k
             for k in KINDS
-            if (full_disk or k != "full_disk") and (etcd is not None or k not in ETCD_KINDS)
+            if (full_disk or k != "full_disk")
+            and (etcd is not None or k not in ETCD_KINDS)
+            and (cluster.domains or k != "domain_kill")
         ]
         self.etcd_rng = random.Random(f"{history.seed}/etcd")
         settings = cluster.settings
@@ -248,12 +248,38 @@ class Nemesis:
         #: long faults (LONG_KINDS) running: one at a time after the first pass
         self._long = 0
         self._first_pass = True
+        #: a domain_kill was drawn and waits for every node to be free: no other fault
+        #: that impairs a node starts meanwhile
+        self._domain_waiting = False
+        #: the kinds the first pass has yet to start
+        self._first_left: list[str] = []
         #: set once every kind has been started once
         self.first_pass_done = asyncio.Event()
 
     @property
     def budget(self) -> int:
-        return budget_for(len(self.members), self.cluster.replication, self.k, self.n)
+        """Nodes that may be impaired at once: placement's node budget over the members'
+        failure domains (``storaged.domains``; each node its own without domains)."""
+        return node_budget(self._domain_sizes(), self.cluster.replication, self.k, self.n)
+
+    def _domain_of(self, i: int) -> str:
+        return domain_key(self.cluster.node_id(i), self.cluster.domains.get(i, ""))
+
+    def _domain_sizes(self) -> list[int]:
+        return sizes(self._domain_of(i) for i in self.members)
+
+    def _whole_domain(self) -> list[int] | None:
+        """The members of a failure domain drawn among those whose every member is free,
+        when nothing else is impaired and placement over the members survives a domain's
+        loss (``storaged.domains.survives_a_domain``); None otherwise."""
+        free = set(self._free())
+        if self.impaired or not self._domain_possible():
+            return None
+        by_domain: dict[str, list[int]] = {}
+        for i in sorted(self.members):
+            by_domain.setdefault(self._domain_of(i), []).append(i)
+        whole = [nodes for nodes in by_domain.values() if len(nodes) > 1 and free >= set(nodes)]
+        return self.rng.choice(whole) if whole else None
 
     @property
     def faults(self) -> int:
@@ -273,12 +299,14 @@ class Nemesis:
         self.rng.shuffle(first)
         # Stable sorts keep the seeded order within each group: a join first (a member more
         # before a drain may leave keeps the budget), then the long kinds, then the rest.
-        first.sort(key=lambda kind: (kind != "join", kind not in LONG_KINDS))
+        # A whole domain's kill waits for every node to be free, and holds the other
+        # faults back meanwhile (``_domain_waiting``): last of the first pass.
+        first.sort(key=lambda kind: (kind != "join", kind not in LONG_KINDS, kind == "domain_kill"))
         names = list(WEIGHTS)
         weights = [WEIGHTS[k] if k in self.kinds else 0 for k in names]
         while not self.stopping.is_set():
             first = [k for k in first if self._possible(k)]
-            self._first_pass = bool(first)
+            self._first_pass, self._first_left = bool(first), first
             if not first:
                 self.first_pass_done.set()
             if first:
@@ -478,11 +506,19 @@ class Nemesis:
             return self.cluster.small_disk in self.members
         if kind == "join":
             return bool(self.spares)
+        if kind == "domain_kill":
+            return self._domain_possible()
         return True
+
+    def _domain_possible(self) -> bool:
+        """Whether placement over the members survives a whole domain's loss now."""
+        return survives_a_domain(self._domain_sizes(), self.cluster.replication, self.k, self.n)
 
     def _launch(self, kind: str) -> bool:
         if kind not in self.kinds:
             return False
+        if self._domain_waiting and kind not in FREE_KINDS and kind != "domain_kill":
+            return False  # a domain's kill waits for every node to be free: none is taken
         if kind in LONG_KINDS and self._long and not self._first_pass:
             return False  # one at a time: the other faults keep the rest of the budget
         room = self._room()
@@ -496,6 +532,22 @@ class Nemesis:
             coro = self._full_disk(self._take(1, [target]))
         elif kind == "kill9":
             coro = self._kill9(self._take(self.rng.randint(1, room)))
+        elif kind == "domain_kill":
+            domain = self._whole_domain()
+            # Drawn, it waits for the faults under way to end (else it would seldom find
+            # every node free), unless placement cannot survive a domain now.
+            # (In the first pass only once every other kind has started: the long ones
+            # would otherwise hold the rest of the pass back.)
+            self._domain_waiting = (
+                domain is None
+                and self._domain_possible()
+                and not (self._first_pass and self._first_left != ["domain_kill"])
+            )
+            if domain is None:
+                return False
+            # More nodes than the node budget, maybe: the one failure the cluster then
+            # survives is this domain's (nothing else starts while they are impaired).
+            coro = self._domain_kill(self._take(len(domain), domain))
         elif kind == "partition":
             coro = self._partition(self._take(self.rng.randint(1, room)))
         elif kind == "delay":
@@ -591,6 +643,25 @@ class Nemesis:
         try:
             for i in nodes:
                 self.cluster.signal_node(i, signal.SIGKILL)
+                await asyncio.to_thread(self._reap, i)
+            await self._sleep(duration)
+        finally:
+            for i in nodes:
+                await self._restart(i)
+            self._release(nodes, self.shape.settle_lost)
+
+    async def _domain_kill(self, nodes: list[int]) -> None:
+        """A whole failure domain (a rack's power): every member SIGKILLed at once, all
+        restarted after the drawn time; their RAM is gone."""
+        duration = self._duration()
+        domain = self.cluster.domains.get(nodes[0], "")
+        self.history.note(
+            f"nemesis: kill -9 domain {domain} ({self._names(nodes)}) for {duration:.1f}s"
+        )
+        try:
+            for i in nodes:
+                self.cluster.signal_node(i, signal.SIGKILL)
+            for i in nodes:
                 await asyncio.to_thread(self._reap, i)
             await self._sleep(duration)
         finally:
@@ -779,7 +850,7 @@ class Nemesis:
         (i,) = nodes
         node = self.cluster.node_id(i)
         # A node may leave for good while replication + 2 members stay (the budget shrinks
-        # with fewer: budget_for); the first drain of a run leaves whenever it may.
+        # with fewer: Nemesis.budget); the first drain of a run leaves whenever it may.
         may_leave = len(self.members) - 1 >= self.cluster.replication + 2
         leave = may_leave and (not self.left or self.rng.random() < 0.5)
         how = self.rng.choice([signal.SIGTERM, signal.SIGKILL])

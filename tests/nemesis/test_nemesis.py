@@ -1,4 +1,5 @@
-"""Randomized, seeded fault injection against a 6-node cluster (k=4 of n=6, 3 hot copies).
+"""Randomized, seeded fault injection against a 6-node cluster in two failure domains of
+three (k=3 of n=6, 3 hot copies).
 
 The CI run (fixed seed, about a minute of faults) is in the default suite; the soak runs
 with ``--nemesis-seconds N`` (random seed, printed first; ``--nemesis-seed S`` replays).
@@ -38,12 +39,14 @@ pytestmark = pytest.mark.nemesis
 NODES = 6
 CI_SEED = 1
 
-#: 6 nodes, 3 hot copies, k=4 of n=6: both tiers survive 2 nodes down. GC runs every half
-#: second with a 4 s grace, so it races with saves that reuse chunks; the scrubber finds
-#: flipped files within seconds; encoding waits little, so chunks go cold during the run.
+#: 6 nodes in two failure domains of 3, 3 hot copies, k=3 of n=6: both tiers survive 2
+#: nodes down, or one whole domain (3 nodes: a copy and 3 fragments are on the other). GC
+#: runs every half second with a 4 s grace, so it races with saves that reuse chunks; the
+#: scrubber finds flipped files within seconds; encoding waits little, so chunks go cold
+#: during the run.
 SETTINGS: dict[str, Any] = {
     **FAST_SETTINGS,
-    "k": 4,
+    "k": 3,
     "n": 6,
     "gc_grace": 4.0,
     "gc_interval": 0.5,
@@ -57,6 +60,16 @@ SETTINGS: dict[str, Any] = {
     "max_chunk_size": 2**20,
     "tiers": {"memory_capacity": "256MiB", "nvme_capacity": "1GiB", "cold_capacity": "1GiB"},
 }
+
+
+def domains(slots: int) -> dict[int, str]:
+    """Slot -> failure domain: the first six in two racks of three (n0-n2, n3-n5); spares
+    that join (etcd) alternate between them."""
+    racks = {}
+    for i in range(slots):
+        first = i < NODES // 2 if i < NODES else i % 2 == 0
+        racks[i] = "rack-a" if first else "rack-b"
+    return racks
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +131,7 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
                 settings=SETTINGS,
                 env={"PYTHONASYNCIODEBUG": ""},
                 small_disk=random.Random(f"{seed}/small-disk").randrange(NODES),
+                domains=domains(slots),
                 coordinator=etcd.fresh_prefix("nemesis") if etcd is not None else "",
             )
             made.append(cluster)

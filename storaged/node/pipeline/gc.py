@@ -189,7 +189,6 @@ class Collector:
         not concentrated on too few of them (``repairer.exposed``: repair spreads them)."""
         leaving: set[str] = set()
         held = await self.cluster.holdings(placement.placeable, ids, draining=leaving)
-        nodes = len(set(placement.placeable) - leaving)
         for cid in ids:
             # A holder that says it drains counts for nothing, even where this view is older
             # than its mark: its fragments are about to leave with it.
@@ -197,7 +196,9 @@ class Collector:
             frags = {i for h in staying for i in h.fragments}
             if (
                 len(frags) >= self.local.config.n
-                and not self.leadership.exposed({h.node: h.fragments for h in staying}, nodes)
+                and not self.leadership.exposed(
+                    {h.node: h.fragments for h in staying}, placement, without=leaving
+                )
                 and self.local.is_cold(cid)
                 and cid not in self.local.collecting
             ):

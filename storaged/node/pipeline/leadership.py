@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from storaged.config import Config
+from storaged.domains import domain_exposed
 from storaged.node.index import Holding
-from storaged.placement import Placement, exposed, failure_budget
+from storaged.placement import Placement, exposed
 
 
 class Leadership:
@@ -30,13 +31,24 @@ class Leadership:
         return next((n for n in placement.order(chunk_id) if n in holders), None)
 
     def exposed(
-        self, fragments: Mapping[str, Collection[int]], nodes: int, at_most: int | None = None
+        self,
+        fragments: Mapping[str, Collection[int]],
+        placement: Placement,
+        *,
+        at_most: int | None = None,
+        without: Collection[str] = (),
     ) -> bool:
-        """Whether the fragments on the nodes that stay (node -> the indexes it holds, with
-        ``nodes`` placeable nodes) are
-        more concentrated than the failure model allows (``storaged.placement.exposed``;
-        ``at_most`` losses only, if given): repair moves them (at once where one loss is
-        too many), GC keeps the nvme copies, the drain is not done."""
+        """Whether the fragments on the nodes that stay (node -> the indexes it holds; the
+        placeable nodes less ``without``) are more concentrated than the failure model
+        allows: the loss of ``placement.node_budget`` nodes (``at_most``, if given and
+        fewer) would leave fewer than ``k`` (``storaged.placement.exposed``), or, where
+        placement promises to survive a whole failure domain, the loss of one domain would
+        (``storaged.domains.domain_exposed``). Repair moves them (at once where one loss
+        is too many), GC keeps the nvme copies, the drain is not done."""
         cfg = self.config
-        budget = failure_budget(nodes, cfg.replication, cfg.k, cfg.n)
-        return exposed(fragments, cfg.k, budget if at_most is None else min(budget, at_most))
+        budget = placement.node_budget(cfg.k, without)
+        if exposed(fragments, cfg.k, budget if at_most is None else min(budget, at_most)):
+            return True
+        return placement.survives_a_domain(cfg.k, without) and domain_exposed(
+            fragments, cfg.k, placement.domain_of
+        )

@@ -321,7 +321,7 @@ class Rebalance(ChunkWorkers):
                     if slot != index:
                         continue
                     after = {n: f - {index} if n == holder else f for n, f in left.items()}
-                    if self.leadership.exposed(after, len(placement.placeable)):
+                    if self.leadership.exposed(after, placement):
                         continue
                     if await self._ask_drop(holder, chunk_id, index, [target]):
                         left = after

@@ -205,7 +205,7 @@ class Repair:
             await self._restore_fragments(chunk_id, held, placement, missing)
             return LACKING
         spread = {h.node: h.fragments for h in held if not placement.is_draining(h.node)}
-        if self.leadership.exposed(spread, len(placement.placeable), at_most=1):
+        if self.leadership.exposed(spread, placement, at_most=1):
             # Every index present, but one node's loss would leave fewer than k: not the
             # paced rebalance's to fix in its own time. Each index goes to its target
             # now (the bytes as they are); the rebalance drops the extras later. (Below
