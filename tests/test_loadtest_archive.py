@@ -35,7 +35,8 @@ def run_quick(tmp_path: Path, *extra: str) -> dict[str, object]:
     assert set(modes) == {"raw put", "tier put", "raw get", "tier get"}
     for row in modes.values():
         assert len(row["seconds"]) == 2 and all(s > 0 for s in row["seconds"])
-        best_gbps = 4 * (8 << 20) / min(row["seconds"]) / 1e9  # both rounded in the JSON (seconds to the microsecond)
+        # both rounded in the JSON (the seconds to the microsecond)
+        best_gbps = 4 * (8 << 20) / min(row["seconds"]) / 1e9
         assert math.isclose(row["best_gbps"], best_gbps, rel_tol=0.01, abs_tol=0.002)
     for mode, base in (("tier put", "raw put"), ("tier get", "raw get")):
         best = min(modes[base]["seconds"]) / min(modes[mode]["seconds"])
