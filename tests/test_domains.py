@@ -63,7 +63,7 @@ def test_without_shared_domains_placement_is_plain_rendezvous(nodes: int) -> Non
 def test_three_domains_of_two_spread_every_chunk() -> None:
     p = placement(["a", "a", "b", "b", "c", "c"])
     domain_of = p.domain_of
-    owners = Counter()
+    owners: Counter[str] = Counter()
     for cid in CHUNKS:
         hot = p.hot_targets(cid)
         assert len({domain_of[n] for n in hot}) == 3, hot
