@@ -205,3 +205,32 @@ async def test_one_whole_domain_killed_during_saves_loses_nothing_acked(
     assert {n["id"]: n["domain"] for n in doc["nodes"]} == {
         f"n{i}": rack for i, rack in RACKS.items()
     }
+
+    # The rack comes back (RAM gone, disks kept): repair and rebalance put every chunk
+    # where placement over three racks says, so each survives one rack's loss again, and
+    # ?status says so for every checkpoint.
+    for i in RACK_A:
+        await asyncio.to_thread(cluster.start_node, i)
+    await asyncio.to_thread(cluster.wait_healthy, list(RACK_A))
+
+    async def spread_again() -> list[str]:
+        """What is not yet where placement over three racks puts it: every node's repair
+        and misplaced backlogs (what the saves made while rack-a was down had on two racks
+        only sits outside its placement now), and what each checkpoint survives."""
+        async with _client(cluster) as client:
+            doc = await client.cluster_document()
+            short = [
+                f"{n['id']}: {n['repair_backlog']} lacking, {n['misplaced_backlog']} misplaced"
+                for n in doc["nodes"]
+                if n["repair_backlog"] != 0 or n["misplaced_backlog"] != 0
+            ]
+            for name in sorted(acked):
+                status = await client.status(name)
+                if status.survives != Survives(2, True):
+                    short.append(f"{name}: {status.survives}")
+            return short
+
+    deadline = time.monotonic() + 120
+    while (short := await spread_again()) and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    assert not short, short
