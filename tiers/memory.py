@@ -64,18 +64,19 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from erasure.content import chunk_id_of, is_chunk_id
+from erasure.content import chunk_id_of
 from tiers.base import (
     ByteRange,
     BytesLike,
     ChunkNotFound,
     ChunkStat,
     CorruptChunk,
-    InvalidKey,
     Tier,
     TierError,
     TierFull,
     TierUsage,
+    check_chunk_id,
+    chunk_id_of_async,
 )
 
 _T = TypeVar("_T")
@@ -444,11 +445,6 @@ class _Pool:
         self.recycle(buf)
 
 
-def _check_key(key: str) -> None:
-    if not is_chunk_id(key):
-        raise InvalidKey(key)
-
-
 class _Index:
     """The values held: each key's buffer and size, dirty ones in arrival order (the
     drain's), clean ones least recently used first (eviction's), and the byte counts the
@@ -470,7 +466,7 @@ class _Index:
     def lookup(self, key: str) -> _Entry:
         entry = self.entries.get(key)
         if entry is None:
-            _check_key(key)
+            check_chunk_id(key)
             raise ChunkNotFound(key)
         return entry
 
@@ -681,7 +677,7 @@ class MemoryTier(Tier):
     ) -> None:
         try:
             self._pool.check_open()
-            _check_key(key)
+            check_chunk_id(key)
         except BaseException:
             self._pool.recycle(buf)
             raise
@@ -694,11 +690,11 @@ class MemoryTier(Tier):
 
     async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
         self._pool.check_open()
-        _check_key(key)
+        check_chunk_id(key)
         src = memoryview(data).cast("B")
         if key in self._index.entries:
             if not verified:
-                digest = await _hash(src)
+                digest = await chunk_id_of_async(src)
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
             if key in self._index.local_copies:
@@ -707,7 +703,8 @@ class MemoryTier(Tier):
         try:
             buf = await self._pool.acquire(size_class(src.nbytes), self._put_timeout)
         except TierFull:
-            if not verified and await _hash(src) != key:  # bad input is reported as such
+            # bad input is reported as such
+            if not verified and await chunk_id_of_async(src) != key:
                 raise CorruptChunk(key, "BLAKE3 of the data does not match") from None
             raise
         dst = memoryview(buf.mem)[: src.nbytes]
@@ -805,7 +802,7 @@ class MemoryTier(Tier):
         if self._pool.closed or key in self._index.entries:
             self._pool.recycle(buf)
             return False
-        _check_key(key)
+        check_chunk_id(key)
         self._index.insert(key, buf, allocation.view.nbytes)
         self._index.local_copies.add(key)
         self.mark_clean(key)
@@ -818,7 +815,7 @@ class MemoryTier(Tier):
     async def delete(self, key: str) -> None:
         """Remove ``key`` (dirty or not); idempotent. Leased bytes stay until the lease ends."""
         self._pool.check_open()
-        _check_key(key)
+        check_chunk_id(key)
         if key in self._index.entries:
             self._index.remove(key)
             self._pool.wake()
@@ -914,12 +911,6 @@ class MemoryTier(Tier):
                     self._on_evict(key)
                 return True
         return False
-
-
-async def _hash(view: memoryview) -> str:
-    if view.nbytes <= _INLINE_BYTES:
-        return chunk_id_of(view)
-    return await asyncio.to_thread(chunk_id_of, view)
 
 
 def _copy_and_hash(dst: memoryview, src: memoryview, want_hash: bool) -> str | None:
