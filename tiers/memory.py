@@ -2,9 +2,8 @@
 
 The service receives chunk bodies straight into buffers from ``allocate()`` (the view
 of the ``Allocation`` handle it returns) and hands the handle to ``put()``, which keeps
-the buffer by reference: one copy of the bytes (socket ->
-buffer) on the way in. Readers borrow the stored bytes with ``lease()``: no copy on
-the way out either.
+the buffer by reference: one copy of the bytes (socket -> buffer) on the way in.
+Readers borrow the stored bytes with ``lease()``: no copy on the way out either.
 
 Memory accounting and the pool, the policy callers may rely on:
 
@@ -210,14 +209,16 @@ class Allocation:
         """Whether the handle is still the caller's (not yet put or released)."""
         return self._buf is not None
 
-    def _take(self, lent: set[Allocation]) -> _Buffer:
-        """The pool buffer, which ends the handle; ``lent``: its tier's outstanding ones."""
-        buf = self._buf
-        if buf is None or self not in lent:
-            raise ValueError("not an outstanding allocation of this tier")
-        lent.remove(self)
-        self._buf = None
-        return buf
+
+def _take(allocation: Allocation, lent: set[Allocation]) -> _Buffer:
+    """The pool buffer of ``allocation``, which ends the handle (``lent``: its tier's
+    outstanding ones). ``ValueError`` for a handle not among them, or no handle at all."""
+    buf = allocation._buf if isinstance(allocation, Allocation) else None
+    if buf is None or allocation not in lent:
+        raise ValueError("not an outstanding allocation of this tier")
+    lent.remove(allocation)
+    allocation._buf = None
+    return buf
 
 
 @dataclass(slots=True)
@@ -569,7 +570,7 @@ class MemoryTier(Tier):
         another tier's). The caller must not touch the view afterwards: its memory will
         be reused.
         """
-        self._pool.recycle(allocation._take(self._allocations))
+        self._pool.recycle(_take(allocation, self._allocations))
 
     async def prefault(self, size: int, count: int) -> int:
         """Map ``count`` free buffers for values of ``size`` bytes ahead of need, as far as
@@ -667,7 +668,7 @@ class MemoryTier(Tier):
         """
         if isinstance(data, Allocation):
             self._pool.check_open()  # closed, the tier dropped every handle already
-            buf = data._take(self._allocations)
+            buf = _take(data, self._allocations)
             await self._put_allocated(key, data.view, buf, verified)
         else:
             await self._put_copy(key, data, verified)
@@ -798,7 +799,7 @@ class MemoryTier(Tier):
         this call on; False (and released) when ``key`` has a value already. A handle not
         outstanding: ``ValueError``."""
         self._pool.check_open()  # closed, the tier dropped every handle already
-        buf = allocation._take(self._allocations)
+        buf = _take(allocation, self._allocations)
         if self._pool.closed or key in self._index.entries:
             self._pool.recycle(buf)
             return False

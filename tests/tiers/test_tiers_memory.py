@@ -7,6 +7,7 @@ import contextlib
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -191,6 +192,14 @@ async def test_release_or_put_after_put_is_refused(small: MemoryTier, rng: rando
         await small.put("not-a-chunk-id", other)
     with pytest.raises(ValueError):
         small.release(other)
+
+
+async def test_a_view_is_no_handle(small: MemoryTier) -> None:
+    buf = await small.allocate(100)
+    with pytest.raises(ValueError):
+        small.release(cast(Any, buf.view))  # the bare view, not its handle
+    assert buf.outstanding
+    small.release(buf)
 
 
 async def test_a_foreign_handle_is_refused(small: MemoryTier, rng: random.Random) -> None:
