@@ -311,8 +311,5 @@ class IdlePool(Generic[_C]):
         if idle and conn in idle:
             idle.remove(conn)
 
-    def __len__(self) -> int:
-        return sum(len(idle) for idle in self._idle.values())
-
     def clear(self) -> None:
         self._idle.clear()

@@ -368,10 +368,6 @@ class DirectGets:
             return result
 
     @property
-    def idle_connections(self) -> int:
-        return len(self._idle)
-
-    @property
     def open_connections(self) -> int:
         return len(self._conns)
 
