@@ -17,6 +17,9 @@ Sending: the transport's ``pause_writing`` and ``resume_writing`` are tracked, a
 ``drain`` waits while the transport holds more than its high-water mark (uvloop sends from
 the caller's memory; plain asyncio copies what the socket did not take at once).
 
+Keep-alive: ``IdlePool``, the idle connections of a client by address (the peer client's
+and the direct GETs'; each decides itself when one is too old to reuse).
+
 A leaf: it imports nothing of the project, so the client can use it without loading the
 peer protocol, and the peer protocol without loading the client.
 """
@@ -25,9 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import select
-from typing import Final, cast
+from typing import Final, Generic, Protocol, TypeVar, cast
 
-__all__ = ["BODY", "DISCARD", "HEAD", "HOLD", "MAX_READ", "BodyProtocol"]
+__all__ = ["BODY", "DISCARD", "HEAD", "HOLD", "MAX_READ", "BodyProtocol", "IdlePool"]
 
 #: One read copies at most this much out of the kernel.
 MAX_READ: Final = 1 << 20
@@ -270,3 +273,43 @@ class BodyProtocol(asyncio.BufferedProtocol):
         if self._transport is not None:
             self._transport.abort()
         self._closed = True
+
+
+class _Pooled(Protocol):
+    @property
+    def addr(self) -> tuple[str, int]: ...
+
+
+_C = TypeVar("_C", bound=_Pooled)
+
+
+class IdlePool(Generic[_C]):
+    """A client's idle keep-alive connections, by the address each is connected to.
+
+    ``take`` hands out the most recently used one (the likeliest to be alive), ``keep``
+    refuses a connection beyond ``limit`` idle ones for its address, ``forget`` removes
+    one wherever it is (closed meanwhile). It only holds them: whether one is still fit to
+    reuse, and closing them, are the client's."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[_C]] = {}
+
+    def take(self, addr: tuple[str, int]) -> _C | None:
+        idle = self._idle.get(addr)
+        return idle.pop() if idle else None
+
+    def keep(self, conn: _C, limit: int) -> bool:
+        """Hold ``conn`` idle; False (not held) when its address has ``limit`` already."""
+        idle = self._idle.setdefault(conn.addr, [])
+        if len(idle) >= limit:
+            return False
+        idle.append(conn)
+        return True
+
+    def forget(self, conn: _C) -> None:
+        idle = self._idle.get(conn.addr)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def clear(self) -> None:
+        self._idle.clear()

@@ -30,6 +30,7 @@ import pytest
 
 from storaged.peer import (
     Addr,
+    LentBuffer,
     PeerClient,
     PeerError,
     PeerHandler,
@@ -61,7 +62,7 @@ def chunk_id(data: BytesLike) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-class StoreHandler(PeerHandler):
+class StoreHandler(PeerHandler[LentBuffer]):
     """A memory tier in miniature: a pool of reusable slots and a dict of stored chunks.
 
     Slots are anonymous memory (faulted in as the body is written, not zeroed up front):
@@ -79,14 +80,14 @@ class StoreHandler(PeerHandler):
         self.hold: asyncio.Event | None = None
         self.bad_buffer = False
 
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+    async def receive_chunk(self, chunk_id: str, size: int) -> LentBuffer:
         if self.hold is not None:
             await self.hold.wait()
         if self.refuse is not None:
             await asyncio.sleep(self.refuse_after)
             raise self.refuse
         if self.bad_buffer:
-            return memoryview(bytes(size + 1))  # read-only and one byte too long
+            return LentBuffer(memoryview(bytes(size + 1)))  # read-only and one byte too long
         self.lent += 1
         self.receiving += 1
         fitting = [slot for slot in self.free if len(slot) >= size]
@@ -95,30 +96,30 @@ class StoreHandler(PeerHandler):
             self.free.remove(slot)
         else:
             slot = mmap.mmap(-1, max(size, 1))
-        return memoryview(slot)[:size]
+        return LentBuffer(memoryview(slot)[:size])
 
-    def _give_back(self, buf: memoryview) -> None:
+    def _give_back(self, buf: LentBuffer) -> None:
         self.lent -= 1
-        assert isinstance(buf.obj, mmap.mmap)
-        self.free.append(buf.obj)
+        assert isinstance(buf.view.obj, mmap.mmap)
+        self.free.append(buf.view.obj)
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+    async def chunk_received(self, chunk_id: str, buf: LentBuffer) -> dict[str, Any]:
         def check_and_copy() -> tuple[str, bytes]:
             # Deliberate copy: the test keeps the bytes, the slot goes back to the pool.
-            return blake3.blake3(buf).hexdigest(), bytes(buf)
+            return blake3.blake3(buf.view).hexdigest(), bytes(buf.view)
 
         try:
             digest, data = await asyncio.to_thread(check_and_copy)
             if digest != chunk_id:
                 raise PeerError("checksum_mismatch", f"body hashes to {digest}")
             self.stored[chunk_id] = data
-            return {"chunk": chunk_id, "size": len(buf)}
+            return {"chunk": chunk_id, "size": len(buf.view)}
         finally:
             self._give_back(buf)
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+    def chunk_aborted(self, chunk_id: str, buf: LentBuffer) -> None:
         self.aborted.append(chunk_id)
-        if not buf.readonly:
+        if not buf.view.readonly:
             self._give_back(buf)
 
     async def call(

@@ -69,7 +69,7 @@ from obstore.exceptions import (
 )
 from obstore.store import LocalStore, S3Store
 
-from erasure.content import chunk_id_of, is_chunk_id
+from erasure.content import is_chunk_id
 from tiers._durable import HEADER_SIZE, FileHeader, InvalidValue, fsync_dir, parse_file_header
 from tiers.base import (
     ByteRange,
@@ -82,6 +82,8 @@ from tiers.base import (
     TierError,
     TierFull,
     TierUsage,
+    check_chunk_id,
+    chunk_id_of_async,
 )
 from tiers.keylocks import KeyLocks
 
@@ -93,8 +95,6 @@ MANIFESTS = "manifests/"
 QUARANTINE = "quarantine/"
 #: the file header's kind of an archived manifest (1 and 2 are the nvme and cold tiers')
 KIND_MANIFEST = 3
-#: Below this, hashing costs less than a hop to a worker thread.
-_INLINE_HASH_BYTES = 64 * 1024
 #: S3's largest single PUT: above it, a multipart upload (chunks are far smaller)
 _SINGLE_PUT_BYTES = 5 << 30
 #: a checkpoint name, API.md's form (``storaged.ids`` states it for the server; the tests
@@ -209,9 +209,9 @@ class ArchiveTier(Tier):
 
     async def put(self, key: str, data: BytesLike) -> None:
         self._check_open()
-        _check_chunk_id(key)
+        check_chunk_id(key)
         view = memoryview(data).cast("B")
-        digest = await _hash(view)
+        digest = await chunk_id_of_async(view)
         if digest != key:
             raise CorruptChunk(key, f"BLAKE3 of the bytes is {digest}")
         async with self._locks.hold(key):
@@ -243,7 +243,7 @@ class ArchiveTier(Tier):
 
     async def get(self, key: str, byte_range: ByteRange | None = None) -> memoryview:
         self._check_open()
-        _check_chunk_id(key)
+        check_chunk_id(key)
         try:
             async with self._mapped_errors(key):
                 result = await obstore.get_async(self._store, CHUNKS + key)
@@ -251,7 +251,7 @@ class ArchiveTier(Tier):
         except ChunkNotFound:
             self._gone(key)  # another writer deleted it
             raise
-        digest = await _hash(body)
+        digest = await chunk_id_of_async(body)
         if digest != key:
             await self._quarantine(CHUNKS + key)
             self._gone(key)
@@ -266,7 +266,7 @@ class ArchiveTier(Tier):
         """The size the store holds under ``chunks/<key>`` now (a HEAD: it sees other
         writers' objects too, and counts them)."""
         self._check_open()
-        _check_chunk_id(key)
+        check_chunk_id(key)
         try:
             async with self._mapped_errors(key):
                 meta = await obstore.head_async(self._store, CHUNKS + key)
@@ -278,7 +278,7 @@ class ArchiveTier(Tier):
 
     async def delete(self, key: str) -> None:
         self._check_open()
-        _check_chunk_id(key)
+        check_chunk_id(key)
         async with self._locks.hold(key):
             await self._delete_object(CHUNKS + key)
             self._gone(key)
@@ -309,7 +309,8 @@ class ArchiveTier(Tier):
         self._check_open()
         _check_manifest_name(name)
         view = memoryview(data).cast("B")
-        header = FileHeader(KIND_MANIFEST, 0, view.nbytes, bytes.fromhex(await _hash(view)))
+        digest = bytes.fromhex(await chunk_id_of_async(view))
+        header = FileHeader(KIND_MANIFEST, 0, view.nbytes, digest)
         # A deliberate copy: a manifest is small, and one buffer is one single PUT
         await self._write(MANIFESTS + name, header.pack() + view)
 
@@ -330,7 +331,7 @@ class ArchiveTier(Tier):
             body = stored[HEADER_SIZE:]
             if header.kind != KIND_MANIFEST or header.length != body.nbytes:
                 raise InvalidValue(f"kind {header.kind}, {header.length} bytes in the header")
-            if bytes.fromhex(await _hash(body)) != header.digest:
+            if bytes.fromhex(await chunk_id_of_async(body)) != header.digest:
                 raise InvalidValue("BLAKE3 of the manifest does not match its header")
         except InvalidValue as exc:
             await self._quarantine(path)
@@ -451,17 +452,6 @@ def _open_store(
     }
     store = S3Store.from_url(url, config=config, client_options=client, retry_config=retry)
     return store, None
-
-
-async def _hash(view: memoryview) -> str:
-    if view.nbytes <= _INLINE_HASH_BYTES:
-        return chunk_id_of(view)
-    return await asyncio.to_thread(chunk_id_of, view)
-
-
-def _check_chunk_id(key: Any) -> None:
-    if not is_chunk_id(key):
-        raise InvalidKey(key)
 
 
 def _check_manifest_name(name: Any) -> None:

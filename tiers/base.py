@@ -11,8 +11,11 @@ threads so that the event loop never blocks.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from erasure.content import chunk_id_of, is_chunk_id
 
 #: What the tiers accept as bytes: no copy is made of a bytearray or memoryview. The
 #: storage leaves' one alias (``erasure``'s; ``storaged.wire`` states it for the server
@@ -73,6 +76,24 @@ class InvalidKey(TierError, ValueError):
     def __init__(self, key: object) -> None:
         super().__init__(f"invalid key for this tier: {key!r}")
         self.key = key
+
+
+def check_chunk_id(key: object) -> None:
+    """``InvalidKey`` unless ``key`` is a chunk id: the key check of the tiers by chunk id."""
+    if not is_chunk_id(key):
+        raise InvalidKey(key)
+
+
+#: Below this, hashing costs less than a hop to a worker thread.
+INLINE_HASH_BYTES = 64 * 1024
+
+
+async def chunk_id_of_async(view: memoryview) -> str:
+    """``chunk_id_of(view)``, in a worker thread unless small (the event loop never hashes
+    a chunk)."""
+    if view.nbytes <= INLINE_HASH_BYTES:
+        return chunk_id_of(view)
+    return await asyncio.to_thread(chunk_id_of, view)
 
 
 @dataclass(frozen=True, slots=True)

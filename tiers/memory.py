@@ -1,9 +1,9 @@
 """The DRAM tier, which is also the node's buffer pool.
 
-The service receives chunk bodies straight into buffers from ``allocate()`` and hands
-them to ``put()``, which keeps them by reference: one copy of the bytes (socket ->
-buffer) on the way in. Readers borrow the stored bytes with ``lease()``: no copy on
-the way out either.
+The service receives chunk bodies straight into buffers from ``allocate()`` (the view
+of the ``Allocation`` handle it returns) and hands the handle to ``put()``, which keeps
+the buffer by reference: one copy of the bytes (socket -> buffer) on the way in.
+Readers borrow the stored bytes with ``lease()``: no copy on the way out either.
 
 Memory accounting and the pool, the policy callers may rely on:
 
@@ -63,18 +63,19 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from erasure.content import chunk_id_of, is_chunk_id
+from erasure.content import chunk_id_of
 from tiers.base import (
     ByteRange,
     BytesLike,
     ChunkNotFound,
     ChunkStat,
     CorruptChunk,
-    InvalidKey,
     Tier,
     TierError,
     TierFull,
     TierUsage,
+    check_chunk_id,
+    chunk_id_of_async,
 )
 
 _T = TypeVar("_T")
@@ -185,6 +186,39 @@ class _Buffer:
         self.stored = False
         #: the sealed memfd behind a shared buffer (kept to hand read-only copies out), or -1
         self.fd = fd
+
+
+class Allocation:
+    """A buffer lent by ``MemoryTier.allocate`` (or a sealed shared segment): its one
+    handle from the allocation to its end. ``view`` is exactly the size asked (writable,
+    but read-only for a sealed segment). The handle is the caller's until it passes it to
+    ``put`` or ``put_local_copy`` (which take it over, stored or not) or to ``release``;
+    after that neither the handle nor its view may be used, and passing it again (or a
+    handle of another tier) is a ``ValueError``."""
+
+    __slots__ = ("_buf", "view")
+
+    def __init__(self, buf: _Buffer, view: memoryview, lent: set[Allocation]) -> None:
+        self.view = view
+        #: the pool buffer while the caller holds the handle, None once given back
+        self._buf: _Buffer | None = buf
+        lent.add(self)
+
+    @property
+    def outstanding(self) -> bool:
+        """Whether the handle is still the caller's (not yet put or released)."""
+        return self._buf is not None
+
+
+def _take(allocation: Allocation, lent: set[Allocation]) -> _Buffer:
+    """The pool buffer of ``allocation``, which ends the handle (``lent``: its tier's
+    outstanding ones). ``ValueError`` for a handle not among them, or no handle at all."""
+    buf = allocation._buf if isinstance(allocation, Allocation) else None
+    if buf is None or allocation not in lent:
+        raise ValueError("not an outstanding allocation of this tier")
+    lent.remove(allocation)
+    allocation._buf = None
+    return buf
 
 
 @dataclass(slots=True)
@@ -412,11 +446,6 @@ class _Pool:
         self.recycle(buf)
 
 
-def _check_key(key: str) -> None:
-    if not is_chunk_id(key):
-        raise InvalidKey(key)
-
-
 class _Index:
     """The values held: each key's buffer and size, dirty ones in arrival order (the
     drain's), clean ones least recently used first (eviction's), and the byte counts the
@@ -438,7 +467,7 @@ class _Index:
     def lookup(self, key: str) -> _Entry:
         entry = self.entries.get(key)
         if entry is None:
-            _check_key(key)
+            check_chunk_id(key)
             raise ChunkNotFound(key)
         return entry
 
@@ -504,9 +533,11 @@ class MemoryTier(Tier):
             raise ValueError(f"negative capacity {capacity}")
         self._put_timeout = put_timeout
         self._on_evict = on_evict
-        self._allocated: dict[int, tuple[memoryview, _Buffer]] = {}
+        #: handles lent by ``allocate`` and ``seal_shared`` and not yet given back
+        self._allocations: set[Allocation] = set()
         self._leases = 0
-        self._shared: dict[int, SharedSegment] = {}
+        #: shared segments leased and neither sealed nor released
+        self._shared: set[SharedSegment] = set()
         self._pool = _Pool(
             capacity,
             evictable=lambda: self._index.evictable,
@@ -517,33 +548,29 @@ class MemoryTier(Tier):
 
     # --- the buffer pool -------------------------------------------------------------
 
-    async def allocate(self, size: int, timeout: float | None = None) -> memoryview:
-        """A writable, pre-faulted buffer of exactly ``size`` bytes, counted against capacity.
+    async def allocate(self, size: int, timeout: float | None = None) -> Allocation:
+        """A writable, pre-faulted buffer of exactly ``size`` bytes (the handle's ``view``),
+        counted against capacity.
 
         Makes room by evicting clean values, then waits up to ``timeout`` seconds (default
         ``put_timeout``) for room, then raises ``TierFull`` (at once when ``size`` can
-        never fit). The buffer is the caller's until it passes it to ``put`` (which always
+        never fit). The handle is the caller's until it passes it to ``put`` (which always
         takes it over, stored or not) or to ``release``. Its bytes are not zeroed when
         reused from the pool.
         """
         self._pool.check_open()
         nbytes = size_class(size)
         buf = await self._pool.acquire(nbytes, self._put_timeout if timeout is None else timeout)
-        view = memoryview(buf.mem)[:size]
-        self._allocated[id(view)] = (view, buf)
-        return view
+        return Allocation(buf, memoryview(buf.mem)[:size], self._allocations)
 
-    def release(self, buf: memoryview) -> None:
-        """Give back a buffer from ``allocate`` that was not passed to ``put``.
+    def release(self, allocation: Allocation) -> None:
+        """Give back a handle from ``allocate`` that was not passed to ``put``.
 
-        Raises ``ValueError`` for anything else (a buffer already released or put).
-        The caller must not touch the view afterwards: its memory will be reused.
+        Raises ``ValueError`` for anything else (a handle already released or put, or
+        another tier's). The caller must not touch the view afterwards: its memory will
+        be reused.
         """
-        rec = self._allocated.get(id(buf))
-        if rec is None or rec[0] is not buf:
-            raise ValueError("not an outstanding allocation of this tier")
-        del self._allocated[id(buf)]
-        self._pool.recycle(rec[1])
+        self._pool.recycle(_take(allocation, self._allocations))
 
     async def prefault(self, size: int, count: int) -> int:
         """Map ``count`` free buffers for values of ``size`` bytes ahead of need, as far as
@@ -577,38 +604,39 @@ class MemoryTier(Tier):
             os.close(fd)
             raise TierError("memory tier is closed")
         seg = SharedSegment(fd, nbytes, size)
-        self._shared[id(seg)] = seg
+        self._shared.add(seg)
         return seg
 
     def release_shared(self, seg: SharedSegment) -> None:
         """End a lease that was not sealed: the memfd is closed, its room given back.
         Idempotent (a segment already sealed or released is left alone)."""
-        if self._shared.pop(id(seg), None) is not seg:
+        if seg not in self._shared:
             return
+        self._shared.remove(seg)
         os.close(seg.fd)
         if not self._pool.closed:
             self._pool.unreserve(seg.nbytes)
 
-    async def seal_shared(self, seg: SharedSegment, length: int) -> memoryview:
+    async def seal_shared(self, seg: SharedSegment, length: int) -> Allocation:
         """Seal ``seg`` against every write, map it read-only here and return its first
-        ``length`` bytes as an allocation (for ``put``, which adopts it, or ``release``).
+        ``length`` bytes as an allocation (for ``put``, which adopts it, ``put_local_copy``
+        or ``release``).
 
         Raises ``SealRefused`` (a writable mapping remains, the memfd is not the size
         leased, or a bad length): the lease is then still the caller's."""
         self._pool.check_open()
-        if self._shared.get(id(seg)) is not seg:
+        if seg not in self._shared:
             raise ValueError("not an outstanding shared segment of this tier")
         if not 0 < length <= seg.size:
             raise SealRefused(f"length {length} outside the leased {seg.size} bytes")
         mem = await asyncio.to_thread(_seal_and_map, seg.fd, seg.nbytes)
-        if self._shared.pop(id(seg), None) is not seg:  # released meanwhile (tier closed)
+        if seg not in self._shared:  # released meanwhile (tier closed)
             mem.close()
             raise TierError("memory tier is closed")
+        self._shared.remove(seg)
         buf = _Buffer(mem, seg.nbytes, seg.fd)
         buf.detached = True  # sealed: never back to the pool
-        view = memoryview(mem)[:length]
-        self._allocated[id(view)] = (view, buf)
-        return view
+        return Allocation(buf, memoryview(mem)[:length], self._allocations)
 
     def is_shared(self, key: str) -> bool:
         """Whether the value of ``key`` lives in a sealed shared segment."""
@@ -628,22 +656,20 @@ class MemoryTier(Tier):
 
     # --- the tier interface -----------------------------------------------------------
 
-    async def put(self, key: str, data: BytesLike, *, verified: bool = False) -> None:
+    async def put(self, key: str, data: BytesLike | Allocation, *, verified: bool = False) -> None:
         """Store ``data`` under ``key`` as a dirty value.
 
-        A buffer from ``allocate()`` (the very view it returned) is stored by reference and
-        belongs to the tier from this call on, whatever the outcome: on any error it is
-        released, and after success the caller must not write to it. Anything else is
-        copied into a pool buffer (waiting up to ``put_timeout`` for room, then
+        An ``Allocation`` of this tier is stored by reference and belongs to the tier from
+        this call on, whatever the outcome: on any error it is released, and after success
+        the caller must not write to its view (a handle not outstanding: ``ValueError``).
+        Bytes are copied into a pool buffer (waiting up to ``put_timeout`` for room, then
         ``TierFull``). BLAKE3(data) must equal ``key`` unless ``verified``: otherwise
         ``CorruptChunk`` and nothing is stored. A key already held is left as it is.
         """
-        rec = self._allocated.pop(id(data), None) if isinstance(data, memoryview) else None
-        if rec is not None and rec[0] is not data:
-            self._allocated[id(rec[0])] = rec
-            rec = None
-        if rec is not None:
-            await self._put_allocated(key, rec[0], rec[1], verified)
+        if isinstance(data, Allocation):
+            self._pool.check_open()  # closed, the tier dropped every handle already
+            buf = _take(data, self._allocations)
+            await self._put_allocated(key, data.view, buf, verified)
         else:
             await self._put_copy(key, data, verified)
 
@@ -652,7 +678,7 @@ class MemoryTier(Tier):
     ) -> None:
         try:
             self._pool.check_open()
-            _check_key(key)
+            check_chunk_id(key)
         except BaseException:
             self._pool.recycle(buf)
             raise
@@ -665,11 +691,11 @@ class MemoryTier(Tier):
 
     async def _put_copy(self, key: str, data: BytesLike, verified: bool) -> None:
         self._pool.check_open()
-        _check_key(key)
+        check_chunk_id(key)
         src = memoryview(data).cast("B")
         if key in self._index.entries:
             if not verified:
-                digest = await _hash(src)
+                digest = await chunk_id_of_async(src)
                 if digest != key:
                     raise CorruptChunk(key, f"BLAKE3 of the data is {digest}")
             if key in self._index.local_copies:
@@ -678,7 +704,8 @@ class MemoryTier(Tier):
         try:
             buf = await self._pool.acquire(size_class(src.nbytes), self._put_timeout)
         except TierFull:
-            if not verified and await _hash(src) != key:  # bad input is reported as such
+            # bad input is reported as such
+            if not verified and await chunk_id_of_async(src) != key:
                 raise CorruptChunk(key, "BLAKE3 of the data does not match") from None
             raise
         dst = memoryview(buf.mem)[: src.nbytes]
@@ -763,24 +790,21 @@ class MemoryTier(Tier):
     def is_local_copy(self, key: str) -> bool:
         return key in self._index.local_copies
 
-    async def put_local_copy(self, key: str, view: memoryview) -> bool:
-        """Keep ``view`` (an allocation of this tier, checked against ``key``: a sealed
-        shared segment) under ``key`` as a *local copy*: a clean value that serves reads
-        here and nothing else. It is never drained, ``holds`` is False for it, and it is
-        evicted like any clean value when room is needed. A ``put`` of the same key later
-        makes it a held, dirty value (its bytes are the key's). The view belongs to the
-        tier from this call on; False (and released) when ``key`` has a value already."""
-        rec = self._allocated.pop(id(view), None)
-        if rec is None or rec[0] is not view:
-            if rec is not None:
-                self._allocated[id(rec[0])] = rec
-            raise TierError("put_local_copy takes a buffer from this tier's allocate")
-        buf = rec[1]
+    async def put_local_copy(self, key: str, allocation: Allocation) -> bool:
+        """Keep ``allocation`` (of this tier, checked against ``key``: a sealed shared
+        segment) under ``key`` as a *local copy*: a clean value that serves reads here and
+        nothing else. It is never drained, ``holds`` is False for it, and it is evicted
+        like any clean value when room is needed. A ``put`` of the same key later makes it
+        a held, dirty value (its bytes are the key's). The handle belongs to the tier from
+        this call on; False (and released) when ``key`` has a value already. A handle not
+        outstanding: ``ValueError``."""
+        self._pool.check_open()  # closed, the tier dropped every handle already
+        buf = _take(allocation, self._allocations)
         if self._pool.closed or key in self._index.entries:
             self._pool.recycle(buf)
             return False
-        _check_key(key)
-        self._index.insert(key, buf, view.nbytes)
+        check_chunk_id(key)
+        self._index.insert(key, buf, allocation.view.nbytes)
         self._index.local_copies.add(key)
         self.mark_clean(key)
         return True
@@ -792,7 +816,7 @@ class MemoryTier(Tier):
     async def delete(self, key: str) -> None:
         """Remove ``key`` (dirty or not); idempotent. Leased bytes stay until the lease ends."""
         self._pool.check_open()
-        _check_key(key)
+        check_chunk_id(key)
         if key in self._index.entries:
             self._index.remove(key)
             self._pool.wake()
@@ -817,8 +841,8 @@ class MemoryTier(Tier):
             dirty_count=len(self._index.dirty),
             dirty_bytes=self._index.dirty_bytes,
             evictable_bytes=self._index.evictable,
-            allocations=len(self._allocated),
-            allocated_bytes=sum(buf.nbytes for _, buf in self._allocated.values()),
+            allocations=len(self._allocations),
+            allocated_bytes=sum(a._buf.nbytes for a in self._allocations if a._buf is not None),
             leases=self._leases,
         )
 
@@ -827,12 +851,15 @@ class MemoryTier(Tier):
         if self._pool.closed:
             return
         self._pool.closed = True
-        for seg in self._shared.values():
+        for seg in self._shared:
             os.close(seg.fd)
         self._shared.clear()
-        for buf in [e.buf for e in self._index.entries.values()] + [
-            b for _, b in self._allocated.values()
-        ]:
+        bufs = [e.buf for e in self._index.entries.values()]
+        for allocation in self._allocations:
+            if allocation._buf is not None:
+                bufs.append(allocation._buf)
+                allocation._buf = None
+        for buf in bufs:
             if buf.fd >= 0:
                 os.close(buf.fd)
                 buf.fd = -1
@@ -840,7 +867,7 @@ class MemoryTier(Tier):
         self._index.local_copies.clear()
         self._index.clean.clear()
         self._index.dirty.clear()
-        self._allocated.clear()
+        self._allocations.clear()
         self._pool.trim()
         self._pool.used = 0
         self._index.value_bytes = self._index.dirty_bytes = self._index.evictable = 0
@@ -885,12 +912,6 @@ class MemoryTier(Tier):
                     self._on_evict(key)
                 return True
         return False
-
-
-async def _hash(view: memoryview) -> str:
-    if view.nbytes <= _INLINE_BYTES:
-        return chunk_id_of(view)
-    return await asyncio.to_thread(chunk_id_of, view)
 
 
 def _copy_and_hash(dst: memoryview, src: memoryview, want_hash: bool) -> str | None:

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import blake3
 
-from erasure.content import is_chunk_id
 from tiers._durable import KIND_CHUNK, DurableTier, InvalidValue
-from tiers.base import InvalidKey
+from tiers.base import check_chunk_id
 
 
 class NvmeTier(DurableTier):
@@ -27,8 +26,7 @@ class NvmeTier(DurableTier):
     kind = KIND_CHUNK
 
     def _parse_key(self, key: str) -> tuple[bytes, int]:
-        if not is_chunk_id(key):
-            raise InvalidKey(key)
+        check_chunk_id(key)
         return bytes.fromhex(key), 0
 
     def _check_value(self, key: str, parts: Sequence[memoryview]) -> None:

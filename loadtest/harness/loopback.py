@@ -29,7 +29,7 @@ from aiohttp import web
 
 from loadtest.harness.cluster import HOST
 from loadtest.harness.machine import new_loop, prefaulted
-from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
+from storaged.peer import LentBuffer, PeerClient, PeerError, PeerHandler, PeerServer
 
 
 def serve_aiohttp(app: web.Application, loop_name: str, control: Connection) -> None:
@@ -234,31 +234,31 @@ class _RawSink(asyncio.BufferedProtocol):
             self._transport.write(b"k")
 
 
-class _PoolHandler(PeerHandler):
+class _PoolHandler(PeerHandler[LentBuffer]):
     """Lends pre-faulted chunk buffers, stores nothing."""
 
     def __init__(self, chunk: int, slots: int, verify: bool) -> None:
         self._free = [prefaulted(chunk) for _ in range(slots)]
         self._verify = verify
 
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+    async def receive_chunk(self, chunk_id: str, size: int) -> LentBuffer:
         if not self._free:
             raise PeerError("memory_full", "no free slot")
-        return memoryview(self._free.pop())[:size]
+        return LentBuffer(memoryview(self._free.pop())[:size])
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+    async def chunk_received(self, chunk_id: str, buf: LentBuffer) -> dict[str, Any]:
         try:
             if self._verify:
-                digest = await asyncio.to_thread(lambda: blake3.blake3(buf).hexdigest())
+                digest = await asyncio.to_thread(lambda: blake3.blake3(buf.view).hexdigest())
                 if digest != chunk_id:
                     raise PeerError("checksum_mismatch", "digest differs")
-            return {"size": len(buf)}
+            return {"size": len(buf.view)}
         finally:
             self.chunk_aborted(chunk_id, buf)
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
-        assert isinstance(buf.obj, bytearray)
-        self._free.append(buf.obj)
+    def chunk_aborted(self, chunk_id: str, buf: LentBuffer) -> None:
+        assert isinstance(buf.view.obj, bytearray)
+        self._free.append(buf.view.obj)
 
 
 async def _start_server(mode: str, chunk: int, slots: int, verify: bool) -> int:

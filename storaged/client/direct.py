@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from storaged.client.errors import ProtocolError
-from storaged.transport import HEAD, HOLD, BodyProtocol
+from storaged.transport import HEAD, HOLD, BodyProtocol, IdlePool
 
 __all__ = ["MAX_ERROR_BODY", "MAX_HEAD", "BodyPlan", "DirectGets", "NotHandled", "ResponseHead"]
 
@@ -337,7 +337,7 @@ class DirectGets:
         self.pool_size = pool_size
         self.idle_timeout = idle_timeout
         self.stats = DirectStats()
-        self._idle: dict[Addr, list[_GetConnection]] = {}
+        self._idle: IdlePool[_GetConnection] = IdlePool()
         self._conns: set[_GetConnection] = set()
         self._closed = False
 
@@ -368,10 +368,6 @@ class DirectGets:
             return result
 
     @property
-    def idle_connections(self) -> int:
-        return sum(len(idle) for idle in self._idle.values())
-
-    @property
     def open_connections(self) -> int:
         return len(self._conns)
 
@@ -386,9 +382,7 @@ class DirectGets:
     # -- pool ----------------------------------------------------------------------------------
 
     async def _acquire(self, addr: Addr, fresh: bool) -> tuple[_GetConnection, bool]:
-        idle = self._idle.get(addr)
-        while idle and not fresh:
-            conn = idle.pop()  # the most recently used one
+        while not fresh and (conn := self._idle.take(addr)) is not None:
             if conn.idle_timer is not None:
                 conn.idle_timer.cancel()
                 conn.idle_timer = None
@@ -398,14 +392,9 @@ class DirectGets:
         return await self._connect(addr), False
 
     def _release(self, conn: _GetConnection) -> None:
-        if self._closed or not conn.reusable:
+        if self._closed or not conn.reusable or not self._idle.keep(conn, self.pool_size):
             self._discard(conn)
             return
-        idle = self._idle.setdefault(conn.addr, [])
-        if len(idle) >= self.pool_size:
-            self._discard(conn)
-            return
-        idle.append(conn)
         conn.idle_timer = asyncio.get_running_loop().call_later(
             self.idle_timeout, self._discard, conn
         )
@@ -419,9 +408,7 @@ class DirectGets:
             conn.idle_timer.cancel()
             conn.idle_timer = None
         self._conns.discard(conn)
-        idle = self._idle.get(conn.addr)
-        if idle and conn in idle:
-            idle.remove(conn)
+        self._idle.forget(conn)
 
     async def _connect(self, addr: Addr) -> _GetConnection:
         loop = asyncio.get_running_loop()

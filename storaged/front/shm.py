@@ -365,7 +365,7 @@ class _Connection:
         if seg is None or not isinstance(lease, int):
             raise bad_request(f"no lease {lease!r} on this connection")
         try:
-            view = await node.local.memory.seal_shared(seg, length)
+            sealed = await node.local.memory.seal_shared(seg, length)
         except SealRefused as exc:
             self._add_lease(lease, seg)  # still the client's, to fix and seal or release
             raise bad_request(str(exc), code="seal_refused") from exc
@@ -375,16 +375,16 @@ class _Connection:
         # From here the bytes cannot change: what is hashed is what is kept and sent. The
         # CRC-32C goes with the copies so that the replicas need not hash them again.
         try:
-            digest, crc = await asyncio.to_thread(chunk_id_and_crc32c, view)
+            digest, crc = await asyncio.to_thread(chunk_id_and_crc32c, sealed.view)
         except BaseException:
-            node.local.memory.release(view)
+            node.local.memory.release(sealed)
             raise
         if claimed is not None and digest != claimed:
-            node.local.memory.release(view)
+            node.local.memory.release(sealed)
             raise bad_request("the chunk's BLAKE3-256 is not the id", code="checksum_mismatch")
         # Admitted when its lease was handed out (never to a stopping node): a graceful
         # stop lets it finish, as an HTTP PUT already past its admission.
-        status, doc = await node.writes.put_sealed(digest, view, crc, admitted=True)
+        status, doc = await node.writes.put_sealed(digest, sealed, crc, admitted=True)
         await self._send({"rid": rid, "status": status, **doc})
 
     async def _read(self, rid: Any, frame: dict[str, Any]) -> None:

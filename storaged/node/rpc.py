@@ -21,6 +21,7 @@ from storaged.node.index import COLD, MEMORY
 from storaged.node.pipeline.rebalance import HOT
 from storaged.peer import PeerError, PeerHandler
 from tiers import ByteRange, ChunkNotFound, CorruptChunk
+from tiers.memory import Allocation
 
 if TYPE_CHECKING:
     from storaged.node.evacuation import Evacuation
@@ -217,31 +218,31 @@ class PeerRpc:
         return {"records": records}, None
 
 
-class _PeerHandler(PeerHandler):
+class _PeerHandler(PeerHandler[Allocation]):
     """What the peer server calls: chunk receives go to the write path, calls to ``rpc_*``.
 
-    The peer server hands back the very view ``receive_chunk`` returned, the one the
-    memory tier knows its allocation by.
+    A copy's body is received into an ``Allocation`` of the memory tier, which the peer
+    server hands back as it was lent.
     """
 
     def __init__(self, rpc: PeerRpc) -> None:
         self.rpc = rpc
 
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+    async def receive_chunk(self, chunk_id: str, size: int) -> Allocation:
         return await self.rpc.writes.receive_chunk(chunk_id, size)
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+    async def chunk_received(self, chunk_id: str, buf: Allocation) -> dict[str, Any]:
         return await self.rpc.writes.chunk_received(chunk_id, buf)
 
     def ack_copy(self, chunk_id: str) -> None:
         self.rpc.writes.ack_copy_arriving()
 
     async def chunk_received_crc(
-        self, chunk_id: str, buf: memoryview, crc32c: int
+        self, chunk_id: str, buf: Allocation, crc32c: int
     ) -> dict[str, Any]:
         return await self.rpc.writes.chunk_received(chunk_id, buf, crc32c=crc32c)
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+    def chunk_aborted(self, chunk_id: str, buf: Allocation) -> None:
         self.rpc.writes.chunk_aborted(chunk_id, buf)
 
     async def call(

@@ -1,7 +1,8 @@
 """The write path: a PUT streams into RAM here and on the other holders; the ack.
 
-Relies on: the memory tier's buffer ownership (every buffer from ``allocate`` goes back
-through exactly one of ``put`` or ``release``), and the per-chunk locks of ``index``.
+Relies on: the memory tier's buffer ownership (every ``Allocation`` from ``allocate``
+goes back through exactly one of ``put`` or ``release``; the peer server hands back the
+very handle ``receive_chunk`` lent), and the per-chunk locks of ``index``.
 
 Upholds:
 
@@ -33,7 +34,7 @@ from storaged.peer import PeerError, PeerUnavailable, PutStream
 from storaged.placement import Placement
 from storaged.wire import state_name
 from tiers import CorruptChunk, TierFull
-from tiers.memory import size_class
+from tiers.memory import Allocation, size_class
 
 if TYPE_CHECKING:
     from storaged.node.services import ClusterView, LocalStore
@@ -108,7 +109,7 @@ class WritePath:
             self.inflight -= 1
 
     async def put_sealed(
-        self, chunk_id: str, buf: memoryview, crc32c: int | None = None, *, admitted: bool = False
+        self, chunk_id: str, buf: Allocation, crc32c: int | None = None, *, admitted: bool = False
     ) -> tuple[int, dict[str, Any]]:
         """A chunk handed over in a sealed shared segment (``storaged.front.shm``): ``buf`` is an
         allocation of the memory tier that already hashed to ``chunk_id``, and is taken over
@@ -135,7 +136,7 @@ class WritePath:
                     self.local.memory.release(buf)
                     return 200, held
             return await self._put_new(
-                chunk_id, len(buf), None, order, started, sealed=buf, crc32c=crc32c
+                chunk_id, len(buf.view), None, order, started, sealed=buf, crc32c=crc32c
             )
         finally:
             self.inflight -= 1
@@ -199,7 +200,7 @@ class WritePath:
         body: BodyPieces | None,
         order: list[str],
         started: float,
-        sealed: memoryview | None = None,
+        sealed: Allocation | None = None,
         crc32c: int | None = None,
     ) -> tuple[int, dict[str, Any]]:
         """The PUT of a new chunk: ``body`` streamed into a fresh allocation, or ``sealed``
@@ -216,15 +217,15 @@ class WritePath:
             streams = await self._open_streams(chunk_id, size, remote, crc32c)
             refused: list[Refusal] = []
             if body is not None:
-                received = await self._receive(body, buf, streams, refused)
+                received = await self._receive(body, buf.view, streams, refused)
                 if received < size:
                     raise BadInput("truncated", f"body ended after {received} of {size} bytes")
-                if await chunk_id_of_async(buf) != chunk_id:
+                if await chunk_id_of_async(buf.view) != chunk_id:
                     raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
             else:
-                await self._send_all(buf, streams, refused)
+                await self._send_all(buf.view, streams, refused)
             holders, created = await self._finish_streams(
-                chunk_id, buf, streams, order, refused, crc32c
+                chunk_id, buf.view, streams, order, refused, crc32c
             )
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
@@ -532,7 +533,7 @@ class WritePath:
             raise
 
     # ---- any holder ------------------------------------------------------------------------
-    async def store_local(self, chunk_id: str, buf: memoryview) -> bool:
+    async def store_local(self, chunk_id: str, buf: Allocation) -> bool:
         """Keep ``buf`` (a checked copy from ``memory.allocate``) as this node's RAM copy, or
         release it when a copy is already here; either way this node now holds the chunk and
         it counts as used now. True if the copy is new. Under the chunk's lock, so a
@@ -544,14 +545,14 @@ class WritePath:
         finally:
             self.storing -= 1
 
-    async def _store_local(self, chunk_id: str, buf: memoryview) -> bool:
+    async def _store_local(self, chunk_id: str, buf: Allocation) -> bool:
         async with self.local.locks.hold(chunk_id):
             if self.local.holds_hot(chunk_id):
                 self.local.memory.release(buf)
-                self.local.note_stored(chunk_id, len(buf))
+                self.local.note_stored(chunk_id, len(buf.view))
                 return False
             await self.local.memory.put(chunk_id, buf, verified=True)
-            self.local.note_stored(chunk_id, len(buf))
+            self.local.note_stored(chunk_id, len(buf.view))
         self.to_drain(chunk_id)
         return True
 
@@ -564,7 +565,7 @@ class WritePath:
         try:
             buf = await self.local.memory.allocate(len(data), timeout=self.local.config.put_wait)
             try:
-                buf[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
+                buf.view[:] = data  # deliberate copy: ``data`` belongs to a lease or a peer reply
                 self._refuse_if_draining()  # again: marked while RAM was found
             except BaseException:
                 self.local.memory.release(buf)
@@ -608,7 +609,7 @@ class WritePath:
         finally:
             self.storing -= 1
 
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+    async def receive_chunk(self, chunk_id: str, size: int) -> Allocation:
         """Peer side: a buffer for a copy another node sends."""
         if self.local.stopping:
             raise PeerError("shutting_down", f"node {self.local.id} is stopping")
@@ -623,16 +624,16 @@ class WritePath:
             raise PeerError(exc.code, exc.message) from exc
 
     async def chunk_received(
-        self, chunk_id: str, buf: memoryview, crc32c: int | None = None
+        self, chunk_id: str, buf: Allocation, crc32c: int | None = None
     ) -> dict[str, Any]:
         """Peer side: verify a received copy and keep it. Against the id, or, when the
         sender (which checked the id on its own copy) sent ``crc32c``, against that: the
         peer link is authenticated, and the CRC catches damage on the way for a fraction
         of a BLAKE3 pass. Reads and the drain's file header check the bytes again."""
         if crc32c is not None:
-            ok = await crc32c_of_async(buf) == crc32c
+            ok = await crc32c_of_async(buf.view) == crc32c
         else:
-            ok = await chunk_id_of_async(buf) == chunk_id
+            ok = await chunk_id_of_async(buf.view) == chunk_id
         if not ok:
             self.local.memory.release(buf)
             raise PeerError("checksum_mismatch", "the body does not match its check")
@@ -655,5 +656,5 @@ class WritePath:
         if self.cluster.membership.drains.is_draining(self.local.id):
             raise PeerError("draining", f"node {self.local.id} is draining: it takes no new data")
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+    def chunk_aborted(self, chunk_id: str, buf: Allocation) -> None:
         self.local.memory.release(buf)

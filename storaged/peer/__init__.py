@@ -11,7 +11,8 @@ One module per part:
   replies, documented there), its codec, the proofs, and the errors (``PeerError``);
 - ``framing``: frames read and written over ``storaged.transport.BodyProtocol``, the
   receive core the client's direct chunk GETs run on too;
-- ``handler``: ``PeerHandler``, what the server calls, and its buffer-ownership contract;
+- ``handler``: ``PeerHandler``, what the server calls, and its buffer-ownership contract
+  (a put's body goes into a ``BodyBuffer`` the handler lends: ``LentBuffer`` at its plainest);
 - ``server``: ``PeerServer``; ``client``: ``PeerClient`` and ``PutStream``.
 
 Every name other modules use is importable from here; the format's other constants
@@ -19,13 +20,15 @@ from ``wire``.
 """
 
 from storaged.peer.client import PeerClient, PutStream
-from storaged.peer.handler import PeerHandler
+from storaged.peer.handler import BodyBuffer, LentBuffer, PeerHandler
 from storaged.peer.server import PeerServer
 from storaged.peer.wire import MAX_HEADER, Addr, PeerError, PeerUnavailable
 
 __all__ = [
     "MAX_HEADER",
     "Addr",
+    "BodyBuffer",
+    "LentBuffer",
     "PeerClient",
     "PeerError",
     "PeerHandler",

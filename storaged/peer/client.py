@@ -39,7 +39,7 @@ from storaged.peer.wire import (
     handshake_proof,
     length_field,
 )
-from storaged.transport import HEAD
+from storaged.transport import HEAD, IdlePool
 from storaged.wire import BytesLike
 
 __all__ = ["PeerClient", "PutStream"]
@@ -331,7 +331,7 @@ class PeerClient:
         self.pool_idle_timeout = pool_idle_timeout
         self._write_buffer = write_buffer
         self._max_reply_body = max_reply_body
-        self._idle: dict[Addr, list[_ClientConn]] = {}
+        self._idle: IdlePool[_ClientConn] = IdlePool()
         self._conns: set[_ClientConn] = set()
         self._closed = False
 
@@ -423,27 +423,18 @@ class PeerClient:
     async def _acquire(self, addr: Addr) -> _ClientConn:
         if self._closed:
             raise PeerUnavailable("closed", "peer client closed")
-        idle = self._idle.get(addr)
-        if idle:
-            now = asyncio.get_running_loop().time()
-            while idle:
-                conn = idle.pop()  # the most recently used one
-                fresh = now - conn.idle_since < self.pool_idle_timeout
-                if fresh and conn.clean() and not conn.readable():
-                    return conn
-                self._discard(conn)
+        now = asyncio.get_running_loop().time()
+        while (conn := self._idle.take(addr)) is not None:
+            fresh = now - conn.idle_since < self.pool_idle_timeout
+            if fresh and conn.clean() and not conn.readable():
+                return conn
+            self._discard(conn)
         return await self._connect(addr)
 
     def _release(self, conn: _ClientConn) -> None:
-        if self._closed or not conn.clean():
-            self._discard(conn)
-            return
-        idle = self._idle.setdefault(conn.addr, [])
-        if len(idle) >= self.pool_size:
-            self._discard(conn)
-            return
         conn.idle_since = asyncio.get_running_loop().time()
-        idle.append(conn)
+        if self._closed or not conn.clean() or not self._idle.keep(conn, self.pool_size):
+            self._discard(conn)
 
     def _discard(self, conn: _ClientConn) -> None:
         conn.abort()
@@ -451,9 +442,7 @@ class PeerClient:
 
     def _forget(self, conn: _ClientConn) -> None:
         self._conns.discard(conn)
-        idle = self._idle.get(conn.addr)
-        if idle and conn in idle:
-            idle.remove(conn)
+        self._idle.forget(conn)
 
     async def _connect(self, addr: Addr) -> _ClientConn:
         loop = asyncio.get_running_loop()

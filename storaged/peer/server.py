@@ -20,7 +20,7 @@ import ssl as ssl_module
 from typing import Any
 
 from storaged.peer.framing import FramedProtocol
-from storaged.peer.handler import PeerHandler
+from storaged.peer.handler import BodyBuffer, PeerHandler
 from storaged.peer.wire import (
     CLIENT_LABEL,
     MAX_CHUNK_ID_LEN,
@@ -76,7 +76,7 @@ class PeerServer:
         self,
         node_id: str,
         secret: bytes,
-        handler: PeerHandler,
+        handler: PeerHandler[Any],
         *,
         ssl: ssl_module.SSLContext | None = None,
         idle_timeout: float = 60,
@@ -193,7 +193,7 @@ class _ServerConn(FramedProtocol):
         self._put_id = ""
         self._put_crc: int | None = None
         self._put_ack = False
-        self._inflight: tuple[str, memoryview] | None = None  # buffer owed to the handler
+        self._inflight: tuple[str, BodyBuffer] | None = None  # buffer owed to the handler
         self._method = ""
         self._args: dict[str, Any] = {}
 
@@ -403,11 +403,11 @@ class _ServerConn(FramedProtocol):
             self._abort_inflight()
             return
         try:
-            # The handler's own view, not a new one over it: it is handed back as it was
-            # given, one handle for the handler to know its buffer by.
-            buf = raw if type(raw) is memoryview else memoryview(raw)
-            ok = not buf.readonly and buf.nbytes == size and buf.format == "B" and buf.ndim == 1
-        except TypeError:
+            # The body goes into the handle's view; the handle itself is what goes back.
+            buf = raw.view
+            ok = isinstance(buf, memoryview) and not buf.readonly and buf.nbytes == size
+            ok = ok and buf.format == "B" and buf.ndim == 1
+        except AttributeError:  # not a BodyBuffer
             ok = False
         if not ok:
             log.error("peer handler receive_chunk(%s) gave an unusable buffer", chunk_id)
@@ -415,7 +415,7 @@ class _ServerConn(FramedProtocol):
             self._abort_inflight()
             self._early_refusal(error_header("internal", "no usable buffer"), size)
             return
-        self._inflight = (chunk_id, buf)
+        self._inflight = (chunk_id, raw)
         self._mark = self._loop.time()
         self._begin_body(buf)
         if self._mode == BODY:
@@ -461,13 +461,14 @@ class _ServerConn(FramedProtocol):
         self._mode = HOLD
         self._pause_reading()
         if self._kind == "put":
-            assert body is not None
+            assert body is not None and self._inflight is not None
+            _, lent = self._inflight
             self._inflight = None  # the handler owns the buffer from here on
-            self.task = self._loop.create_task(self._finish_put(self._put_id, body, self._put_crc))
+            self.task = self._loop.create_task(self._finish_put(self._put_id, lent, self._put_crc))
         else:
             self.task = self._loop.create_task(self._run_call(self._method, self._args, body))
 
-    async def _finish_put(self, chunk_id: str, buf: memoryview, crc: int | None) -> None:
+    async def _finish_put(self, chunk_id: str, buf: BodyBuffer, crc: int | None) -> None:
         handler = self._server.handler
         if self._put_ack:
             handler.ack_copy(chunk_id)

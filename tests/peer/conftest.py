@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from storaged.peer import Addr, PeerClient, PeerError, PeerHandler, PeerServer
+from storaged.peer import Addr, LentBuffer, PeerClient, PeerError, PeerHandler, PeerServer
 from storaged.wire import BytesLike
 from tests.conftest import _guarded_loop, _LoopWatchdog
 
@@ -54,39 +54,39 @@ def pytest_asyncio_loop_factories(
     return factories
 
 
-class LendingHandler(PeerHandler):
-    """Lends a fresh buffer per put and records every buffer it gets back, by identity:
-    the contract says each comes back, the very view lent, through exactly one of
-    ``chunk_received`` and ``chunk_aborted``."""
+class LendingHandler(PeerHandler[LentBuffer]):
+    """Lends a fresh buffer per put and records every buffer it gets back: the contract
+    says each comes back, the very handle lent, through exactly one of ``chunk_received``
+    and ``chunk_aborted``."""
 
     def __init__(self) -> None:
-        self.lent: dict[int, memoryview] = {}
+        self.lent: set[LentBuffer] = set()
         self.received: list[tuple[str, memoryview]] = []
         self.aborted: list[tuple[str, memoryview]] = []
         self.refuse: PeerError | None = None
         self.hold: asyncio.Event | None = None
 
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+    async def receive_chunk(self, chunk_id: str, size: int) -> LentBuffer:
         if self.hold is not None:
             await self.hold.wait()
         if self.refuse is not None:
             raise self.refuse
-        view = memoryview(bytearray(size))
-        self.lent[id(view)] = view
-        return view
+        lent = LentBuffer(memoryview(bytearray(size)))
+        self.lent.add(lent)
+        return lent
 
-    def _take_back(self, buf: memoryview) -> None:
-        lent = self.lent.pop(id(buf), None)
-        assert lent is buf, "a buffer came back twice, or not the view that was lent"
+    def _take_back(self, buf: LentBuffer) -> None:
+        assert buf in self.lent, "a buffer came back twice, or not the handle that was lent"
+        self.lent.remove(buf)
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
+    async def chunk_received(self, chunk_id: str, buf: LentBuffer) -> dict[str, Any]:
         self._take_back(buf)
-        self.received.append((chunk_id, buf))
-        return {"chunk": chunk_id, "size": len(buf)}
+        self.received.append((chunk_id, buf.view))
+        return {"chunk": chunk_id, "size": len(buf.view)}
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+    def chunk_aborted(self, chunk_id: str, buf: LentBuffer) -> None:
         self._take_back(buf)
-        self.aborted.append((chunk_id, buf))
+        self.aborted.append((chunk_id, buf.view))
 
     async def call(
         self, method: str, args: dict[str, Any], body: memoryview | None
@@ -147,7 +147,7 @@ async def peer(request: pytest.FixtureRequest) -> AsyncIterator[Peer]:
     finally:
         await client.close()
         await server.close()
-    assert handler.lent == {}, "a lent buffer never came back"
+    assert not handler.lent, "a lent buffer never came back"
 
 
 def frame(header: Any) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
+from storaged.peer import LentBuffer, PeerClient, PeerError, PeerHandler, PeerServer
 from storaged.peer.wire import (
     CLIENT_LABEL,
     SERVER_LABEL,
@@ -171,16 +171,16 @@ async def test_a_client_session_is_sent_byte_for_byte_as_before(
     assert bytes(sent).hex() == CLIENT_SESSION
 
 
-class _FixedHandler(PeerHandler):
-    async def receive_chunk(self, chunk_id: str, size: int) -> memoryview:
+class _FixedHandler(PeerHandler[LentBuffer]):
+    async def receive_chunk(self, chunk_id: str, size: int) -> LentBuffer:
         if size > 100:
             raise PeerError("memory_full", "no room in RAM")
-        return memoryview(bytearray(size))
+        return LentBuffer(memoryview(bytearray(size)))
 
-    async def chunk_received(self, chunk_id: str, buf: memoryview) -> dict[str, Any]:
-        return {"chunk": chunk_id, "size": len(buf), "first": bytes(buf[:1])}
+    async def chunk_received(self, chunk_id: str, buf: LentBuffer) -> dict[str, Any]:
+        return {"chunk": chunk_id, "size": len(buf.view), "first": bytes(buf.view[:1])}
 
-    def chunk_aborted(self, chunk_id: str, buf: memoryview) -> None:
+    def chunk_aborted(self, chunk_id: str, buf: LentBuffer) -> None:
         pass
 
     async def call(

@@ -194,7 +194,7 @@ async def test_repair_evacuates_a_draining_node_and_it_can_leave(inproc: InprocF
         await victim.writes.receive_chunk(chunk_id_of(late), len(late))
     used = victim.memory.usage().used
     buf = await victim.memory.allocate(len(late))
-    buf[:] = late
+    buf.view[:] = late
     with pytest.raises(PeerError, match="draining"):
         await victim.writes.chunk_received(chunk_id_of(late), buf)
     assert not victim.holds_hot(chunk_id_of(late))

@@ -24,10 +24,10 @@ from storaged.node import Node
 from storaged.peer import PeerError
 from tests.conftest import TOKEN
 from tests.service.inproc import InprocFactory, wait_until
-from tiers.memory import size_class
+from tiers.memory import Allocation, size_class
 
 
-async def _stage_shared(node: Node, data: bytes) -> memoryview:
+async def _stage_shared(node: Node, data: bytes) -> Allocation:
     """``data`` in a sealed shared segment of ``node``'s RAM tier, as a client leaves it."""
     seg = await node.memory.lease_shared(len(data))
     with mmap.mmap(seg.fd, len(data), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as m:

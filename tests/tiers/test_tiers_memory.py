@@ -7,13 +7,22 @@ import contextlib
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from storaged.ids import chunk_id_of
 from tests.tiers.tier_conformance import KiB, MiB, TierTests
-from tiers.base import ByteRange, ChunkNotFound, CorruptChunk, InvalidRange, Tier, TierFull
-from tiers.memory import MemoryTier, size_class
+from tiers.base import (
+    ByteRange,
+    ChunkNotFound,
+    CorruptChunk,
+    InvalidKey,
+    InvalidRange,
+    Tier,
+    TierFull,
+)
+from tiers.memory import Allocation, MemoryTier, size_class
 
 
 class TestMemoryTierConformance(TierTests):
@@ -46,7 +55,7 @@ async def small() -> AsyncIterator[MemoryTier]:
 
 async def put_allocated(tier: MemoryTier, key: str, data: bytes) -> None:
     buf = await tier.allocate(len(data))
-    buf[:] = data
+    buf.view[:] = data
     await tier.put(key, buf)
 
 
@@ -81,16 +90,18 @@ async def test_allocate_gives_exact_writable_prefaulted_buffers_that_are_pooled(
     small: MemoryTier,
 ) -> None:
     buf = await small.allocate(1 * MiB)
-    assert isinstance(buf, memoryview) and not buf.readonly and buf.nbytes == 1 * MiB
-    buf[:4] = b"abcd"
+    assert isinstance(buf, Allocation) and buf.outstanding
+    assert not buf.view.readonly and buf.view.nbytes == 1 * MiB
+    buf.view[:4] = b"abcd"
     assert small.usage().used == 1 * MiB
     small.release(buf)
+    assert not buf.outstanding
     assert small.usage().used == 0
     assert small.stats().free_bytes == 1 * MiB
     again = await small.allocate(1 * MiB - 100)  # same class: the pooled buffer comes back
-    assert again.nbytes == 1 * MiB - 100
+    assert again.view.nbytes == 1 * MiB - 100
     assert small.stats().free_bytes == 0
-    assert bytes(again[:4]) == b"abcd"  # reused, not re-mapped (and not zeroed)
+    assert bytes(again.view[:4]) == b"abcd"  # reused, not re-mapped (and not zeroed)
     small.release(again)
 
 
@@ -99,12 +110,12 @@ async def test_put_of_an_allocated_buffer_stores_it_by_reference(
 ) -> None:
     key, data = chunk(rng, 300 * KiB)
     buf = await small.allocate(len(data))
-    buf[:] = data
+    buf.view[:] = data
     await small.put(key, buf)
-    assert small.stats().allocations == 0
+    assert small.stats().allocations == 0 and not buf.outstanding
     async with small.lease(key) as view:
         # the stored bytes are the very buffer the caller filled: no copy was made
-        assert view.obj is buf.obj
+        assert view.obj is buf.view.obj
         assert view == data
     with pytest.raises(ValueError):
         small.release(buf)  # it belongs to the tier now
@@ -115,8 +126,8 @@ async def test_corrupt_allocated_buffer_is_rejected_and_released(
 ) -> None:
     key, data = chunk(rng, 300 * KiB)
     buf = await small.allocate(len(data))
-    buf[:] = data
-    buf[0] ^= 0xFF
+    buf.view[:] = data
+    buf.view[0] ^= 0xFF
     with pytest.raises(CorruptChunk):
         await small.put(key, buf)
     assert not small.has(key)
@@ -132,31 +143,89 @@ async def test_corrupt_allocated_buffer_is_rejected_and_released(
 async def test_verified_put_skips_the_hash(small: MemoryTier, rng: random.Random) -> None:
     key, data = chunk(rng, 100 * KiB)
     buf = await small.allocate(len(data))
-    buf[:] = data
-    buf[5] ^= 1  # wrong, but the caller vouches for it: stored as given
+    buf.view[:] = data
+    buf.view[5] ^= 1  # wrong, but the caller vouches for it: stored as given
     await small.put(key, buf, verified=True)
     assert small.has(key)
 
 
-async def test_release_refuses_foreign_and_double_releases(small: MemoryTier) -> None:
+async def test_release_twice_is_refused(small: MemoryTier) -> None:
     buf = await small.allocate(100)
-    with pytest.raises(ValueError):
-        small.release(memoryview(bytearray(100)))
-    with pytest.raises(ValueError):
-        small.release(buf[:50])
     small.release(buf)
+    used, free = small.usage().used, small.stats().free_bytes
     with pytest.raises(ValueError):
         small.release(buf)
+    # the refusal changed nothing: the buffer is in the pool once, not twice
+    assert (small.usage().used, small.stats().free_bytes) == (used, free)
+    assert small.stats().free_buffers == 1
 
 
-async def test_put_of_a_slice_of_an_allocation_copies(
-    small: MemoryTier, rng: random.Random
-) -> None:
+async def test_put_after_release_is_refused(small: MemoryTier, rng: random.Random) -> None:
+    key, data = chunk(rng, 1000)
+    buf = await small.allocate(len(data))
+    buf.view[:] = data
+    small.release(buf)
+    again = await small.allocate(len(data))  # the released buffer, someone else's now
+    with pytest.raises(ValueError):
+        await small.put(key, buf)
+    assert not small.has(key) and again.outstanding
+    with pytest.raises(ValueError):
+        await small.put_local_copy(key, buf)
+    assert not small.has(key)
+    small.release(again)
+
+
+async def test_release_or_put_after_put_is_refused(small: MemoryTier, rng: random.Random) -> None:
+    key, data = chunk(rng, 1000)
+    buf = await small.allocate(len(data))
+    buf.view[:] = data
+    await small.put(key, buf)
+    with pytest.raises(ValueError):
+        small.release(buf)
+    with pytest.raises(ValueError):
+        await small.put(key, buf)
+    assert small.has(key) and bytes(await small.get(key)) == data
+    assert small.stats().allocations == 0 and small.usage().used == size_class(len(data))
+    # a refused put took the handle over all the same: it cannot be put again either
+    other = await small.allocate(10)
+    with pytest.raises(InvalidKey):
+        await small.put("not-a-chunk-id", other)
+    with pytest.raises(ValueError):
+        small.release(other)
+
+
+async def test_a_view_is_no_handle(small: MemoryTier) -> None:
+    buf = await small.allocate(100)
+    with pytest.raises(ValueError):
+        small.release(cast(Any, buf.view))  # the bare view, not its handle
+    assert buf.outstanding
+    small.release(buf)
+
+
+async def test_a_foreign_handle_is_refused(small: MemoryTier, rng: random.Random) -> None:
+    key, data = chunk(rng, 1000)
+    other = MemoryTier(1 * MiB)
+    try:
+        foreign = await other.allocate(len(data))
+        foreign.view[:] = data
+        with pytest.raises(ValueError):
+            small.release(foreign)
+        with pytest.raises(ValueError):
+            await small.put(key, foreign)
+        assert not small.has(key) and foreign.outstanding
+        assert small.usage().used == 0 and other.stats().allocations == 1
+        other.release(foreign)  # still its own tier's to give back
+        assert other.usage().used == 0
+    finally:
+        await other.close()
+
+
+async def test_put_of_a_view_of_an_allocation_copies(small: MemoryTier, rng: random.Random) -> None:
     key, data = chunk(rng, 1000)
     buf = await small.allocate(2000)
-    buf[:1000] = data
-    await small.put(key, buf[:1000])  # not the view allocate returned: copied
-    assert small.stats().allocations == 1
+    buf.view[:1000] = data
+    await small.put(key, buf.view[:1000])  # bytes, not the handle: copied
+    assert small.stats().allocations == 1 and buf.outstanding
     small.release(buf)
     assert bytes(await small.get(key)) == data
 
@@ -173,7 +242,7 @@ async def test_allocate_waits_for_room_then_raises_tier_full(small: MemoryTier) 
     assert not waiter.done()  # it waits...
     small.release(held.pop())
     buf = await asyncio.wait_for(waiter, 5)  # ...and the release wakes it
-    assert buf.nbytes == 1 * MiB
+    assert buf.view.nbytes == 1 * MiB
     check_bound(small)
     with pytest.raises(TierFull):  # larger than the whole tier: no waiting at all
         await small.allocate(5 * MiB, timeout=60)
@@ -273,7 +342,7 @@ async def test_free_buffers_count_toward_capacity_and_are_trimmed_for_other_size
 
 async def test_pool_stays_bounded_under_random_churn(rng: random.Random) -> None:
     tier = MemoryTier(8 * MiB, put_timeout=0.01)
-    held: list[memoryview] = []
+    held: list[Allocation] = []
     try:
         for _ in range(300):
             if held and rng.random() < 0.5:
@@ -282,7 +351,7 @@ async def test_pool_stays_bounded_under_random_churn(rng: random.Random) -> None
                 with contextlib.suppress(TierFull):
                     held.append(await tier.allocate(rng.choice([0, 1, 5000, 300 * KiB, 2 * MiB])))
             check_bound(tier)
-            assert tier.usage().used == sum(size_class(b.nbytes) for b in held)
+            assert tier.usage().used == sum(size_class(b.view.nbytes) for b in held)
     finally:
         await tier.close()
 
@@ -319,7 +388,7 @@ async def test_a_lease_keeps_its_bytes_across_delete_and_buffer_reuse(
         # lease over: the buffer is back in the pool and is reused
         assert tier.usage().used == 0
         buf = await tier.allocate(1 * MiB)
-        buf[:] = b"\xee" * (1 * MiB)
+        buf.view[:] = b"\xee" * (1 * MiB)
         with pytest.raises(ValueError):
             view.tobytes()  # the lease's view was released with the lease
         tier.release(buf)

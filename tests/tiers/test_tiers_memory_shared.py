@@ -10,7 +10,7 @@ import pytest
 
 from storaged.ids import chunk_id_of
 from tiers import ChunkNotFound, TierFull
-from tiers.memory import MemoryTier, SealRefused, size_class
+from tiers.memory import Allocation, MemoryTier, SealRefused, size_class
 
 MiB = 1 << 20
 
@@ -42,9 +42,9 @@ async def test_lease_seal_adopt_and_free_account_every_byte() -> None:
     seg = await tier.lease_shared(len(data))
     assert tier.usage().used == size_class(len(data))
     _fill(seg.fd, data)
-    view = await tier.seal_shared(seg, len(data))
-    assert view.readonly and bytes(view) == data
-    await tier.put(key, view, verified=True)
+    allocation = await tier.seal_shared(seg, len(data))
+    assert allocation.view.readonly and bytes(allocation.view) == data
+    await tier.put(key, allocation, verified=True)
     assert tier.is_shared(key) and tier.usage().used == size_class(len(data))
     async with tier.lease_fd(key) as (fd, size):
         assert size == len(data)
@@ -67,9 +67,9 @@ async def test_seal_refused_while_mapped_writable_and_for_bad_lengths() -> None:
     for length in (0, MiB + 1):
         with pytest.raises(SealRefused):
             await tier.seal_shared(seg, length)
-    view = await tier.seal_shared(seg, 100)  # a prefix is fine
-    assert len(view) == 100
-    tier.release(view)
+    sealed = await tier.seal_shared(seg, 100)  # a prefix is fine
+    assert len(sealed.view) == 100
+    tier.release(sealed)
     assert tier.usage().used == 0
     await tier.close()
 
@@ -93,7 +93,7 @@ async def test_release_and_full_tier() -> None:
             pass
 
 
-async def _sealed(tier: MemoryTier, data: bytes) -> memoryview:
+async def _sealed(tier: MemoryTier, data: bytes) -> Allocation:
     seg = await tier.lease_shared(len(data))
     _fill(seg.fd, data)
     return await tier.seal_shared(seg, len(data))
@@ -118,7 +118,7 @@ async def test_local_copy_serves_reads_and_is_no_held_copy_until_put() -> None:
     assert tier.usage().used == used
     # The node comes to hold it (a replica's copy arrives): same pages, now dirty and held.
     other = await tier.allocate(len(data))
-    other[:] = data
+    other.view[:] = data
     await tier.put(key, other, verified=True)
     assert tier.holds(key) and not tier.is_local_copy(key) and tier.is_dirty(key)
     assert tier.dirty_keys() == [key] and tier.usage().used == used
@@ -134,8 +134,8 @@ async def test_local_copies_make_room_when_needed() -> None:
     # Room for two more 4 MiB values only if the local copy goes.
     for _ in range(2):
         buf = await tier.allocate(4 * MiB, timeout=0)
-        buf[:] = os.urandom(4 * MiB)
-        await tier.put(chunk_id_of(buf), buf, verified=True)
+        buf.view[:] = os.urandom(4 * MiB)
+        await tier.put(chunk_id_of(buf.view), buf, verified=True)
     assert not tier.has(key) and not tier.is_local_copy(key)
     with pytest.raises(ChunkNotFound):
         await tier.stat(key)

@@ -360,7 +360,7 @@ async def test_read_into_a_memory_tier_buffer_then_store_it_by_reference(
     memory = MemoryTier(8 * MiB)
     try:
         buf = await memory.allocate((await nvme.stat(key)).size)
-        await nvme.read_into(key, buf)
+        await nvme.read_into(key, buf.view)
         await memory.put(key, buf, verified=True)  # read_into checked it
         memory.mark_clean(key)  # it is on disk already
         assert bytes(await memory.get(key)) == data

@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 
 from storaged.ids import chunk_id_of
 from tiers.base import ByteRange, ChunkNotFound, CorruptChunk, TierFull
-from tiers.memory import MemoryTier, size_class
+from tiers.memory import Allocation, MemoryTier, size_class
 from tiers.nvme import NvmeTier
 
 KiB = 1 << 10
@@ -58,7 +58,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
         self.tier = MemoryTier(self.CAPACITY, put_timeout=0, on_evict=self.evicted.append)
         self.model: dict[str, bytes] = {}
         self.dirty: set[str] = set()
-        self.held: list[memoryview] = []
+        self.held: list[Allocation] = []
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -69,7 +69,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
 
     def no_room_for(self, size: int) -> bool:
         pinned = sum(size_class(len(self.model[k])) for k in self.dirty)
-        pinned += sum(size_class(b.nbytes) for b in self.held)
+        pinned += sum(size_class(b.view.nbytes) for b in self.held)
         return pinned + size_class(size) > self.CAPACITY
 
     def settle_evictions(self) -> None:
@@ -94,7 +94,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
                 assert self.no_room_for(len(value))
                 self.settle_evictions()
                 return
-            buf[:] = value
+            buf.view[:] = value
             self.settle_evictions()
             self.run(self.tier.put(key, buf))
         else:
@@ -177,7 +177,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
         assert set(self.tier.dirty_keys()) == self.dirty
         stats = self.tier.stats()
         assert stats.used == sum(size_class(len(v)) for v in self.model.values()) + sum(
-            size_class(b.nbytes) for b in self.held
+            size_class(b.view.nbytes) for b in self.held
         )
         assert stats.used + stats.free_bytes <= self.CAPACITY
         assert stats.leases == 0
