@@ -31,6 +31,7 @@ from storaged.ids import chunk_id_of
 from storaged.node import Node
 from storaged.tools.local_cluster import ClusterError, default_erasure, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN
+from tiers.memory import Allocation
 
 SECRET = "inproc-cluster-secret-0123456789"
 
@@ -291,10 +292,10 @@ async def put_bytes(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
     return await node.put_chunk(chunk_id_of(data), len(data), body())
 
 
-async def hog_memory(node: Node) -> list[memoryview]:
+async def hog_memory(node: Node) -> list[Allocation]:
     """Take every free byte of ``node``'s RAM tier (as outstanding allocations), so that PUTs
     to it meet a real ``memory_full``; give it back with ``release_memory``."""
-    held: list[memoryview] = []
+    held: list[Allocation] = []
     for size in (2**20, 64 * 2**10, 4 * 2**10):
         # bounded: at most capacity / size allocations of each size
         for _ in range(node.config.memory_capacity // size + 1):
@@ -305,7 +306,7 @@ async def hog_memory(node: Node) -> list[memoryview]:
     return held
 
 
-def release_memory(node: Node, held: list[memoryview]) -> None:
+def release_memory(node: Node, held: list[Allocation]) -> None:
     while held:
         node.memory.release(held.pop())
 
