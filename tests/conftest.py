@@ -114,9 +114,21 @@ def _thread_state(native_id: int | None) -> tuple[str, float]:
 
 
 def _in_loop_machinery(frame: types.FrameType) -> bool:
-    """Whether the loop thread stands in asyncio's own code (polling, dispatching)."""
+    """Whether the loop thread stands in asyncio's own code (polling, dispatching), or
+    waits for a worker thread the default executor starts to be scheduled (``Thread.start``
+    waits until the new thread runs: on a starved machine that took over 0.5 s)."""
     filename = frame.f_code.co_filename
-    return filename.startswith(_ASYNCIO_DIR) or filename.endswith("selectors.py")
+    if filename.startswith(_ASYNCIO_DIR) or filename.endswith("selectors.py"):
+        return True
+    outer: types.FrameType | None = frame
+    while outer is not None:
+        code = outer.f_code
+        if code.co_name == "_adjust_thread_count" and code.co_filename.endswith(
+            os.path.join("concurrent", "futures", "thread.py")
+        ):
+            return True
+        outer = outer.f_back
+    return False
 
 
 def _guarded_loop() -> asyncio.AbstractEventLoop:

@@ -1,0 +1,42 @@
+"""The blocked-event-loop guard of tests/conftest.py: what it counts as the loop's own work.
+
+A loop thread that waits for a worker thread of the default executor to start stands in
+``Thread.start`` (it waits until the OS runs the new thread): on a starved machine that
+took over 0.5 s, and it is scheduling, not a block by the code under test. Anything else
+in ``threading`` (a lock taken in the loop, say) still counts.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import _in_loop_machinery
+
+
+def test_an_executor_starting_a_worker_is_loop_machinery(monkeypatch: pytest.MonkeyPatch) -> None:
+    frames: list[types.FrameType] = []
+    start = threading.Thread.start
+
+    def recording_start(self: threading.Thread) -> None:
+        frames.append(sys._getframe())
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(lambda: 7).result() == 7
+    monkeypatch.undo()
+    assert frames, "the executor started no thread"
+    assert _in_loop_machinery(frames[0])
+
+    # A thread started by the code itself, or a wait on a lock, is not.
+    own: list[types.FrameType] = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: own.append(sys._getframe()))
+    threading.Thread(target=lambda: None).start()
+    monkeypatch.undo()
+    assert own and not _in_loop_machinery(own[0])
+    assert not _in_loop_machinery(sys._getframe())
