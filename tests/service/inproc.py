@@ -282,6 +282,25 @@ class InprocFactory:
             await cluster.close()
 
 
+async def crash(cluster: InprocCluster, i: int) -> None:
+    """Stop node ``i`` as SIGKILL stops a process: its HTTP site stops listening and every
+    open connection to it is cut (a client in the middle of a request sees the connection
+    drop, never an answer), then ``kill``. ``kill`` alone waits for the requests in flight:
+    aiohttp takes ``shutdown_timeout=0`` for no limit, and stops reading their bodies, so a
+    PUT under way is answered 400 truncated once its body budget (5 s) is spent."""
+    runner = cluster.members[i].runner
+    if runner is not None:
+        for site in runner.sites:
+            await site.stop()
+        server = runner.server
+        for handler in server.connections if server is not None else []:
+            transport = handler.transport
+            if transport is not None:
+                transport.abort()
+            handler.force_close()
+    await cluster.kill(i)
+
+
 async def put_bytes(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
     """PUT ``data`` as one chunk through ``node``'s write path (as the HTTP layer does)."""
 
