@@ -46,7 +46,7 @@ from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
 from tests.conftest import ADMIN_TOKEN, TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -401,7 +401,7 @@ async def test_restore_with_nodes_dead(inproc_cluster: InprocCluster) -> None:
 
 async def test_full_memory_is_backpressure_not_failure(inproc: InprocFactory) -> None:
     settings = {**CLIENT_SETTINGS, "max_chunk_size": 1 << 20, "memory_capacity": 3 * 2**20}
-    cluster = await inproc.start(4, **settings)
+    cluster = await start_with_shm(inproc, 4, **settings)
     g, states = await asyncio.to_thread(
         big_state, 14, rows=2048
     )  # 16 MiB through 3 MiB of RAM per node

@@ -27,7 +27,7 @@ from storaged.client.errors import FragmentNotFound, NotEnoughFragments, Storage
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
 from tests.conftest import ADMIN_TOKEN, TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 CHUNK = 256 << 10
 
@@ -130,7 +130,7 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
 
 
 async def test_fewer_than_k_fragments_is_a_clear_error(inproc: InprocFactory) -> None:
-    cluster = await inproc.start(4, **CLIENT_SETTINGS, repair_interval=3600.0)
+    cluster = await start_with_shm(inproc, 4, **CLIENT_SETTINGS, repair_interval=3600.0)
     g = _state(2)
     async with client_for(cluster) as client:
         plan = await _save_cold(client, "degraded/b", g)
