@@ -321,8 +321,8 @@ async def test_failed_upload_commits_nothing(inproc_cluster: InprocCluster) -> N
 
     refused = _name("refused")
     with pytest.raises(CheckpointException, match="unauthorized"):
-        writer = StoragedWriter(cluster.urls, refused, "wrong-token")
-        await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
+        wrong = StoragedWriter(cluster.urls, refused, "wrong-token")
+        await asyncio.to_thread(dcp_save, state, storage_writer=wrong, no_dist=True)
     assert not await _committed(cluster, refused)
 
 
