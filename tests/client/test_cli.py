@@ -5,6 +5,10 @@ Round trips of .npz, .safetensors and torch files through ``storaged save`` and
 (wrong token, unreachable cluster, unknown or existing checkpoint, unreadable or
 unwritable files, bad names) give one readable line and a non-zero status; the
 demo's byte check catches a flipped byte, and the demo cleans up after Ctrl-C.
+
+Node processes (``LocalCluster``), not in-process nodes: the command under test is a
+process of its own (its output, exit status and Ctrl-C are what is checked), and the demo
+starts and SIGKILLs node processes itself.
 """
 
 from __future__ import annotations

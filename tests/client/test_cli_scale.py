@@ -9,6 +9,10 @@
   restore whose target file system is too small, before anything is fetched.
 - ``nodes`` against a cluster with a ``kill -9``-ed node, and ``status`` showing
   "reached" counts apart from where copies are now.
+
+Node processes (``LocalCluster``), not in-process nodes: every command runs as a child
+process (its RSS, output and exit status are what is checked), and ``nodes`` is asked
+about a node process killed with SIGKILL.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ docs/BENCHMARKS.md), not a test (a timed test flakes on a loaded machine). This 
 makes the time: each command runs, against a real cluster, in a fresh interpreter that
 says at exit which of the heavy modules it imported. ``save`` is the control: it must show
 numpy, or the check sees nothing.
+
+Node processes (``LocalCluster``), with the other CLI tests: each command under test is
+a fresh interpreter of its own (a child process), which is what the check needs.
 """
 
 from __future__ import annotations

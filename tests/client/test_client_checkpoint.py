@@ -1,10 +1,12 @@
-"""Saving and restoring sharded state against real node processes: the save protocol
-(upload, then one commit), the async saver's staging, and restore into any layout.
+"""Saving and restoring sharded state against real nodes: the save protocol (upload, then
+one commit), the async saver's staging, and restore into any layout.
 
-Failures are real ones: dead nodes, a name already taken, a manifest naming chunks
-never uploaded, chunks the cluster garbage-collected between the upload and the
-commit. Two clusters serve this module: the shared ``cluster`` for the plain cases
-and ``fragile`` (short GC grace) for the tests that kill nodes or wait for GC; every
+The nodes are in-process (real nodes serving HTTP and the peer protocol on 127.0.0.1 in
+the test's event loop, ``tests/service/inproc.py``), a cluster of 4 per test:
+``inproc_cluster`` for the plain cases, ``fragile`` (short GC grace) for the tests that
+kill nodes or wait for GC. Failures are real ones: dead nodes (stopped with ``crash``, as
+SIGKILL stops a process), a name already taken, a manifest naming chunks never
+uploaded, chunks the cluster garbage-collected between the upload and the commit; every
 test that kills nodes restarts them before it ends.
 """
 
@@ -12,13 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -53,9 +52,9 @@ from storaged.client.layout import (
 )
 from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
-from storaged.tools.local_cluster import LocalCluster
-from tests.client.helpers import client_for, client_sees_all_alive
-from tests.conftest import ClusterFactory
+from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
+from tests.conftest import TOKEN
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,48 +62,44 @@ pytestmark = pytest.mark.timeout(120)
 FRAGILE_GC_GRACE = 2.0
 
 
-@pytest.fixture(scope="module")
-def fragile() -> Iterator[LocalCluster]:
-    """A 4-node cluster whose GC collects uncommitted chunks after ``FRAGILE_GC_GRACE`` s,
-    for the tests that kill nodes (they restart them) or wait for the collector."""
-    root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
-    factory = ClusterFactory(root)
-    try:
-        yield factory(4, gc_grace=FRAGILE_GC_GRACE, commit_window=FRAGILE_GC_GRACE)
-    finally:
-        factory.stop_all()
-        shutil.rmtree(root, ignore_errors=True)
+@pytest.fixture
+async def fragile(inproc: InprocFactory) -> InprocCluster:
+    """4 in-process nodes whose GC collects uncommitted chunks after ``FRAGILE_GC_GRACE``
+    s, for the tests that kill nodes (they restart them) or wait for the collector."""
+    return await start_with_shm(
+        inproc, 4, **CLIENT_SETTINGS, gc_grace=FRAGILE_GC_GRACE, commit_window=FRAGILE_GC_GRACE
+    )
 
 
-async def all_alive(client: Client, cluster: LocalCluster) -> None:
+async def all_alive(client: Client, cluster: InprocCluster) -> None:
     """Until every node sees every other alive, and so does the client's view."""
     await every_node_sees_all_alive(cluster)
     await client_sees_all_alive(client)
 
 
 @asynccontextmanager
-async def nodes_down(cluster: LocalCluster, indexes: Sequence[int]) -> AsyncIterator[None]:
-    """Kill these nodes; restart them (concurrently, off the loop) on the way out."""
+async def nodes_down(cluster: InprocCluster, indexes: Sequence[int]) -> AsyncIterator[None]:
+    """Kill these nodes (``crash``: as SIGKILL); restart them on the way out."""
     for i in indexes:
-        await asyncio.to_thread(cluster.kill, i)
+        await crash(cluster, i)
     try:
         yield
     finally:
         await restart_dead(cluster, indexes)
 
 
-async def restart_dead(cluster: LocalCluster, indexes: Sequence[int]) -> None:
+async def restart_dead(cluster: InprocCluster, indexes: Sequence[int]) -> None:
     """Restart those of ``indexes`` that are dead; return once every node sees all alive."""
-    await asyncio.gather(
-        *(asyncio.to_thread(cluster.restart, i) for i in indexes if not cluster.alive(i))
-    )
+    for i in indexes:
+        if i not in cluster.running():
+            await cluster.start_node(i)
     await every_node_sees_all_alive(cluster)
 
 
-async def every_node_sees_all_alive(cluster: LocalCluster) -> None:
+async def every_node_sees_all_alive(cluster: InprocCluster) -> None:
     """Until each node's membership has every running node alive (after a start or a restart
     the views differ for a moment, and a PUT counts the live nodes its receiver sees)."""
-    await asyncio.to_thread(cluster.wait_converged, 30.0)
+    await cluster.wait_converged(30.0)
 
 
 def row_split(g: np.ndarray[Any, Any], bounds: list[int], axis: int = 0) -> list[Shard]:
@@ -180,10 +175,12 @@ async def restore_on(
     ("saved_on", "restored_on"),
     [(1, 3), pytest.param(3, 2, marks=pytest.mark.quick), (4, 4), (5, 1)],
 )
-async def test_save_n_restore_m(cluster: LocalCluster, saved_on: int, restored_on: int) -> None:
+async def test_save_n_restore_m(
+    inproc_cluster: InprocCluster, saved_on: int, restored_on: int
+) -> None:
     name = f"nm/{saved_on}-to-{restored_on}"
     m = model()
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         result = await save_checkpoint(
             client, name, states_of(m, saved_on), meta={"step": 100}, chunk_size=4096
         )
@@ -200,11 +197,11 @@ async def test_save_n_restore_m(cluster: LocalCluster, saved_on: int, restored_o
 
 
 async def test_ranks_in_separate_processes_hand_over_msgpack_entries(
-    cluster: LocalCluster,
+    inproc_cluster: InprocCluster,
 ) -> None:
     m = model(1)
     states = states_of(m, 3)
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         # Each "process" uploads its shard and ships its entry as bytes to the coordinator.
         wire = [
             await save_shard(client, rank, state, chunk_size=2048) for rank, state in states.items()
@@ -221,9 +218,9 @@ async def test_ranks_in_separate_processes_hand_over_msgpack_entries(
         await restore_on(client, "handover/step-1", m, 2)
 
 
-async def test_unchanged_state_uploads_only_what_changed(cluster: LocalCluster) -> None:
+async def test_unchanged_state_uploads_only_what_changed(inproc_cluster: InprocCluster) -> None:
     m = model(3)
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         await save_checkpoint(client, "changed/step-1", states_of(m, 2), chunk_size=4096)
         first = client.stats.bytes_uploaded
         assert first > 0
@@ -239,30 +236,30 @@ async def test_unchanged_state_uploads_only_what_changed(cluster: LocalCluster) 
         assert restored["w"][0, 0] == m["w"][0, 0]
 
 
-async def test_checkpoints_are_immutable(cluster: LocalCluster) -> None:
+async def test_checkpoints_are_immutable(inproc_cluster: InprocCluster) -> None:
     m = model(4)
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         await save_checkpoint(client, "immutable/x", states_of(m, 1))
         with pytest.raises(Exists):
             await save_checkpoint(client, "immutable/x", states_of(model(5), 1))
         await restore_on(client, "immutable/x", m, 1)
 
 
-async def test_commit_of_chunks_never_uploaded_is_refused(cluster: LocalCluster) -> None:
+async def test_commit_of_chunks_never_uploaded_is_refused(inproc_cluster: InprocCluster) -> None:
     # A shard entry made here but never uploaded: its chunk is unknown to the cluster.
     data = np.random.default_rng(99).integers(0, 1 << 30, 1000)
     staged = await asyncio.to_thread(stage_shard, 0, {"x": data})
     entry = staged.entry([chunk_id_of(c) for c in staged.chunks])
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         with pytest.raises(MissingChunks) as info:
             await commit_checkpoint(client, "missing/m", [entry])
         assert info.value.missing == [chunk_id_of(staged.chunks[0])]
         assert await names(client, "missing/") == []
 
 
-async def test_restore_errors_before_any_read(cluster: LocalCluster) -> None:
+async def test_restore_errors_before_any_read(inproc_cluster: InprocCluster) -> None:
     g = np.zeros((10, 4), np.float32)
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         # Half of g, committed as a foreign client may (this one refuses gaps at save time).
         entry = await save_shard(client, 0, {"g": Shard(g[:5], (10, 4), (0, 0))})
         partial = Manifest(time.time(), {}, (ShardEntry.from_wire(entry),))
@@ -284,10 +281,10 @@ async def test_restore_errors_before_any_read(cluster: LocalCluster) -> None:
 
 
 async def test_async_save_without_commit_yields_entries_for_a_coordinator(
-    cluster: LocalCluster,
+    inproc_cluster: InprocCluster,
 ) -> None:
     m = model(10)
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         async with AsyncSaver(client) as saver:
             handle = await saver.save("coord/c", states_of(m, 2), commit=False)
             result = await handle.acked()
@@ -299,11 +296,13 @@ async def test_async_save_without_commit_yields_entries_for_a_coordinator(
         await restore_on(client, "coord/c", m, 2)
 
 
-async def test_gaps_and_overlaps_are_refused_before_any_upload(cluster: LocalCluster) -> None:
+async def test_gaps_and_overlaps_are_refused_before_any_upload(
+    inproc_cluster: InprocCluster,
+) -> None:
     g = np.arange(40, dtype=np.float32).reshape(10, 4)
     gap = {0: {"g": Shard(g[:4], (10, 4), (0, 0))}, 1: {"g": Shard(g[5:], (10, 4), (5, 0))}}
     overlap = {0: {"g": Shard(g[:6], (10, 4), (0, 0))}, 1: {"g": Shard(g[5:], (10, 4), (5, 0))}}
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         with pytest.raises(ShardGap, match=r"g: gap at element \[4, 0\]") as missing:
             await save_checkpoint(client, "tiling/sync", gap)
         assert [rank for rank, _ in missing.value.boxes] == [0, 1]
@@ -336,7 +335,7 @@ async def test_gaps_and_overlaps_are_refused_before_any_upload(cluster: LocalClu
 # --------------------------------------------------------------------------- real failures
 
 
-async def test_failed_saves_commit_nothing_and_the_saver_recovers(fragile: LocalCluster) -> None:
+async def test_failed_saves_commit_nothing_and_the_saver_recovers(fragile: InprocCluster) -> None:
     m = model(2)
     states = states_of(m, 3)
     # Give up fast: the point is the failure, not the patience.
@@ -363,7 +362,7 @@ async def test_failed_saves_commit_nothing_and_the_saver_recovers(fragile: Local
 
 
 async def test_async_save_returns_after_staging_and_ignores_later_mutation(
-    fragile: LocalCluster, monkeypatch: pytest.MonkeyPatch
+    fragile: InprocCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Observe (not replace) the staging buffers: which memory each save packs into.
     pointers: list[int] = []
@@ -446,12 +445,12 @@ class SlowCoordinator(Client):
             raise
 
 
-async def test_commit_resends_chunks_the_cluster_lost(fragile: LocalCluster) -> None:
+async def test_commit_resends_chunks_the_cluster_lost(fragile: InprocCluster) -> None:
     m = model(6)
     states = states_of(m, 2)
     for state in states.values():
         state["tag"] = "lost"  # no chunk in common with another test's checkpoint
-    client = SlowCoordinator(fragile.urls, token=fragile.token)
+    client = SlowCoordinator(fragile.urls, token=TOKEN)
     async with client:
         await all_alive(client, fragile)
         result = await save_checkpoint(client, "lost/1", states, chunk_size=4096)
@@ -508,14 +507,14 @@ def filled(value: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("failure", ["cancelled", "other rank fails"])
 async def test_failed_save_gives_its_staging_buffer_back_only_after_its_copies_end(
-    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, failure: str
+    inproc_cluster: InprocCluster, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     import storaged.client.checkpoint as checkpoint
 
     gated = GatedCopies(checkpoint._copy_item)
     monkeypatch.setattr(checkpoint, "_copy_item", gated)
     prefix = f"owned-{'cancel' if failure == 'cancelled' else 'rank'}/"
-    async with client_for(cluster) as client:
+    async with client_for(inproc_cluster) as client:
         saver = AsyncSaver(client, chunk_size=16384, buffers=1)
         try:
             if failure == "cancelled":
@@ -544,20 +543,23 @@ async def test_failed_save_gives_its_staging_buffer_back_only_after_its_copies_e
 
 
 async def test_failed_upload_gives_its_staging_buffer_back_only_after_its_hashing_ends(
-    fragile: LocalCluster, monkeypatch: pytest.MonkeyPatch
+    fragile: InprocCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import storaged.client.checkpoint as checkpoint
+    import storaged.client.writes as writes
     import storaged.ids as ids
 
     ones = np.float32(1).tobytes()
     hashing_first = threading.Event()
     second_copied = threading.Event()
     overlapped: list[bool] = []  # per copy of the second save: was the first still hashing?
+    gated: list[int] = []  # sizes of the first save's chunks hashed through the gate
     real_hash, real_copy = ids.chunk_id_of, checkpoint._copy_item
 
     def gated_hash(data: Any) -> str:
         if len(data) <= 64 << 10 or bytes(memoryview(data)[:4]) != ones:
             return real_hash(data)
+        gated.append(len(data))
         hashing_first.set()
         second_copied.wait(GATE_TIMEOUT)  # a saver that does not wait lets the copy in now
         try:
@@ -571,12 +573,20 @@ async def test_failed_upload_gives_its_staging_buffer_back_only_after_its_hashin
             second_copied.set()
         real_copy(item, into)
 
-    # The client's hashing and the saver's own (whichever hashes the staged chunks).
-    monkeypatch.setattr(ids, "chunk_id_of", gated_hash)
+    async def gated_hash_async(data: Any) -> str:  # storaged.ids.chunk_id_of_async's rule
+        if len(data) <= ids._INLINE_HASH_BYTES:
+            return gated_hash(data)
+        return await asyncio.to_thread(gated_hash, data)
+
+    # The client's hashing and the saver's own (whichever hashes the staged chunks); not
+    # storaged.ids' functions themselves: the nodes, in this process, hash with those.
+    monkeypatch.setattr(writes, "chunk_id_of_async", gated_hash_async)
     monkeypatch.setattr(checkpoint, "chunk_id_of", gated_hash)
     monkeypatch.setattr(checkpoint, "_copy_item", watched_copy)
     quick = RetryPolicy(max_attempts=3, max_delay=0.1, max_retry_after=0.1, deadline=10)
-    async with client_for(fragile, retry=quick) as client:
+    # shm=False: through shared memory the node hashes what it is handed, the client
+    # nothing, and the gate is never reached (the test passed testing nothing).
+    async with client_for(fragile, retry=quick, shm=False) as client:
         await all_alive(client, fragile)
         saver = AsyncSaver(client, chunk_size=1 << 20, buffers=1)
         try:
@@ -593,6 +603,7 @@ async def test_failed_upload_gives_its_staging_buffer_back_only_after_its_hashin
             assert (await asyncio.wait_for(third.acked(), 60)).commit is not None
         finally:
             await saver.aclose()
+        assert gated, "the first save's chunk was never hashed through the gate: nothing tested"
         assert overlapped == [False], "the second save copied while the first still hashed"
         assert await names(client, "hashed/") == ["hashed/3"]
         restored = await restore_checkpoint(client, "hashed/3")

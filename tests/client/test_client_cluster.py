@@ -1,9 +1,13 @@
-"""The client against a real 4-node cluster (node processes on 127.0.0.1).
+"""The client against a real 4-node cluster: in-process nodes (real nodes serving their
+HTTP app and peer server on 127.0.0.1 in the test's event loop, ``tests/service/inproc.py``),
+one cluster per test.
 
 Round trips of random shapes, dtypes and shardings; N -> M resharding; dedup of
 unchanged state; the chunk and checkpoint API; async save with the source mutated
 after return; a node killed in the middle of a save; restore with nodes dead;
-RAM backpressure.
+RAM backpressure. A node is killed with ``crash``, as SIGKILL kills a process: its
+connections drop (requests in flight get no answer) and its RAM is gone; a restarted one
+opens its data directory again.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ from storaged.client import (
 from storaged.client.errors import BadName, Unauthorized
 from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
-from storaged.tools.local_cluster import LocalCluster
-from tests.client.helpers import client_for, client_sees_all_alive
-from tests.conftest import ADMIN_TOKEN, ClusterFactory
+from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
+from tests.conftest import ADMIN_TOKEN, TOKEN
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,8 +94,9 @@ async def restored_boxes(
 # --------------------------------------------------------------------------- API
 
 
-async def test_client_learns_the_cluster_from_one_url(cluster: LocalCluster) -> None:
-    async with Client(cluster.urls[2], token=cluster.token) as client:
+async def test_client_learns_the_cluster_from_one_url(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
+    async with Client(cluster.urls[2], token=TOKEN) as client:
         assert sorted(n.id for n in client.cluster.nodes) == [cluster.node_id(i) for i in range(4)]
         info = await client_sees_all_alive(client)
         assert info.replication == 3
@@ -101,7 +106,8 @@ async def test_client_learns_the_cluster_from_one_url(cluster: LocalCluster) -> 
             pass
 
 
-async def test_chunk_api(cluster: LocalCluster) -> None:
+async def test_chunk_api(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     data = np.random.default_rng(1).bytes(300_000)
     async with client_for(cluster) as client:
         await client_sees_all_alive(client)
@@ -131,7 +137,8 @@ async def test_chunk_api(cluster: LocalCluster) -> None:
         assert client.stats.failovers == 0
 
 
-async def test_checkpoint_api(cluster: LocalCluster) -> None:
+async def test_checkpoint_api(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     async with client_for(cluster) as client:
         g = np.arange(5000, dtype=np.float64).reshape(50, 100)
         states = {
@@ -205,7 +212,9 @@ def layouts(draw: st.DrawFn) -> tuple[tuple[int, ...], str, int, list[int], int,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(layouts())
-def test_random_round_trips(cluster: LocalCluster, layout: Any) -> None:
+async def test_random_round_trips(inproc_cluster: InprocCluster, layout: Any) -> None:
+    # One cluster for every example of the test (as one process cluster served the module).
+    cluster = inproc_cluster
     shape, dtype, save_axis, save_cuts, load_axis, load_cuts, seed = layout
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
@@ -214,17 +223,17 @@ def test_random_round_trips(cluster: LocalCluster, layout: Any) -> None:
     wanted = split(shape, load_axis, [0, *load_cuts, shape[load_axis]])
     name = f"rt/{seed}-{len(saved)}-{len(wanted)}-{uuid.uuid4().hex[:8]}"  # examples may repeat
 
-    async def run() -> None:
-        async with client_for(cluster) as client:
-            states = {r: {"g": s, "seed": seed} for r, s in enumerate(shards_of(g, saved))}
-            await save_checkpoint(client, name, states, chunk_size=1024)
-            await restored_boxes(client, name, "g", g, wanted)
-            assert (await restore_checkpoint(client, name, {"seed": None}))["seed"] == seed
-
-    asyncio.run(run())
+    async with client_for(cluster) as client:
+        states = {r: {"g": s, "seed": seed} for r, s in enumerate(shards_of(g, saved))}
+        await save_checkpoint(client, name, states, chunk_size=1024)
+        await restored_boxes(client, name, "g", g, wanted)
+        assert (await restore_checkpoint(client, name, {"seed": None}))["seed"] == seed
 
 
-async def test_uneven_resharding_reads_only_what_each_rank_needs(cluster: LocalCluster) -> None:
+async def test_uneven_resharding_reads_only_what_each_rank_needs(
+    inproc_cluster: InprocCluster,
+) -> None:
+    cluster = inproc_cluster
     g = np.random.default_rng(5).standard_normal((1000, 512)).astype(np.float32)  # 2 MB
     async with client_for(cluster) as client:
         saved = split(g.shape, 0, [0, 100, 450, 451, 1000])
@@ -239,7 +248,8 @@ async def test_uneven_resharding_reads_only_what_each_rank_needs(cluster: LocalC
         await restored_boxes(client, "reshard/4", "g", g, split(g.shape, 1, [0, 100, 512]))
 
 
-async def test_unchanged_state_uploads_only_the_manifest(cluster: LocalCluster) -> None:
+async def test_unchanged_state_uploads_only_the_manifest(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     rng = np.random.default_rng(6)
     head = rng.standard_normal((64, 64)).astype(np.float32)
     state: dict[str, Any] = {
@@ -263,7 +273,8 @@ async def test_unchanged_state_uploads_only_the_manifest(cluster: LocalCluster) 
         assert np.array_equal(got["head"], head) and got["step"] == 2
 
 
-async def test_async_save_ignores_mutation_after_return(cluster: LocalCluster) -> None:
+async def test_async_save_ignores_mutation_after_return(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     rng = np.random.default_rng(7)
     g = rng.standard_normal((2048, 512)).astype(np.float32)  # 4 MiB
     original = g.copy()
@@ -286,13 +297,14 @@ async def test_async_save_ignores_mutation_after_return(cluster: LocalCluster) -
 
 
 async def test_prepared_saver_stages_into_the_buffers_it_faulted_in(
-    cluster: LocalCluster,
+    inproc_cluster: InprocCluster,
 ) -> None:
     """``AsyncSaver.prepare`` lays out one staging buffer per rank (per buffer set) of the
     size the save packs into, pages touched; the first save uses exactly those buffers,
     and what it saved restores."""
     from storaged.client.checkpoint import staged_size
 
+    cluster = inproc_cluster
     g, states = big_state(31, rows=1024)
     chunk = 512 << 10
     async with (
@@ -335,8 +347,8 @@ async def uploads_reach(client: Client, chunks: int, save: asyncio.Future[Any]) 
         await asyncio.sleep(0.01)
 
 
-async def test_node_killed_during_a_save(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(4)
+async def test_node_killed_during_a_save(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     g, states = await asyncio.to_thread(big_state, 11)  # 32 MiB in 256 KiB chunks
     async with client_for(cluster, max_concurrency=4) as client:
         save = asyncio.ensure_future(
@@ -344,7 +356,7 @@ async def test_node_killed_during_a_save(cluster_factory: ClusterFactory) -> Non
         )
         await uploads_reach(client, 20, save)
         assert not save.done()  # the kill lands in the middle of the save
-        await asyncio.to_thread(cluster.kill, 3)
+        await crash(cluster, 3)
         try:
             await save
         except StoragedError as exc:  # allowed: a clear error, and nothing visible
@@ -355,8 +367,8 @@ async def test_node_killed_during_a_save(cluster_factory: ClusterFactory) -> Non
         await restored_boxes(client, "kill/1", "g", g, split(g.shape, 0, [0, 1000, 4096]))
 
 
-async def test_save_that_cannot_complete_is_never_visible(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(4)
+async def test_save_that_cannot_complete_is_never_visible(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     _, states = await asyncio.to_thread(big_state, 12, rows=2048)
     policy = RetryPolicy(max_attempts=4, max_delay=0.5, max_retry_after=1.0, deadline=10)
     async with client_for(cluster, max_concurrency=4, retry=policy) as client:
@@ -366,31 +378,30 @@ async def test_save_that_cannot_complete_is_never_visible(cluster_factory: Clust
         await uploads_reach(client, 10, save)
         assert not save.done()
         # Two of four nodes gone: fewer live nodes than the replication factor.
-        await asyncio.to_thread(cluster.kill, 2)
-        await asyncio.to_thread(cluster.kill, 3)
+        await crash(cluster, 2)
+        await crash(cluster, 3)
         with pytest.raises(StoragedError) as failure:
             await save
         assert failure.value.code in ("insufficient_replicas", "connection_failed", "unavailable")
         assert [c.name for c in await client.list("kill/")] == []
 
 
-async def test_restore_with_nodes_dead(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(4)
+async def test_restore_with_nodes_dead(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     g, states = await asyncio.to_thread(big_state, 13, rows=1024)
     async with client_for(cluster) as client:
         await save_checkpoint(client, "dead/1", states, chunk_size=256 << 10)
         # Acked means in RAM on three nodes: losing two of them loses nothing.
-        await asyncio.to_thread(cluster.kill, 0)
-        await asyncio.to_thread(cluster.kill, 1)
+        await crash(cluster, 0)
+        await crash(cluster, 1)
         await restored_boxes(client, "dead/1", "g", g, split(g.shape, 0, [0, 500, 1024]))
-        await asyncio.to_thread(cluster.restart, 1)
+        await cluster.restart(1)
         await restored_boxes(client, "dead/1", "g", g, split(g.shape, 1, [0, 1000, 2048]))
 
 
-async def test_full_memory_is_backpressure_not_failure(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(
-        4, max_chunk_size=1 << 20, tiers={"memory_capacity": "3MiB"}
-    )
+async def test_full_memory_is_backpressure_not_failure(inproc: InprocFactory) -> None:
+    settings = {**CLIENT_SETTINGS, "max_chunk_size": 1 << 20, "memory_capacity": 3 * 2**20}
+    cluster = await start_with_shm(inproc, 4, **settings)
     g, states = await asyncio.to_thread(
         big_state, 14, rows=2048
     )  # 16 MiB through 3 MiB of RAM per node
@@ -402,8 +413,9 @@ async def test_full_memory_is_backpressure_not_failure(cluster_factory: ClusterF
 @pytest.mark.parametrize("direct", [False, True], ids=["aiohttp", "direct"])
 @pytest.mark.parametrize("tier", ["memory", "cold"])
 async def test_restore_spreads_reads_over_the_holders(
-    cluster: LocalCluster, tier: str, direct: bool
+    inproc_cluster: InprocCluster, tier: str, direct: bool
 ) -> None:
+    cluster = inproc_cluster
     # Many fetches queued at once behind few request slots must not all pick one holder.
     # From RAM each chunk has its own 3 holders; cold-only, every node holds fragments of
     # every chunk, so the holder lists are identical and any tie bias shows at once (the
@@ -455,7 +467,10 @@ async def test_restore_spreads_reads_over_the_holders(
     assert max(served.values()) <= total * limit, served
 
 
-async def test_evict_refuses_bad_input_and_unknown_checkpoints(cluster: LocalCluster) -> None:
+async def test_evict_refuses_bad_input_and_unknown_checkpoints(
+    inproc_cluster: InprocCluster,
+) -> None:
+    cluster = inproc_cluster
     async with client_for(cluster) as client:
         with pytest.raises(ValueError, match="tier"):
             await client.evict("spread/memory", "cold", admin_token=ADMIN_TOKEN)
@@ -537,12 +552,13 @@ class _LosesOneDeleteAnswer:
 
 
 async def test_a_delete_whose_answer_is_lost_is_not_reported_as_missing(
-    cluster: LocalCluster,
+    inproc_cluster: InprocCluster,
 ) -> None:
     """A DELETE the node carried out, its answer lost: ``delete()`` returns (the checkpoint
     is gone), not ``CheckpointNotFound``. aiohttp resent such a DELETE unseen; the 404 of
     the resend reached the caller as "no such checkpoint", and the nemesis (etcd soak,
     seed 2027665186) then counted the acknowledged checkpoint as lost once GC freed it."""
+    cluster = inproc_cluster
     name = "lost-answer/step-1"
     async with client_for(cluster) as client:
         await save_checkpoint(client, name, {0: {"w": np.arange(4096, dtype=np.int64)}})

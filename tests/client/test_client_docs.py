@@ -1,6 +1,10 @@
 """docs/CLIENT.md runs as written: its Python blocks, in order, against a real cluster, and
 its multi-rank DCP example (docs/examples/dcp_torchrun.py, quoted there verbatim) under
-torchrun with two ranks."""
+torchrun with two ranks.
+
+The nodes are in-process (``inproc_cluster``: real nodes in the test's event loop); the
+doc's script, the control and the torchrun ranks are child processes, waited for in a
+thread so that the loop keeps serving them."""
 
 from __future__ import annotations
 
@@ -16,8 +20,8 @@ import numpy as np
 import pytest
 
 from storaged.client import Client, restore_checkpoint
-from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
+from tests.service.inproc import InprocCluster
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,6 +30,13 @@ DOC = REPO / "docs" / "CLIENT.md"
 TORCHRUN_EXAMPLE = REPO / "docs" / "examples" / "dcp_torchrun.py"
 #: what torch prints for a DCP save or load without a process group (or with ``no_dist``)
 NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+@pytest.fixture
+def torch_installed() -> None:
+    """Skips the test without torch. A fixture: torch is imported here, not in the test's
+    event loop, which its import would hold for seconds (the nodes serve in that loop)."""
+    pytest.importorskip("torch")
 
 
 def python_blocks(text: str) -> list[str]:
@@ -48,8 +59,10 @@ def test_the_blocks_are_found() -> None:
         assert name in joined, name
 
 
-def test_client_doc_examples_run(cluster: LocalCluster, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+async def test_client_doc_examples_run(
+    inproc_cluster: InprocCluster, tmp_path: Path, torch_installed: None
+) -> None:
+    cluster = inproc_cluster
     script = tmp_path / "client_doc.py"
     script.write_text("\n\n".join(python_blocks(DOC.read_text())))
     env = {
@@ -59,7 +72,8 @@ def test_client_doc_examples_run(cluster: LocalCluster, tmp_path: Path) -> None:
         "STORAGED_URL": ",".join(cluster.urls),
         "STORAGED_TOKEN": TOKEN,
     }
-    proc = subprocess.run(
+    proc = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
@@ -79,10 +93,11 @@ def test_client_doc_examples_run(cluster: LocalCluster, tmp_path: Path) -> None:
     assert NO_DIST_WARNING not in proc.stderr, proc.stderr
 
 
-def test_the_no_dist_warning_is_what_the_doc_avoids(cluster: LocalCluster, tmp_path: Path) -> None:
+async def test_the_no_dist_warning_is_what_the_doc_avoids(
+    inproc_cluster: InprocCluster, tmp_path: Path, torch_installed: None
+) -> None:
     """The control: ``no_dist=True`` does print the warning the single-process form avoids
     (if a torch release drops it, this fails and the doc's advice can go)."""
-    pytest.importorskip("torch")
     code = (
         "import os, torch, torch.distributed.checkpoint as dcp\n"
         "from storaged.client.dcp import StoragedWriter\n"
@@ -91,9 +106,14 @@ def test_the_no_dist_warning_is_what_the_doc_avoids(cluster: LocalCluster, tmp_p
         "dcp.save({'x': torch.ones(3)}, storage_writer=w, no_dist=True)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONASYNCIODEBUG": "",
-           "STORAGED_URL": ",".join(cluster.urls), "STORAGED_TOKEN": TOKEN}  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+           "STORAGED_URL": ",".join(inproc_cluster.urls), "STORAGED_TOKEN": TOKEN}  # fmt: skip
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert NO_DIST_WARNING in proc.stderr
@@ -112,8 +132,10 @@ def test_the_torchrun_example_is_quoted_verbatim() -> None:
 
 
 @pytest.mark.torch
-def test_the_torchrun_example_runs_on_two_ranks(cluster: LocalCluster, tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+async def test_the_torchrun_example_runs_on_two_ranks(
+    inproc_cluster: InprocCluster, tmp_path: Path, torch_installed: None
+) -> None:
+    cluster = inproc_cluster
     name = f"docs/torchrun-{os.getpid()}-{tmp_path.name[-12:]}"
     env = {
         **os.environ,
@@ -125,7 +147,8 @@ def test_the_torchrun_example_runs_on_two_ranks(cluster: LocalCluster, tmp_path:
         "GLOO_SOCKET_IFNAME": "lo",  # gloo's own sockets stay on the loopback
     }
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
+    proc = await asyncio.to_thread(
+        subprocess.run,
         [*argv, str(TORCHRUN_EXAMPLE), name],
         capture_output=True,
         text=True,
@@ -141,14 +164,11 @@ def test_the_torchrun_example_runs_on_two_ranks(cluster: LocalCluster, tmp_path:
     assert NO_DIST_WARNING not in proc.stderr
 
     # One checkpoint with both ranks' shards: the numpy client reads it whole, on one process.
-    async def read_back() -> dict[str, Any]:
-        async with Client(cluster.urls, token=TOKEN) as client:
-            manifest = await client.get_manifest(name)
-            ranks = {shard["rank"] for shard in manifest["shards"]}
-            assert ranks == {0, 1}, manifest
-            return await restore_checkpoint(client, name)
-
-    back = asyncio.run(read_back())
+    async with Client(cluster.urls, token=TOKEN) as client:
+        manifest = await client.get_manifest(name)
+        ranks = {shard["rank"] for shard in manifest["shards"]}
+        assert ranks == {0, 1}, manifest
+        back: dict[str, Any] = await restore_checkpoint(client, name)
     want = np.arange(48, dtype=np.float32).reshape(8, 6)
     assert np.array_equal(back["weight"], want)
     assert np.allclose(back["bias"], np.linspace(-1.0, 1.0, 6, dtype=np.float32))

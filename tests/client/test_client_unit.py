@@ -1,9 +1,10 @@
 """The client: what needs no server (error mapping, retry policy arithmetic, placement,
 small helpers, document parsing) and the request engine's retry, failover and read
-decisions against real node processes: 503 memory_full with Retry-After from a cluster
-whose RAM cannot drain, 503 insufficient_replicas and lost connections from killed
-nodes, a wait that times out; and on in-process nodes, real 4xx answers, a GET that
-tries every node, reads into the caller's memory."""
+decisions against real nodes, in-process (real nodes serving HTTP and the peer protocol
+in the test's event loop, ``tests/service/inproc.py``): 503 memory_full with Retry-After
+from a cluster whose RAM cannot drain, 503 insufficient_replicas and lost connections
+from nodes killed as SIGKILL kills a process (``crash``), a wait that times out, real 4xx
+answers, a GET that tries every node, reads into the caller's memory."""
 
 from __future__ import annotations
 
@@ -13,13 +14,9 @@ import dataclasses
 import hashlib
 import json
 import random
-import shutil
-import tempfile
 import time
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -59,11 +56,10 @@ from storaged.client.errors import (
 from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
 from storaged.placement import rendezvous_order
-from storaged.tools.local_cluster import LocalCluster
 from storaged.wire import ByteRange, state_at_least
-from tests.client.helpers import client_for, client_sees_all_alive
-from tests.conftest import TOKEN, ClusterFactory
-from tests.service.inproc import InprocFactory
+from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
+from tests.conftest import TOKEN
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,47 +253,42 @@ def test_cluster_document_parsing() -> None:
 
 # --------------------------------------------------------------------------- request engine
 #
-# The request engine against real node processes: every status, header and lost
+# The request engine against real nodes (in-process): every status, header and lost
 # connection below comes from a real server (or a real dead one).
 
 
-@pytest.fixture(scope="module")
-def starved() -> Iterator[LocalCluster]:
+@pytest.fixture
+async def starved(inproc: InprocFactory) -> InprocCluster:
     """A 4-node cluster that does not make data durable: no drain runs, so RAM (24 MiB a
     node) fills with dirty data and PUTs are refused with 503 memory_full after
     ``put_wait`` (its disks have room: a full nvme would be 507 nvme_full, E16); no
     encoder runs, so nothing ever reaches cold. Unreferenced chunks are collected
     ``gc_grace`` seconds after upload."""
-    root = Path(tempfile.mkdtemp(prefix="storaged-test-"))
-    factory = ClusterFactory(root)
-    try:
-        yield factory(
-            4,
-            put_wait=0.5,
-            drain_workers=0,
-            encode_workers=0,
-            gc_grace=2.0,
-            tiers={"memory_capacity": "24MiB"},
-            # A graceful stop drains its RAM (72 MiB at most) itself: bounded anyway.
-            stop_timeout=5.0,
-        )
-    finally:
-        factory.stop_all()
-        shutil.rmtree(root, ignore_errors=True)
+    return await start_with_shm(
+        inproc,
+        4,
+        **{**CLIENT_SETTINGS, "memory_capacity": 24 * 2**20},
+        put_wait=0.5,
+        drain_workers=0,
+        encode_workers=0,
+        gc_grace=2.0,
+        stop_timeout=5.0,
+    )
 
 
-async def all_alive(client: Client, cluster: LocalCluster) -> None:
+async def all_alive(client: Client, cluster: InprocCluster) -> None:
     """Until every node sees every other alive, and so does the client's view."""
     await settled(cluster)
     await client_sees_all_alive(client)
 
 
-async def settled(cluster: LocalCluster, dead: frozenset[str] = frozenset()) -> None:
+async def settled(cluster: InprocCluster, dead: frozenset[str] = frozenset()) -> None:
     """Until every live node's membership has exactly the ``dead`` nodes down (right after
     start-up, or after a kill, the nodes' views differ for a moment)."""
-    stopped = {cluster.node_id(i) for i in range(cluster.nodes) if not cluster.alive(i)}
-    assert stopped == set(dead), f"expected {set(dead)} down, processes say {stopped}"
-    await asyncio.to_thread(cluster.wait_converged, 30.0)
+    running = cluster.running()
+    stopped = {cluster.node_id(i) for i in range(cluster.nodes) if i not in running}
+    assert stopped == set(dead), f"expected {set(dead)} down, the cluster says {stopped}"
+    await cluster.wait_converged(30.0)
 
 
 @dataclass(frozen=True)
@@ -348,7 +339,7 @@ def traced_session(token: str, calls: list[tuple[str, str]]) -> aiohttp.ClientSe
 
 
 async def test_full_memory_is_retried_after_retry_after(
-    starved: LocalCluster,
+    starved: InprocCluster,
 ) -> None:
     rng = np.random.default_rng(20)
     policy = RecordingPolicy(max_attempts=3, max_retry_after=1.0)
@@ -365,7 +356,7 @@ async def test_full_memory_is_retried_after_retry_after(
 
 
 async def fill_then_free(
-    cluster: LocalCluster,
+    cluster: InprocCluster,
     client: Client,
     policy: RecordingPolicy,
     rng: np.random.Generator,
@@ -413,7 +404,7 @@ async def fill_then_free(
         assert bytes(await waiting.get_chunk(result.chunk)) == data
 
 
-async def test_wait_times_out_with_the_last_status(starved: LocalCluster) -> None:
+async def test_wait_times_out_with_the_last_status(starved: InprocCluster) -> None:
     data = np.random.default_rng(21).bytes(100_000)
     async with client_for(starved) as client:
         await all_alive(client, starved)
@@ -433,9 +424,9 @@ async def test_wait_times_out_with_the_last_status(starved: LocalCluster) -> Non
 
 
 async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
-    cluster_factory: ClusterFactory,
+    inproc_cluster: InprocCluster,
 ) -> None:
-    cluster = await cluster_factory.start(4)
+    cluster = inproc_cluster
     rng = np.random.default_rng(22)
     # Clients that learned the membership while every node was up.
     # shm=False: the HTTP fail-over is the subject (a co-located client hands chunks to
@@ -448,7 +439,7 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
         # Two chunks whose placement starts with n3, chosen while the view had n3 alive.
         data, other = first_placed_on("n3", putter, rng), first_placed_on("n3", putter, rng)
 
-        await asyncio.to_thread(cluster.kill, 3)
+        await crash(cluster, 3)
         await settled(cluster, frozenset({"n3"}))
         # The clients still think n3 alive: their first attempt goes there and finds
         # nobody; the next node answers at once, with no wait in between.
@@ -470,7 +461,7 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
 
         # Two of four down: fewer live nodes than the replication factor. 503
         # insufficient_replicas is retried, then raised with its code.
-        await asyncio.to_thread(cluster.kill, 2)
+        await crash(cluster, 2)
         await settled(cluster, frozenset({"n2", "n3"}))
         policy = RecordingPolicy(max_attempts=3, max_retry_after=0.1)
         async with client_for(cluster, retry=policy) as client:

@@ -1,7 +1,13 @@
 """PyTorch Distributed Checkpoint on storaged: dcp.save / async_save / load against a real cluster.
 
+The nodes are in-process (``inproc_cluster``: real nodes in the test's event loop). DCP's
+writer and reader are synchronous (each runs its own event loop in a worker thread and
+blocks its caller until it is done), so every DCP call, and the ``storaged`` command's
+``main``, runs in a thread (``asyncio.to_thread``) while the nodes keep serving in the
+test's loop.
+
 The multi-process test runs this module as a script (``python -m tests.client.test_dcp
-CONFIG``): each process is one gloo rank on 127.0.0.1.
+CONFIG``): each process is one gloo rank on 127.0.0.1, against the same in-process nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from datetime import timedelta
 from pathlib import Path
@@ -39,8 +45,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from storaged.client import CheckpointNotFound, Client
 from storaged.client.checkpoint import Shard, StagedShard, save_checkpoint
 from storaged.client.dcp import BYTES_DTYPE, FRAMEWORK, StoragedReader, StoragedWriter
-from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN
+from tests.service.inproc import InprocCluster
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(280)]
 
@@ -66,17 +72,14 @@ def _assert_same(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
     assert torch.equal(_bits(got), _bits(want)), f"{key}: values differ"
 
 
-def _manifest(cluster: LocalCluster, name: str) -> dict[str, Any]:
-    async def fetch() -> dict[str, Any]:
-        async with Client(cluster.urls, token=TOKEN) as client:
-            return await client.get_manifest(name)
-
-    return asyncio.run(fetch())
+async def _manifest(cluster: InprocCluster, name: str) -> dict[str, Any]:
+    async with Client(cluster.urls, token=TOKEN) as client:
+        return await client.get_manifest(name)
 
 
-def _committed(cluster: LocalCluster, name: str) -> bool:
+async def _committed(cluster: InprocCluster, name: str) -> bool:
     try:
-        _manifest(cluster, name)
+        await _manifest(cluster, name)
     except CheckpointNotFound:
         return False
     return True
@@ -140,14 +143,15 @@ def _upload_result(result: Any) -> ConcurrentFuture[Any]:
 
 
 @pytest.mark.quick
-def test_round_trip_several_dtypes(cluster: LocalCluster) -> None:
+async def test_round_trip_several_dtypes(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     name = _name("mixed")
     state = _mixed_state()
     writer = StoragedWriter(cluster.urls, name, TOKEN, chunk_size=CHUNK)
-    dcp_save(state, storage_writer=writer, no_dist=True)
+    await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
     assert writer.last_commit is not None and writer.last_commit.created
 
-    manifest = _manifest(cluster, name)
+    manifest = await _manifest(cluster, name)
     assert manifest["meta"]["framework"] == FRAMEWORK
     assert manifest["meta"]["world_size"] == 1
     [shard] = manifest["shards"]
@@ -170,7 +174,7 @@ def test_round_trip_several_dtypes(cluster: LocalCluster) -> None:
     loaded = _blank_like(state)
     destinations = {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
     reader = StoragedReader(cluster.urls, name, TOKEN)
-    dcp_load(loaded, storage_reader=reader, no_dist=True)
+    await asyncio.to_thread(dcp_load, loaded, storage_reader=reader, no_dist=True)
     _assert_state_equal(loaded, state)
     for key, tensor in destinations.items():  # loaded in place
         assert loaded[key] is tensor, key
@@ -181,7 +185,7 @@ def test_round_trip_several_dtypes(cluster: LocalCluster) -> None:
     assert reader.last_read.tensor_bytes == sum(t.numel() * t.element_size() for t in saved)
 
 
-def test_load_without_a_template_rebuilds_the_nesting(cluster: LocalCluster) -> None:
+async def test_load_without_a_template_rebuilds_the_nesting(inproc_cluster: InprocCluster) -> None:
     """DCP's template-free load (what dcp_to_torch_save uses) needs shapes, dtypes and
     the planner's flattening map: all of it comes back from the manifest."""
     name = _name("whole")
@@ -189,12 +193,16 @@ def test_load_without_a_template_rebuilds_the_nesting(cluster: LocalCluster) -> 
         "model": {"w": torch.randn(5, 3), "b": torch.zeros(3, dtype=torch.bfloat16)},
         "step": 9,
     }
-    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
-    whole = dcp_load_whole(storage_reader=StoragedReader(cluster.urls, name, TOKEN))
+    urls = inproc_cluster.urls
+    writer = StoragedWriter(urls, name, TOKEN)
+    await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
+    whole = await asyncio.to_thread(
+        dcp_load_whole, storage_reader=StoragedReader(urls, name, TOKEN)
+    )
     _assert_state_equal(whole, state)
 
 
-def test_loads_a_checkpoint_saved_by_the_numpy_client(cluster: LocalCluster) -> None:
+async def test_loads_a_checkpoint_saved_by_the_numpy_client(inproc_cluster: InprocCluster) -> None:
     """The manifest is framework-neutral: numpy shards from two ranks load into torch."""
     name = _name("numpy")
     full = np.arange(7 * 6, dtype=np.float32).reshape(7, 6)
@@ -203,59 +211,72 @@ def test_loads_a_checkpoint_saved_by_the_numpy_client(cluster: LocalCluster) -> 
         1: {"a": Shard(full[4:], (7, 6), (4, 0))},
     }
 
-    async def save() -> None:
-        async with Client(cluster.urls, token=TOKEN) as client:
-            await save_checkpoint(client, name, states)
-
-    asyncio.run(save())
+    urls = inproc_cluster.urls
+    async with Client(urls, token=TOKEN) as client:
+        await save_checkpoint(client, name, states)
     out = {"a": torch.zeros(7, 6)}
-    dcp_load(out, storage_reader=StoragedReader(cluster.urls, name, TOKEN), no_dist=True)
+    reader = StoragedReader(urls, name, TOKEN)
+    await asyncio.to_thread(dcp_load, out, storage_reader=reader, no_dist=True)
     _assert_same(out["a"], torch.from_numpy(full), "a")
     # Its msgpack value is not a DCP object: left out of the metadata, so asking for it fails.
     with pytest.raises(CheckpointException, match="Missing key"):
-        dcp_load(
-            {"note": ""}, storage_reader=StoragedReader(cluster.urls, name, TOKEN), no_dist=True
-        )
+        reader = StoragedReader(urls, name, TOKEN)
+        await asyncio.to_thread(dcp_load, {"note": ""}, storage_reader=reader, no_dist=True)
 
 
-def test_names_are_immutable_and_missing_ones_fail_cleanly(cluster: LocalCluster) -> None:
+async def test_names_are_immutable_and_missing_ones_fail_cleanly(
+    inproc_cluster: InprocCluster,
+) -> None:
+    urls = inproc_cluster.urls
     name = _name("once")
     state = {"w": torch.arange(12.0).reshape(3, 4)}
-    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+    writer = StoragedWriter(urls, name, TOKEN)
+    await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
     changed = {"w": state["w"] + 1}
     with pytest.raises(CheckpointException, match="already exists"):
-        dcp_save(changed, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+        writer = StoragedWriter(urls, name, TOKEN)
+        await asyncio.to_thread(dcp_save, changed, storage_writer=writer, no_dist=True)
     out = {"w": torch.zeros(3, 4)}
-    dcp_load(out, storage_reader=StoragedReader(cluster.urls, name, TOKEN), no_dist=True)
+    reader = StoragedReader(urls, name, TOKEN)
+    await asyncio.to_thread(dcp_load, out, storage_reader=reader, no_dist=True)
     _assert_same(out["w"], state["w"], "w")  # the first save stands
 
     with pytest.raises(CheckpointException, match="checkpoint_not_found"):
-        dcp_load(out, storage_reader=StoragedReader(cluster.urls, _name("none"), TOKEN))
+        reader = StoragedReader(urls, _name("none"), TOKEN)
+        await asyncio.to_thread(dcp_load, out, storage_reader=reader)
     with pytest.raises(ValueError, match="invalid checkpoint name"):
-        StoragedWriter(cluster.urls, "../escape", TOKEN)
+        StoragedWriter(urls, "../escape", TOKEN)
     # A load whose state dict asks for a key the checkpoint lacks is refused by DCP.
     with pytest.raises(CheckpointException, match="Missing key"):
-        dcp_load(
+        await asyncio.to_thread(
+            dcp_load,
             {"w": torch.zeros(3, 4), "absent": torch.zeros(2)},
-            storage_reader=StoragedReader(cluster.urls, name, TOKEN),
+            storage_reader=StoragedReader(urls, name, TOKEN),
             no_dist=True,
         )
 
 
-def test_checkpoint_id_names_the_checkpoint(cluster: LocalCluster) -> None:
-    writer = StoragedWriter(cluster.urls, _name("unused"), TOKEN)
-    reader = StoragedReader(cluster.urls, _name("unused"), TOKEN)
+async def test_checkpoint_id_names_the_checkpoint(inproc_cluster: InprocCluster) -> None:
+    writer = StoragedWriter(inproc_cluster.urls, _name("unused"), TOKEN)
+    reader = StoragedReader(inproc_cluster.urls, _name("unused"), TOKEN)
     state = {"a": torch.ones(5, dtype=torch.int32)}
     for step in range(2):
         name = _name(f"step-{step}")
         state["a"] += step
-        dcp_save(state, checkpoint_id=name, storage_writer=writer, no_dist=True)
+        await asyncio.to_thread(
+            dcp_save, state, checkpoint_id=name, storage_writer=writer, no_dist=True
+        )
         out = {"a": torch.zeros(5, dtype=torch.int32)}
-        dcp_load(out, checkpoint_id=name, storage_reader=reader, no_dist=True)
+        await asyncio.to_thread(
+            dcp_load, out, checkpoint_id=name, storage_reader=reader, no_dist=True
+        )
         _assert_same(out["a"], state["a"], name)
 
 
-def test_async_save_completes_and_keeps_the_staged_values(cluster: LocalCluster) -> None:
+async def test_async_save_completes_and_keeps_the_staged_values(
+    inproc_cluster: InprocCluster,
+) -> None:
+    cluster = inproc_cluster
     name = _name("async")
     state = _mixed_state()
     want = {
@@ -263,7 +284,8 @@ def test_async_save_completes_and_keeps_the_staged_values(cluster: LocalCluster)
         for k, v in state.items()
         if k not in ("nested", "extra")
     }
-    result = dcp_async_save(
+    result = await asyncio.to_thread(
+        dcp_async_save,
         {k: state[k] for k in want},
         storage_writer=StoragedWriter(cluster.urls, name, TOKEN, chunk_size=CHUNK),
         no_dist=True,
@@ -272,10 +294,11 @@ def test_async_save_completes_and_keeps_the_staged_values(cluster: LocalCluster)
     # not change what is saved.
     state["f32"].add_(100.0)
     state["i64"].zero_()
-    _upload_result(result).result(timeout=60)
-    assert _committed(cluster, name)
+    await asyncio.to_thread(_upload_result(result).result, timeout=60)
+    assert await _committed(cluster, name)
     loaded = _blank_like(want)
-    dcp_load(loaded, storage_reader=StoragedReader(cluster.urls, name, TOKEN), no_dist=True)
+    reader = StoragedReader(cluster.urls, name, TOKEN)
+    await asyncio.to_thread(dcp_load, loaded, storage_reader=reader, no_dist=True)
     _assert_state_equal(loaded, want)
 
 
@@ -287,20 +310,20 @@ class _FailAfterUpload(StoragedWriter):
         raise RuntimeError(f"injected failure after {len(ids)} chunks were acknowledged")
 
 
-def test_failed_upload_commits_nothing(cluster: LocalCluster) -> None:
+async def test_failed_upload_commits_nothing(inproc_cluster: InprocCluster) -> None:
+    cluster = inproc_cluster
     state = {"w": torch.randn(64, 64), "step": 3}
     name = _name("failed")
     writer = _FailAfterUpload(cluster.urls, name, TOKEN, chunk_size=CHUNK)
     with pytest.raises(CheckpointException, match="injected failure"):
-        dcp_save(state, storage_writer=writer, no_dist=True)
-    assert not _committed(cluster, name)
+        await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
+    assert not await _committed(cluster, name)
 
     refused = _name("refused")
     with pytest.raises(CheckpointException, match="unauthorized"):
-        dcp_save(
-            state, storage_writer=StoragedWriter(cluster.urls, refused, "wrong-token"), no_dist=True
-        )
-    assert not _committed(cluster, refused)
+        wrong = StoragedWriter(cluster.urls, refused, "wrong-token")
+        await asyncio.to_thread(dcp_save, state, storage_writer=wrong, no_dist=True)
+    assert not await _committed(cluster, refused)
 
 
 # ---------------------------------------------------------------------- several processes
@@ -430,17 +453,20 @@ def _run_ranks(config: dict[str, Any], world: int, store: Path) -> None:
         assert proc.returncode == 0, f"{config['mode']} rank {rank} failed:\n{text}"
 
 
-def test_dtensor_saved_by_2_ranks_loads_into_3(cluster: LocalCluster, tmp_path: Path) -> None:
+async def test_dtensor_saved_by_2_ranks_loads_into_3(
+    inproc_cluster: InprocCluster, tmp_path: Path
+) -> None:
+    cluster = inproc_cluster
     config: dict[str, Any] = {
         "urls": cluster.urls,
         "token": TOKEN,
         "name": _name("dtensor"),
         "failed": _name("dtensor-failed"),
     }
-    _run_ranks({**config, "mode": "save"}, 2, tmp_path / "save.store")
+    await asyncio.to_thread(_run_ranks, {**config, "mode": "save"}, 2, tmp_path / "save.store")
 
-    assert not _committed(cluster, config["failed"])
-    manifest = _manifest(cluster, config["name"])
+    assert not await _committed(cluster, config["failed"])
+    manifest = await _manifest(cluster, config["name"])
     assert manifest["meta"]["world_size"] == 2
     assert [shard["rank"] for shard in manifest["shards"]] == [0, 1]
     boxes = {
@@ -453,7 +479,7 @@ def test_dtensor_saved_by_2_ranks_loads_into_3(cluster: LocalCluster, tmp_path: 
     # Replicated: saved once, by whichever rank DCP's dedup picked.
     assert [rank for rank in (0, 1) if (rank, "r") in boxes] in ([0], [1])
 
-    _run_ranks({**config, "mode": "load"}, 3, tmp_path / "load.store")
+    await asyncio.to_thread(_run_ranks, {**config, "mode": "load"}, 3, tmp_path / "load.store")
 
 
 def _main(argv: list[str]) -> int:
@@ -491,15 +517,23 @@ def test_writer_and_reader_name_their_cluster_and_checkpoint_alike(
         one.reset("../escape")
 
 
+Cli = Callable[..., Awaitable[tuple[int, str, str]]]
+
+
 @pytest.fixture
-def cli(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> Any:
-    """The ``storaged`` command (its ``main``, in this process: torch is imported already)
-    against the module's cluster: ``cli(*args) -> (status, stdout, stderr)``."""
+def cli(inproc_cluster: InprocCluster, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """The ``storaged`` command (its ``main``, in this process: torch is imported already;
+    in a thread, as it runs an event loop of its own) against the test's cluster:
+    ``await cli(*args) -> (status, stdout, stderr)``."""
     from storaged.cli import main
 
-    def run(*args: str) -> tuple[int, str, str]:
+    urls = ",".join(inproc_cluster.urls)
+
+    async def run(*args: str) -> tuple[int, str, str]:
         capsys.readouterr()
-        status = main([*args, "--url", ",".join(cluster.urls), "--token", TOKEN, "--no-progress"])
+        status = await asyncio.to_thread(
+            main, [*args, "--url", urls, "--token", TOKEN, "--no-progress"]
+        )
         out, err = capsys.readouterr()
         assert "Traceback" not in err, err
         return status, out, err
@@ -507,8 +541,8 @@ def cli(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> Any:
     return run
 
 
-def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
-    cluster: LocalCluster, cli: Any, tmp_path: Path
+async def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
+    inproc_cluster: InprocCluster, cli: Cli, tmp_path: Path
 ) -> None:
     """Every value the DCP writer saved comes back: tensors as tensors, the rest (a step, a
     learning rate, a tuple of betas, a name, a nested dict) in the safetensors metadata
@@ -521,12 +555,13 @@ def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
     half = torch.ones(5, dtype=torch.bfloat16)
     values = {"step": 1200, "lr": 0.25, "betas": (0.9, 0.999), "run": "exp-7"}
     state = {"model": {"w": weight, "h": half}, **values, "extra": {"seen": [1, 2, 3]}}
-    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+    writer = StoragedWriter(inproc_cluster.urls, name, TOKEN)
+    await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
     flat = {"model.w": weight, "model.h": half}
     flat_values: dict[str, Any] = {**values, "extra.seen": [1, 2, 3]}
 
     out = tmp_path / "out.safetensors"
-    status, _, err = cli("restore", name, str(out))
+    status, _, err = await cli("restore", name, str(out))
     assert status == 0, err
     with safe_open(str(out), framework="pt") as f:
         assert set(f.keys()) == set(flat)
@@ -537,7 +572,7 @@ def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
     assert kept == {**flat_values, "betas": [0.9, 0.999]}
 
     pt = tmp_path / "out.pt"
-    status, _, err = cli("restore", name, str(pt))
+    status, _, err = await cli("restore", name, str(pt))
     assert status == 0, err
     loaded = torch.load(pt, weights_only=True)
     assert set(loaded) == set(flat) | set(flat_values)
@@ -547,33 +582,34 @@ def test_storaged_restore_exports_a_dcp_checkpoint_with_non_tensor_values(
 
     # the safetensors saved again: its values are values of the new checkpoint
     again = _name("again")
-    status, _, err = cli("save", str(out), again)
+    status, _, err = await cli("save", str(out), again)
     assert status == 0, err
     pt_again = tmp_path / "again.pt"
-    status, _, err = cli("restore", again, str(pt_again))
+    status, _, err = await cli("restore", again, str(pt_again))
     assert status == 0, err
     reloaded = torch.load(pt_again, weights_only=True)
     assert {k: reloaded[k] for k in flat_values} == {**flat_values, "betas": [0.9, 0.999]}
 
     # .npz: numbers and strings, not a list of two... it is an array; a dict is refused
-    status, _, err = cli("restore", name, str(tmp_path / "out.npz"))
+    status, _, err = await cli("restore", name, str(tmp_path / "out.npz"))
     assert status == 0, err
     with np.load(tmp_path / "out.npz") as z:
         assert int(z["step"]) == 1200 and str(z["run"]) == "exp-7"
         assert z["betas"].tolist() == [0.9, 0.999]
     nested = _name("nested")
-    dcp_save(
+    await asyncio.to_thread(
+        dcp_save,
         {"w": weight, "opts": {"a": (1, {"b": 2})}},
-        storage_writer=StoragedWriter(cluster.urls, nested, TOKEN),
+        storage_writer=StoragedWriter(inproc_cluster.urls, nested, TOKEN),
         no_dist=True,
     )
-    status, _, err = cli("restore", nested, str(tmp_path / "nested.npz"))
+    status, _, err = await cli("restore", nested, str(tmp_path / "nested.npz"))
     assert status == 1 and "opts.a" in err and ".npz cannot hold" in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "nested.npz").exists()
 
     # raw cannot hold several items, nor values: one line, nothing written
-    status, _, err = cli("restore", name, str(tmp_path / "out.bin"), "--format", "raw")
+    status, _, err = await cli("restore", name, str(tmp_path / "out.bin"), "--format", "raw")
     assert status != 0 and "non-tensor values" in err and len(err.strip().splitlines()) == 1
 
 
@@ -584,14 +620,15 @@ class _Opaque:
         self.n = n
 
 
-def test_storaged_restore_refuses_a_value_only_a_full_unpickler_reads(
-    cluster: LocalCluster, cli: Any, tmp_path: Path
+async def test_storaged_restore_refuses_a_value_only_a_full_unpickler_reads(
+    inproc_cluster: InprocCluster, cli: Cli, tmp_path: Path
 ) -> None:
     name = _name("opaque")
     state = {"w": torch.zeros(3), "thing": _Opaque(3)}
-    dcp_save(state, storage_writer=StoragedWriter(cluster.urls, name, TOKEN), no_dist=True)
+    writer = StoragedWriter(inproc_cluster.urls, name, TOKEN)
+    await asyncio.to_thread(dcp_save, state, storage_writer=writer, no_dist=True)
     for out in ("x.safetensors", "x.pt"):
-        status, _, err = cli("restore", name, str(tmp_path / out))
+        status, _, err = await cli("restore", name, str(tmp_path / out))
         assert status == 1, err
         assert "thing" in err and "weights_only" in err and "StoragedReader" in err, err
         assert len(err.strip().splitlines()) == 1

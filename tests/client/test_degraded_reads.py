@@ -1,5 +1,8 @@
 """Degraded reads: cold chunks decoded by the client from fragments it fetches itself
-(``storaged.client.degraded``, extension E12), against real node processes."""
+(``storaged.client.degraded``, extension E12), against in-process nodes (real nodes in
+the test's event loop, ``tests/service/inproc.py``): a node killed with ``crash`` is a
+process killed with SIGKILL to the client (its connections drop, its RAM is gone), and
+the fragments are damaged or removed in the nodes' data directories as on a process's."""
 
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ from storaged.client.client import Holder
 from storaged.client.degraded import decode_cold, fetch_order
 from storaged.client.errors import FragmentNotFound, NotEnoughFragments, StoragedError
 from storaged.ids import chunk_id_of
-from storaged.tools.local_cluster import LocalCluster
-from tests.client.helpers import client_for
-from tests.conftest import ADMIN_TOKEN, ClusterFactory
+from tests.client.helpers import CLIENT_SETTINGS, client_for
+from tests.conftest import ADMIN_TOKEN, TOKEN
+from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
 
 CHUNK = 256 << 10
 
@@ -45,11 +48,12 @@ async def _save_cold(client: Client, name: str, g: np.ndarray) -> dict[str, list
     return plan
 
 
-def _fragment_files(cluster: LocalCluster, chunk_id: str) -> dict[int, tuple[int, Path]]:
-    """Fragment index -> (node number, file) of one chunk, as the nodes' disks hold them."""
+def _fragment_files(cluster: InprocCluster, chunk_id: str) -> dict[int, tuple[int, Path]]:
+    """Fragment index -> (node number, file) of one chunk, as the nodes' disks hold them
+    (a directory walk: called in a thread, off the nodes' loop)."""
     found: dict[int, tuple[int, Path]] = {}
     for i in range(cluster.nodes):
-        for path in (cluster.data / cluster.node_id(i) / "cold").rglob(f"{chunk_id}.*"):
+        for path in (cluster.root / cluster.node_id(i) / "cold").rglob(f"{chunk_id}.*"):
             if path.is_file() and "quarantine" not in path.parts:
                 found[int(path.name.rpartition(".")[2])] = (i, path)
     return found
@@ -65,15 +69,15 @@ def _flip_middle_byte(path: Path) -> None:
 
 
 async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_and_a_dead_node(
-    cluster_factory: ClusterFactory,
+    inproc_cluster: InprocCluster,
 ) -> None:
-    cluster = await cluster_factory.start(4)
+    cluster = inproc_cluster
     g = _state(1)
     async with client_for(cluster) as client:
         plan = await _save_cold(client, "degraded/a", g)
         k = client.cluster.erasure.k if client.cluster.erasure else 0
         victim_chunk = sorted(plan)[0]
-        on_disk = _fragment_files(cluster, victim_chunk)
+        on_disk = await asyncio.to_thread(_fragment_files, cluster, victim_chunk)
         # A primary fragment: asked for first, so the client meets the bad copy.
         _, corrupt_file = on_disk[0]
         await asyncio.to_thread(_flip_middle_byte, corrupt_file)
@@ -87,12 +91,13 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
         assert client.stats.fragments_skipped >= 1
         assert client.stats.fragments_downloaded >= len(plan) * k
         # The holder quarantined its bad copy: it is off the chunk's fragments now.
-        assert 0 not in _fragment_files(cluster, victim_chunk)
+        assert 0 not in await asyncio.to_thread(_fragment_files, cluster, victim_chunk)
 
     # Kill a node holding one fragment of the damaged chunk: 6 - 1 bad - 1 dead >= k left.
-    holders = [node for node, _ in _fragment_files(cluster, victim_chunk).values()]
+    on_disk = await asyncio.to_thread(_fragment_files, cluster, victim_chunk)
+    holders = [node for node, _ in on_disk.values()]
     victim = next(i for i in range(cluster.nodes) if holders.count(i) == 1)
-    await asyncio.to_thread(cluster.kill, victim)
+    await crash(cluster, victim)
     async with client_for(cluster) as client:
         dst = np.zeros_like(g)
         await restore_checkpoint(client, "degraded/a", {"g": dst})
@@ -124,8 +129,8 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
         assert client.stats.chunks_decoded == 2  # no cache: each range decodes
 
 
-async def test_fewer_than_k_fragments_is_a_clear_error(cluster_factory: ClusterFactory) -> None:
-    cluster = await cluster_factory.start(4, repair_interval=3600.0)
+async def test_fewer_than_k_fragments_is_a_clear_error(inproc: InprocFactory) -> None:
+    cluster = await start_with_shm(inproc, 4, **CLIENT_SETTINGS, repair_interval=3600.0)
     g = _state(2)
     async with client_for(cluster) as client:
         plan = await _save_cold(client, "degraded/b", g)
@@ -133,9 +138,9 @@ async def test_fewer_than_k_fragments_is_a_clear_error(cluster_factory: ClusterF
         k = client.cluster.erasure.k if client.cluster.erasure else 0
         # Remove fragments on disk until k - 1 remain (the holders' indexes do not know yet:
         # the plan and the nodes still name them, and each read finds the file gone).
-        files = _fragment_files(cluster, chunk)
+        files = await asyncio.to_thread(_fragment_files, cluster, chunk)
         for index in sorted(files)[k - 1 :]:
-            files[index][1].unlink()
+            await asyncio.to_thread(files[index][1].unlink)
         with pytest.raises(NotEnoughFragments) as caught:
             await client.get_chunk(chunk, holders=plan[chunk])
         assert caught.value.needed == k and caught.value.available == k - 1
@@ -194,12 +199,13 @@ def test_fetch_order_asks_for_primaries_first() -> None:
 
 
 async def test_the_fragment_endpoint_answers_only_for_what_the_node_holds(
-    cluster: LocalCluster,
+    inproc_cluster: InprocCluster,
 ) -> None:
+    cluster = inproc_cluster
     async with client_for(cluster) as client:
         data = np.random.default_rng(5).bytes(50_000)
         cid = await client.put_chunk(data)  # in RAM only: no node holds a fragment yet
-    headers = {"Authorization": f"Bearer {cluster.token}", "Accept": "application/json"}
+    headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json"}
     async with aiohttp.ClientSession(headers=headers) as session:
 
         async def get(path: str) -> tuple[int, dict[str, object]]:

@@ -7,6 +7,10 @@ the stopped node are hedged to the next holder and return the right bytes; a nod
 sends wrong bytes, slowly or fast, loses the race and is asked last from then on. A DCP
 load with a node stopped completes. The old figure every bound here is compared with is
 ``OLD_TIMEOUT`` (aiohttp's ``sock_read`` and the peer protocol's ``io_timeout``).
+
+Node processes (``LocalCluster``), not in-process nodes: a hung node is a SIGSTOPped
+process (its kernel still accepts connections, nothing answers), which a node in the
+test's own event loop cannot be; the commands are processes too.
 """
 
 from __future__ import annotations

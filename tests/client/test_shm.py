@@ -6,6 +6,15 @@ still maps its lease writable, and no way left to write a sealed chunk (not thro
 client's descriptor, not through the node's /proc/PID/fd); a client SIGKILLed mid-lease
 (the node frees its leases); a node SIGKILLed mid-seal (the client's puts complete over
 HTTP and every acked chunk is still there).
+
+Node processes (``LocalCluster``), not in-process nodes: the path is one between two
+processes (a node process hands the client memory over a Unix socket, ``SCM_RIGHTS``),
+and this module checks it as such: the sealed chunk is attacked through the node
+process's own descriptors (``/proc/PID/fd``), a node process is SIGKILLed mid-seal,
+SIGTERMed with a lease being staged and SIGSTOPped, and a client process is SIGKILLed
+holding leases. The path against an in-process node with a listener is in
+``tests/client/test_chunk_sources.py`` and ``tests/service/test_shm_node.py``; the other
+client tests' clusters (``inproc_cluster``) give every node one too.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ with an 8 MiB budget, in a child process (against real node processes) whose pea
 growth during the save is measured, beside the same save without a budget in the same
 child, which must show the whole state's staging copy (so the measurement can see it).
 Then the restored bytes are compared with the source.
+
+Processes: what is measured is a process's peak RSS, so the saving client is a child
+process with nothing else in it; its nodes are node processes (the module's ``cluster``).
 """
 
 from __future__ import annotations

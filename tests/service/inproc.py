@@ -26,7 +26,8 @@ import msgpack
 from aiohttp import web
 
 from storaged.config import Config, NodeSpec
-from storaged.front.http import make_app
+from storaged.front.http import http_error, make_app
+from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import chunk_id_of
 from storaged.node import Node
 from storaged.tools.local_cluster import ClusterError, default_erasure, free_port_block
@@ -281,6 +282,75 @@ class InprocFactory:
     async def close_all(self) -> None:
         for cluster in self.clusters:
             await cluster.close()
+
+
+@dataclass
+class ShmInprocCluster(InprocCluster):
+    """In-process nodes each given a shared-memory listener, as ``storaged serve`` gives its
+    node one: a client on this host then puts and reads through its first seed's node by
+    shared memory, as it does with node processes. A node's listener closes when the node
+    is killed (``kill``, ``crash``); a restarted node gets a new one."""
+
+    listeners: dict[int, ShmListener] = field(default_factory=dict)
+
+    async def start_node(self, i: int) -> None:
+        await super().start_node(i)
+        node = self.node(i)
+        listener = ShmListener(node, socket_path(node.config.data_dir), http_error)
+        try:
+            await listener.start()
+        except BaseException:
+            await super().kill(i)
+            raise
+        node.shm_info = listener.info()
+        self.listeners[i] = listener
+
+    async def kill(self, i: int) -> None:
+        listener = self.listeners.pop(i, None)
+        if listener is not None:
+            await listener.close()
+        await super().kill(i)
+
+
+@dataclass
+class EtcdShmInprocCluster(ShmInprocCluster, EtcdInprocCluster):
+    """``ShmInprocCluster``'s listeners on ``EtcdInprocCluster``'s coordination."""
+
+
+async def start_with_shm(
+    factory: InprocFactory, nodes: int = 4, **settings: Any
+) -> ShmInprocCluster:
+    """``factory.start(nodes, **settings)`` with a shared-memory listener on every node
+    (``ShmInprocCluster``); stopped by the factory's ``close_all`` as its own clusters."""
+    root = factory.root / f"inproc{len(factory.clusters)}"
+    cluster: ShmInprocCluster
+    if factory.coordinator is None:
+        cluster = ShmInprocCluster(root, nodes, settings)
+    else:
+        settings = {**settings, "coordinator": factory.coordinator()}
+        cluster = EtcdShmInprocCluster(root, nodes, settings)
+    factory.clusters.append(cluster)
+    await cluster.start()
+    return cluster
+
+
+async def crash(cluster: InprocCluster, i: int) -> None:
+    """Stop node ``i`` as SIGKILL stops a process: its HTTP site stops listening and every
+    open connection to it is cut (a client in the middle of a request sees the connection
+    drop, never an answer), then ``kill``. ``kill`` alone waits for the requests in flight:
+    aiohttp takes ``shutdown_timeout=0`` for no limit, and stops reading their bodies, so a
+    PUT under way is answered 400 truncated once its body budget (5 s) is spent."""
+    runner = cluster.members[i].runner
+    if runner is not None:
+        for site in runner.sites:
+            await site.stop()
+        server = runner.server
+        for handler in server.connections if server is not None else []:
+            transport = handler.transport
+            if transport is not None:
+                transport.abort()
+            handler.force_close()
+    await cluster.kill(i)
 
 
 async def put_bytes(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
