@@ -13,11 +13,11 @@ state at once (so the measurement can see it). Every restore's bytes are compare
 the source.
 
 Measured (2026-12-06, a loaded 2-core machine, hedges off): the traced peak is the budget
-to the client's small buffers in most runs (64.4 / 32.4 MiB), one tile (32 MiB) more in 1
-of 6 at 64 MiB (not a staging buffer: a probe of every staging buffer's life never saw
+to the client's small buffers in most runs (64.4 / 32.4 MiB), one tile (32 MiB) more in 2
+of 7 at 64 MiB (not a staging buffer: a probe of every staging buffer's life never saw
 more than the budget alive; some read's buffer of its own, not found yet); RSS adds what
 tracemalloc does not see (the allocator's, the threads', aiohttp's), 16-50 MiB: growth
-86-114 MiB at 64 MiB, 48-64 MiB at 32 MiB, 320-410 MiB unbounded (256 MiB traced).
+86-110 MiB at 64 MiB, 48-64 MiB at 32 MiB, 310-406 MiB unbounded (256 MiB traced).
 Before ``_copy_letting_go`` (checkpoint.py) the traced peak was the budget plus one tile
 in every run: the executor's work item of a tile's copy kept its staging buffer past the
 release of the budget, and the next tile was allocated beside it.
@@ -66,7 +66,7 @@ ALLOWANCE = 80 * MiB
 #: measured is the staging the budget bounds.
 NO_HEDGES = {"STORAGED_MAX_HEDGES": "0"}
 #: Python allocations beyond the budget: the client's documents, plans and small buffers
-#: (under 1 MiB), and the 32 MiB seen once in 6 runs (see above).
+#: (under 1 MiB), and the 32 MiB seen in 2 runs of 7 (see above).
 TRACED_ALLOWANCE = 40 * MiB
 
 #: Restores the checkpoint once per budget into the same touched destinations and prints,
