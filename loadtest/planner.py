@@ -62,16 +62,25 @@ bytes it writes into the destinations (direct parts and staged tiles, as disjoin
 each target) equal the rank's target bytes exactly, as do the volumes of DCP's read items;
 the bytes fetched (storaged: byte ranges of chunks, gaps under ``coalesce_gap`` included;
 DCP's ``FileSystemReader``: each read item's whole saved box) are reported beside them.
+
+``--restore-memory MIB`` adds a restore's memory beyond its destinations against its
+staging budget (``--budgets``), with 4 node processes: see ``measure_restore_memory``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import math
+import os
 import pickle
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -82,8 +91,10 @@ from typing import Any, TypeVar
 import msgpack
 import numpy as np
 
+from loadtest.harness.cluster import TOKEN, start_cluster
 from loadtest.harness.machine import machine_info
 from loadtest.harness.report import RESULTS, markdown_table, write_json
+from storaged.client import Client, Shard, save_checkpoint
 from storaged.client.layout import (
     DEFAULT_CHUNK_SIZE,
     Box,
@@ -573,6 +584,98 @@ def summarize(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- restore memory
+
+#: A child restores the checkpoint once per budget into the same touched destinations and
+#: prints, for each, its peak RSS growth, tracemalloc's peak and whether the bytes are right.
+_RESTORE_CHILD = """
+import asyncio, re, sys, tracemalloc
+import numpy as np
+from storaged.client import Client, restore_checkpoint
+
+def kib(field):
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+
+async def main(urls, token, name, arrays, rows, cols, budgets):
+    targets = {f"w{i}": np.zeros((rows, cols), np.float32) for i in range(arrays)}
+    async with Client(urls.split(","), token=token) as client:
+        await restore_checkpoint(client, name + "-warm")
+        for budget in budgets:
+            for array in targets.values():
+                array[...] = 0
+            open("/proc/self/clear_refs", "w").write("5")
+            before = kib("VmRSS")
+            tracemalloc.start()
+            traced = tracemalloc.get_traced_memory()[0]
+            await restore_checkpoint(client, name, targets, staging_budget=budget)
+            traced = tracemalloc.get_traced_memory()[1] - traced
+            tracemalloc.stop()
+            growth = (kib("VmHWM") - before) * 1024
+            right = all(
+                np.array_equal(targets[f"w{i}"],
+                               np.random.default_rng(i).standard_normal((rows, cols), np.float32))
+                for i in range(arrays))
+            print(f"PEAK_GROWTH {budget} {growth} {traced} {right}", flush=True)
+
+a = sys.argv
+asyncio.run(main(a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]),
+                 [int(b) for b in a[7].split(",")]))
+"""
+
+
+def measure_restore_memory(size_mib: int, budgets_mib: Sequence[int]) -> dict[str, Any]:
+    """A restore's peak memory beyond its destinations against its staging budget.
+
+    ``size_mib`` of float32 arrays of 2048 x 8192 saved by 2 ranks as column halves (as
+    row-parallel shards are: 16 KiB runs, so every byte goes through staging tiles),
+    restored whole into preallocated, touched arrays by a child process (its own RSS)
+    against 4 node processes: per budget, and with a budget over the state as the control,
+    the peak RSS growth (VmHWM after clear_refs) and tracemalloc's peak, beyond what was
+    resident before the restore. Hedged reads off (their buffers are outside the budget).
+    """
+    rows, cols = 2048, 8192
+    arrays = max(1, size_mib // 64)
+    state = arrays * rows * cols * 4
+    budgets = [b * MiB for b in budgets_mib] + [2 * state]
+    root = Path(tempfile.mkdtemp(prefix="storaged-planner-"))
+    cluster = start_cluster(root / "cluster", 4, memory=f"{max(512, size_mib)}MiB")
+    try:
+        asyncio.run(_save_halves(cluster.urls, arrays, rows, cols))
+        proc = subprocess.run(
+            [sys.executable, "-c", _RESTORE_CHILD, ",".join(cluster.urls), TOKEN, "mem/state",
+             str(arrays), str(rows), str(cols), ",".join(map(str, budgets))],
+            capture_output=True, text=True, timeout=1800,
+            env={**os.environ, "STORAGED_MAX_HEDGES": "0", "PYTHONASYNCIODEBUG": "",
+                 "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )  # fmt: skip
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    found = re.findall(r"PEAK_GROWTH (\d+) (\d+) (\d+) (\w+)", proc.stdout)
+    if proc.returncode or len(found) != len(budgets):
+        raise RuntimeError(f"restore memory child failed: {proc.stdout}{proc.stderr}")
+    runs = [
+        {"budget": int(b), "rss_growth": int(g), "traced_peak": int(t), "verified": v == "True"}
+        for b, g, t, v in found
+    ]
+    return {"state_bytes": state, "control_budget": budgets[-1], "runs": runs}
+
+
+async def _save_halves(urls: Sequence[str], arrays: int, rows: int, cols: int) -> None:
+    def halves() -> dict[int, dict[str, Any]]:
+        states: dict[int, dict[str, Any]] = {0: {}, 1: {}}
+        for i in range(arrays):
+            array = np.random.default_rng(i).standard_normal((rows, cols), np.float32)
+            for rank, lo in ((0, 0), (1, cols // 2)):
+                part = array[:, lo : lo + cols // 2].copy()
+                states[rank][f"w{i}"] = Shard(part, (rows, cols), (0, lo))
+        return states
+
+    async with Client(list(urls), token=TOKEN) as client:
+        await save_checkpoint(client, "mem/state", await asyncio.to_thread(halves))
+        await save_checkpoint(client, "mem/state-warm", {0: {"x": np.ones(1000)}})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--source", type=Parallel.parse, default=Parallel(8, 16, 8),
@@ -585,6 +688,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a 7-layer model on 2x2x2 -> 4x2x2 and 2x4x2, every rank, 64 KiB "
                         "chunks: seconds")  # fmt: skip
+    parser.add_argument("--restore-memory", type=int, default=0, metavar="MIB",
+                        help="also measure a restore of MIB MiB against its staging budget "
+                        "(4 node processes; 0: not)")  # fmt: skip
+    parser.add_argument("--budgets", default="64,256", help="MiB, for --restore-memory")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     model = LLAMA3_405B
@@ -624,11 +731,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seconds": time.perf_counter() - started,
         "machine": machine_info(),
     }
+    if args.restore_memory:
+        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+        doc["restore_memory"] = measure_restore_memory(args.restore_memory, budgets)
     report(doc)
     write_json(args.out / "planner.json", doc)
     print(f"wrote {args.out / 'planner.json'}")
     exact = all(t["summary"]["every_plan_exact"] for t in results)
-    return 0 if exact and built["figures"]["node_accepts"] else 1
+    restored = all(r["verified"] for r in doc.get("restore_memory", {}).get("runs", []))
+    return 0 if exact and restored and built["figures"]["node_accepts"] else 1
 
 
 def _ms(seconds: float) -> str:
@@ -680,6 +791,19 @@ def report(doc: dict[str, Any]) -> None:
               f"({r['storaged']['staged_tiles']} staged tiles) of "
               f"{r['storaged']['fetched_bytes'] / MiB:.0f} MiB; DCP {r['dcp']['read_items']} "
               f"read items, reads {r['dcp']['read_bytes'] / MiB:.0f} MiB")  # fmt: skip
+    memory = doc.get("restore_memory")
+    if memory:
+        print(
+            f"# a restore of {memory['state_bytes'] / MiB:.0f} MiB beyond its destinations "
+            "(column halves restored whole: all staged; hedges off)"
+        )
+        print(markdown_table(
+            ["staging budget MiB", "traced peak MiB", "RSS growth MiB", "RSS / budget",
+             "bytes right"],
+            [[f"{r['budget'] / MiB:.0f}" + (" (control)" if r["budget"] ==
+              memory["control_budget"] else ""), f"{r['traced_peak'] / MiB:.1f}",
+              f"{r['rss_growth'] / MiB:.1f}", f"{r['rss_growth'] / r['budget']:.2f}",
+              str(r["verified"])] for r in memory["runs"]]))  # fmt: skip
 
 
 if __name__ == "__main__":
