@@ -773,7 +773,8 @@ class _Planner:
         self.dtype_map = dtype_map
         self.coalesce_gap = coalesce_gap
         self.max_tile = max_tile
-        self.chunk_offsets = [shard.chunk_offsets() for shard in manifest.shards]
+        # Only the shards a request reads: a rank of a large job reads a few of many.
+        self.chunk_offsets: dict[int, list[int]] = {}
         self.pieces: list[_Piece] = []
         self.staged: list[StagedCopy] = []
         self.values: list[ValueRead] = []
@@ -791,9 +792,16 @@ class _Planner:
         self.values.append(ValueRead(req_index, item.length, first.dtype))
         self.needed += item.length
         for chunk, start, end, at in _split_stream_range(
-            self.manifest.shards[position], self.chunk_offsets[position], item.start, item.end
+            self.manifest.shards[position], self.offsets(position), item.start, item.end
         ):
             self.pieces.append(_Piece(chunk, start, end, "value", value_index, at))
+
+    def offsets(self, position: int) -> list[int]:
+        """``ShardEntry.chunk_offsets`` of the shard at ``position``, computed once."""
+        found = self.chunk_offsets.get(position)
+        if found is None:
+            found = self.chunk_offsets[position] = self.manifest.shards[position].chunk_offsets()
+        return found
 
     def array(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
         """A box of an array: its intersection with each saved box of the key."""
@@ -838,7 +846,7 @@ class _Planner:
         source_box = _promote(item.box)
         both = _promote(both)
         shard = self.manifest.shards[position]
-        offsets = self.chunk_offsets[position]
+        offsets = self.offsets(position)
         rel_src = both.relative_to(source_box)
         rel_dst = both.relative_to(target_box)
         k = run_dim(source_box.shape, both.shape)
