@@ -547,7 +547,9 @@ class Nemesis:
                 return False
             # More nodes than the node budget, maybe: the one failure the cluster then
             # survives is this domain's (nothing else starts while they are impaired).
-            coro = self._domain_kill(self._take(len(domain), domain))
+            coro = self._kill9(
+                self._take(len(domain), domain), self.cluster.domains.get(domain[0], "")
+            )
         elif kind == "partition":
             coro = self._partition(self._take(self.rng.randint(1, room)))
         elif kind == "delay":
@@ -637,27 +639,12 @@ class Nemesis:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
 
-    async def _kill9(self, nodes: list[int]) -> None:
+    async def _kill9(self, nodes: list[int], domain: str | None = None) -> None:
+        """``nodes`` SIGKILLed at once (``domain``: the whole failure domain they are, a
+        rack's power), all restarted after the drawn time; their RAM is gone."""
         duration = self._duration()
-        self.history.note(f"nemesis: kill -9 {self._names(nodes)} for {duration:.1f}s")
-        try:
-            for i in nodes:
-                self.cluster.signal_node(i, signal.SIGKILL)
-                await asyncio.to_thread(self._reap, i)
-            await self._sleep(duration)
-        finally:
-            for i in nodes:
-                await self._restart(i)
-            self._release(nodes, self.shape.settle_lost)
-
-    async def _domain_kill(self, nodes: list[int]) -> None:
-        """A whole failure domain (a rack's power): every member SIGKILLed at once, all
-        restarted after the drawn time; their RAM is gone."""
-        duration = self._duration()
-        domain = self.cluster.domains.get(nodes[0], "")
-        self.history.note(
-            f"nemesis: kill -9 domain {domain} ({self._names(nodes)}) for {duration:.1f}s"
-        )
+        what = self._names(nodes) if domain is None else f"domain {domain} ({self._names(nodes)})"
+        self.history.note(f"nemesis: kill -9 {what} for {duration:.1f}s")
         try:
             for i in nodes:
                 self.cluster.signal_node(i, signal.SIGKILL)
