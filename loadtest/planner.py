@@ -587,8 +587,10 @@ def summarize(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- restore memory
 
 #: A child restores the checkpoint once per budget into the same touched destinations and
-#: prints, for each, its peak RSS growth, tracemalloc's peak and whether the bytes are right.
-_RESTORE_CHILD = """
+#: prints, for each, its peak RSS growth, tracemalloc's peak and whether the bytes are right
+#: (argv: urls, token, name, arrays, rows, cols, budgets; tests/client/test_restore_budget_rss.py
+#: runs it too).
+RESTORE_CHILD = """
 import asyncio, re, sys, tracemalloc
 import numpy as np
 from storaged.client import Client, restore_checkpoint
@@ -642,7 +644,7 @@ def measure_restore_memory(size_mib: int, budgets_mib: Sequence[int]) -> dict[st
     try:
         asyncio.run(_save_halves(cluster.urls, arrays, rows, cols))
         proc = subprocess.run(
-            [sys.executable, "-c", _RESTORE_CHILD, ",".join(cluster.urls), TOKEN, "mem/state",
+            [sys.executable, "-c", RESTORE_CHILD, ",".join(cluster.urls), TOKEN, "mem/state",
              str(arrays), str(rows), str(cols), ",".join(map(str, budgets))],
             capture_output=True, text=True, timeout=1800,
             env={**os.environ, "STORAGED_MAX_HEDGES": "0", "PYTHONASYNCIODEBUG": "",

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loadtest.planner import RESTORE_CHILD
 from storaged.client import Shard, save_checkpoint
 from storaged.tools.local_cluster import LocalCluster
 from tests.client.helpers import client_for
@@ -69,40 +70,6 @@ NO_HEDGES = {"STORAGED_MAX_HEDGES": "0"}
 #: (under 1 MiB), and the 32 MiB seen in 2 runs of 7 (see above).
 TRACED_ALLOWANCE = 40 * MiB
 
-#: Restores the checkpoint once per budget into the same touched destinations and prints,
-#: for each, the peak RSS growth and whether every byte equals the source.
-_CHILD = """
-import asyncio, re, sys, tracemalloc
-import numpy as np
-from storaged.client import Client, restore_checkpoint
-
-def kib(field):
-    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
-
-def source(i):
-    return np.random.default_rng(i).standard_normal((ROWS, COLS), dtype=np.float32)
-
-async def main(urls, name, budgets):
-    targets = {f"w{i}": np.zeros((ROWS, COLS), np.float32) for i in range(ARRAYS)}
-    async with Client(urls.split(","), token=TOKEN) as client:
-        await restore_checkpoint(client, name + "-warm")
-        for budget in budgets:
-            for array in targets.values():
-                array[...] = 0
-            open("/proc/self/clear_refs", "w").write("5")
-            before = kib("VmRSS")
-            tracemalloc.start()
-            traced = tracemalloc.get_traced_memory()[0]
-            await restore_checkpoint(client, name, targets, staging_budget=budget)
-            traced = tracemalloc.get_traced_memory()[1] - traced
-            tracemalloc.stop()
-            growth = (kib("VmHWM") - before) * 1024
-            equal = all(np.array_equal(targets[f"w{i}"], source(i)) for i in range(ARRAYS))
-            print(f"PEAK_GROWTH {budget} {growth} {traced} {equal}")
-
-asyncio.run(main(sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3].split(",")]))
-"""
-
 
 def source(i: int) -> np.ndarray[Any, Any]:
     """Array ``w{i}`` as the child makes it."""
@@ -130,16 +97,12 @@ async def test_a_restore_keeps_its_memory_beyond_the_destinations_to_its_budget(
         await save_checkpoint(client, name, states)
         del states
         await save_checkpoint(client, f"{name}-warm", {0: {"x": np.ones(1000)}})
-    code = (
-        _CHILD.replace("ARRAYS", str(ARRAYS))
-        .replace("ROWS", str(ROWS))
-        .replace("COLS", str(COLS))
-        .replace("TOKEN", repr(TOKEN))
-    )
     budgets = [*BUDGETS, UNBOUNDED]
+    # The load test's child (loadtest/planner.py): the same arrays, restored once per budget.
+    argv = [",".join(cluster.urls), TOKEN, name, str(ARRAYS), str(ROWS), str(COLS)]
     proc = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-c", code, ",".join(cluster.urls), name, ",".join(map(str, budgets))],
+        [sys.executable, "-c", RESTORE_CHILD, *argv, ",".join(map(str, budgets))],
         capture_output=True,
         text=True,
         timeout=240,
