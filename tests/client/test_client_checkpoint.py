@@ -4,7 +4,7 @@ one commit), the async saver's staging, and restore into any layout.
 The nodes are in-process (real nodes serving HTTP and the peer protocol on 127.0.0.1 in
 the test's event loop, ``tests/service/inproc.py``), a cluster of 4 per test:
 ``inproc_cluster`` for the plain cases, ``fragile`` (short GC grace) for the tests that
-kill nodes or wait for GC. Failures are real ones: dead nodes (stopped with ``crash``, as
+kill nodes or wait for GC. Failures are real ones: dead nodes (stopped with ``kill``, as
 SIGKILL stops a process), a name already taken, a manifest naming chunks never
 uploaded, chunks the cluster garbage-collected between the upload and the commit; every
 test that kills nodes restarts them before it ends.
@@ -54,7 +54,7 @@ from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
 from tests.conftest import TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
+from tests.service.inproc import InprocCluster, InprocFactory, start_with_shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,9 +79,9 @@ async def all_alive(client: Client, cluster: InprocCluster) -> None:
 
 @asynccontextmanager
 async def nodes_down(cluster: InprocCluster, indexes: Sequence[int]) -> AsyncIterator[None]:
-    """Kill these nodes (``crash``: as SIGKILL); restart them on the way out."""
+    """Kill these nodes (``kill``: as SIGKILL); restart them on the way out."""
     for i in indexes:
-        await crash(cluster, i)
+        await cluster.kill(i)
     try:
         yield
     finally:

@@ -5,7 +5,7 @@ one cluster per test.
 Round trips of random shapes, dtypes and shardings; N -> M resharding; dedup of
 unchanged state; the chunk and checkpoint API; async save with the source mutated
 after return; a node killed in the middle of a save; restore with nodes dead;
-RAM backpressure. A node is killed with ``crash``, as SIGKILL kills a process: its
+RAM backpressure. A node is killed with ``kill``, as SIGKILL kills a process: its
 connections drop (requests in flight get no answer) and its RAM is gone; a restarted one
 opens its data directory again.
 """
@@ -46,7 +46,7 @@ from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
 from tests.conftest import ADMIN_TOKEN, TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
+from tests.service.inproc import InprocCluster, InprocFactory, start_with_shm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -356,7 +356,7 @@ async def test_node_killed_during_a_save(inproc_cluster: InprocCluster) -> None:
         )
         await uploads_reach(client, 20, save)
         assert not save.done()  # the kill lands in the middle of the save
-        await crash(cluster, 3)
+        await cluster.kill(3)
         try:
             await save
         except StoragedError as exc:  # allowed: a clear error, and nothing visible
@@ -378,8 +378,8 @@ async def test_save_that_cannot_complete_is_never_visible(inproc_cluster: Inproc
         await uploads_reach(client, 10, save)
         assert not save.done()
         # Two of four nodes gone: fewer live nodes than the replication factor.
-        await crash(cluster, 2)
-        await crash(cluster, 3)
+        await cluster.kill(2)
+        await cluster.kill(3)
         with pytest.raises(StoragedError) as failure:
             await save
         assert failure.value.code in ("insufficient_replicas", "connection_failed", "unavailable")
@@ -392,8 +392,8 @@ async def test_restore_with_nodes_dead(inproc_cluster: InprocCluster) -> None:
     async with client_for(cluster) as client:
         await save_checkpoint(client, "dead/1", states, chunk_size=256 << 10)
         # Acked means in RAM on three nodes: losing two of them loses nothing.
-        await crash(cluster, 0)
-        await crash(cluster, 1)
+        await cluster.kill(0)
+        await cluster.kill(1)
         await restored_boxes(client, "dead/1", "g", g, split(g.shape, 0, [0, 500, 1024]))
         await cluster.restart(1)
         await restored_boxes(client, "dead/1", "g", g, split(g.shape, 1, [0, 1000, 2048]))

@@ -3,7 +3,7 @@ small helpers, document parsing) and the request engine's retry, failover and re
 decisions against real nodes, in-process (real nodes serving HTTP and the peer protocol
 in the test's event loop, ``tests/service/inproc.py``): 503 memory_full with Retry-After
 from a cluster whose RAM cannot drain, 503 insufficient_replicas and lost connections
-from nodes killed as SIGKILL kills a process (``crash``), a wait that times out, real 4xx
+from nodes killed as SIGKILL kills a process (``kill``), a wait that times out, real 4xx
 answers, a GET that tries every node, reads into the caller's memory."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from storaged.placement import rendezvous_order
 from storaged.wire import ByteRange, state_at_least
 from tests.client.helpers import CLIENT_SETTINGS, client_for, client_sees_all_alive
 from tests.conftest import TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
+from tests.service.inproc import InprocCluster, InprocFactory, start_with_shm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -439,7 +439,7 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
         # Two chunks whose placement starts with n3, chosen while the view had n3 alive.
         data, other = first_placed_on("n3", putter, rng), first_placed_on("n3", putter, rng)
 
-        await crash(cluster, 3)
+        await cluster.kill(3)
         await settled(cluster, frozenset({"n3"}))
         # The clients still think n3 alive: their first attempt goes there and finds
         # nobody; the next node answers at once, with no wait in between.
@@ -461,7 +461,7 @@ async def test_dead_nodes_fail_over_at_once_then_too_few_replicas_is_retried(
 
         # Two of four down: fewer live nodes than the replication factor. 503
         # insufficient_replicas is retried, then raised with its code.
-        await crash(cluster, 2)
+        await cluster.kill(2)
         await settled(cluster, frozenset({"n2", "n3"}))
         policy = RecordingPolicy(max_attempts=3, max_retry_after=0.1)
         async with client_for(cluster, retry=policy) as client:

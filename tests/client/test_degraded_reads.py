@@ -1,6 +1,6 @@
 """Degraded reads: cold chunks decoded by the client from fragments it fetches itself
 (``storaged.client.degraded``, extension E12), against in-process nodes (real nodes in
-the test's event loop, ``tests/service/inproc.py``): a node killed with ``crash`` is a
+the test's event loop, ``tests/service/inproc.py``): a node killed with ``kill`` is a
 process killed with SIGKILL to the client (its connections drop, its RAM is gone), and
 the fragments are damaged or removed in the nodes' data directories as on a process's."""
 
@@ -27,7 +27,7 @@ from storaged.client.errors import FragmentNotFound, NotEnoughFragments, Storage
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
 from tests.conftest import ADMIN_TOKEN, TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash, start_with_shm
+from tests.service.inproc import InprocCluster, InprocFactory, start_with_shm
 
 CHUNK = 256 << 10
 
@@ -97,7 +97,7 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
     on_disk = await asyncio.to_thread(_fragment_files, cluster, victim_chunk)
     holders = [node for node, _ in on_disk.values()]
     victim = next(i for i in range(cluster.nodes) if holders.count(i) == 1)
-    await crash(cluster, victim)
+    await cluster.kill(victim)
     async with client_for(cluster) as client:
         dst = np.zeros_like(g)
         await restore_checkpoint(client, "degraded/a", {"g": dst})

@@ -1,7 +1,7 @@
 """Chunk GETs read straight into the caller's buffer (``storaged.client.direct``).
 
 Against real nodes, in-process (``tests/service/inproc.py``): round trips into caller
-buffers and keep-alive reuse, a node killed mid-body (``crash``, as SIGKILL). Against a
+buffers and keep-alive reuse, a node killed mid-body (``kill``, as SIGKILL). Against a
 tiny asyncio server on 127.0.0.1 that speaks bad HTTP on purpose: responses longer or
 shorter than announced, error mapping, Retry-After, a connection left half-read, the
 fallback to aiohttp for what the direct path does not read.
@@ -30,7 +30,7 @@ from storaged.client.retry import NO_RETRY, RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import client_for
 from tests.conftest import TOKEN
-from tests.service.inproc import InprocCluster, InprocFactory, crash
+from tests.service.inproc import InprocCluster, InprocFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -183,9 +183,9 @@ async def test_node_killed_mid_body_fails_over_to_another_holder(
             )
             await asyncio.wait_for(relay.holding.wait(), 30)
             assert not get.done()  # the head and 1 MiB of the body are in, the rest is not
-            # crash, not kill: kill would wait for the GET in flight, whose body the relay
-            # no longer reads (a node process killed with SIGKILL waits for nothing)
-            await crash(cluster, index)
+            # as SIGKILL: kill cuts the GET in flight, whose body the relay no longer reads
+            # (a node process killed with SIGKILL waits for nothing)
+            await cluster.kill(index)
             relay.cut()  # the node's side of the connection is gone: so is the client's
             view = await asyncio.wait_for(get, 60)
         assert isinstance(view.obj, np.ndarray) and view.obj is out

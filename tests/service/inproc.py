@@ -185,11 +185,24 @@ class InprocCluster:
         return await Node.open(config)
 
     async def kill(self, i: int) -> None:
-        """Stop node ``i`` like a dead process: nothing drains, its RAM is lost."""
+        """Stop node ``i`` like a dead process: nothing drains, its RAM is lost, and its HTTP
+        site stops listening with every open connection cut (a client in the middle of a
+        request sees the connection drop, never an answer). ``runner.cleanup`` alone waits
+        for the requests in flight (aiohttp takes ``shutdown_timeout=0`` for no limit) and
+        stops reading their bodies: a PUT under way was answered 400 truncated once its
+        body budget was spent, and a GET whose reader had stopped held the kill."""
         member = self.members[i]
         node, runner = member.node, member.runner
         member.node = member.runner = None
         if runner is not None:
+            for site in runner.sites:
+                with contextlib.suppress(Exception):
+                    await site.stop()
+            server = runner.server
+            for handler in server.connections if server is not None else []:
+                if handler.transport is not None:
+                    handler.transport.abort()
+                handler.force_close()
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         if node is not None:
@@ -332,25 +345,6 @@ async def start_with_shm(
     factory.clusters.append(cluster)
     await cluster.start()
     return cluster
-
-
-async def crash(cluster: InprocCluster, i: int) -> None:
-    """Stop node ``i`` as SIGKILL stops a process: its HTTP site stops listening and every
-    open connection to it is cut (a client in the middle of a request sees the connection
-    drop, never an answer), then ``kill``. ``kill`` alone waits for the requests in flight:
-    aiohttp takes ``shutdown_timeout=0`` for no limit, and stops reading their bodies, so a
-    PUT under way is answered 400 truncated once its body budget (5 s) is spent."""
-    runner = cluster.members[i].runner
-    if runner is not None:
-        for site in runner.sites:
-            await site.stop()
-        server = runner.server
-        for handler in server.connections if server is not None else []:
-            transport = handler.transport
-            if transport is not None:
-                transport.abort()
-            handler.force_close()
-    await cluster.kill(i)
 
 
 async def put_bytes(node: Node, data: bytes) -> tuple[int, dict[str, Any]]:
