@@ -81,6 +81,7 @@ import numpy as np
 
 from loadtest.harness.baselines import codec_rates, raw_loopback
 from loadtest.harness.cluster import ADMIN_TOKEN, TOKEN
+from loadtest.harness.floor import FloorRates, RoleFloor, floor_table, measure_rates, role_floors
 from loadtest.harness.profile import summarize_profile
 from loadtest.harness.state_dict import (
     DEFAULT_SMALL,
@@ -98,6 +99,7 @@ from loadtest.harness.state_dict import start_sized_cluster as start_cluster
 from loadtest.harness.stopwatch import CORES, Stopwatch, Window
 from storaged.client import AsyncSaver, Client, WaitTimeout, restore_checkpoint
 from storaged.client.layout import DEFAULT_CHUNK_SIZE
+from storaged.manifest_schema import check_schema
 from storaged.tools.local_cluster import LocalCluster
 
 if TYPE_CHECKING:
@@ -686,12 +688,34 @@ class TargetRuns:
     verified: bool
     dead_node: int
     ram_tier: dict[str, int]
+    #: the parts of the ack's floor measured in this run, and each dcp.save's floor per role
+    floor_rates: FloorRates
+    floors: dict[str, RoleFloor]
 
 
 async def _settle_and_check(urls: Sequence[str], name: str, limit: float) -> dict[str, int]:
     async with Client(list(urls), token=TOKEN) as client:
         await _settle(client, name, Stopwatch(), limit)
         return await ram_tier_check(client, name)
+
+
+async def _save_floor(
+    urls: Sequence[str], name: str, rates: FloorRates, *, colocated: bool, nodes: int
+) -> RoleFloor:
+    """The floor per role of the save of ``name``: its chunks' hot holders (``?plan``), each
+    handed to n0 in shared memory (the client's first seed, on this host) or PUT to its first
+    placement node over HTTP (``storaged.client.writes``)."""
+    async with Client(list(urls), token=TOKEN) as client:
+        plan = await client.plan(name)
+        sizes = check_schema(await client.get_manifest(name)).chunks
+        hot = ("memory", "nvme")
+        holders = {cid: [h.node for h in held if h.tier in hot] for cid, held in plan.items()}
+
+        def entry(cid: str, held: Sequence[str]) -> str:
+            return "n0" if colocated else client.placement(cid)[0]
+
+        return role_floors(holders, sizes, entry, rates, colocated=colocated,
+                           nodes=[f"n{i}" for i in range(nodes)])  # fmt: skip
 
 
 async def _make_cold_only(urls: Sequence[str], name: str) -> tuple[int, int]:
@@ -785,6 +809,7 @@ def run_targets(
     # one loaded below (both are fresh bytes; RAM holds the newest checkpoint), as a job
     # restarted in place loads what it saved through its own host's node.
     dcp_save: dict[str, Window] = {}
+    saved: dict[str, str] = {}
     name = ""
     for variant in ("remote", "co-located"):
         training_step(torch_state)
@@ -794,6 +819,7 @@ def run_targets(
             torch_state, StoragedWriter(urls, name, TOKEN, client_options=options), pids
         )
         ram = settle(name)
+        saved[variant] = name
         print(f"# dcp.save into storaged ({variant}): {dcp_save[variant].seconds:.2f} s",
               flush=True)  # fmt: skip
     # P3, P3r: dcp.load from RAM, one untimed load first (as DCP's warm page cache).
@@ -813,6 +839,14 @@ def run_targets(
               " s", flush=True)  # fmt: skip
     loopback = raw_loopback(nbytes, DEFAULT_CHUNK_SIZE, 4)
     print(f"# raw loopback, 4 streams: {loopback['gbps']:.2f} GB/s", flush=True)
+    sample = state[specs[0].key].reshape(-1).view(np.uint8)[:DEFAULT_CHUNK_SIZE].tobytes()
+    copy_s_per_gb = median_window(memcpy).seconds / (nbytes / GB)
+    rates = measure_rates(sample, copy_s_per_gb, loopback)
+    floors = {
+        variant: _run_async(_save_floor(urls, saved_name, rates,
+                                        colocated=variant == "co-located", nodes=cluster.nodes))
+        for variant, saved_name in saved.items()
+    }  # fmt: skip
     # P4: every chunk cold only, one node killed, dcp.load through the survivors.
     k, n = _run_async(_make_cold_only(urls, name))
     dead = cluster.nodes - 1
@@ -828,10 +862,10 @@ def run_targets(
     verified = verified and all(torch.equal(dst[k], v) for k, v in torch_state.items())
     print(f"# dcp.load, node n{dead} dead, cold only: "
           f"{', '.join(f'{w.seconds:.2f}' for w in degraded)} s", flush=True)  # fmt: skip
-    sample = state[specs[0].key].reshape(-1).view(np.uint8)[:DEFAULT_CHUNK_SIZE].tobytes()
     codec = codec_rates(sample, k, n)
     return TargetRuns(memcpy, dcp_async, dcp_save, dcp_load, loopback,
-                      median_window(degraded), repaired, codec, verified, dead, ram)  # fmt: skip
+                      median_window(degraded), repaired, codec, verified, dead, ram,
+                      rates, floors)  # fmt: skip
 
 
 def build_targets(
@@ -884,6 +918,21 @@ def build_targets(
                    "k fragments over 1 socket hop each, CRC-32C, decode, BLAKE3, 1 copy"),
     ]  # fmt: skip
     return rows
+
+
+def floor_summary(nbytes: int, runs: TargetRuns) -> str:
+    """P2 and P2r: the CPU each role spent per acked GB against its floor (issue 20 §1)."""
+    gb = nbytes / GB
+    rows = []
+    for target, variant in (("P2", "co-located"), ("P2r", "remote")):
+        if variant not in runs.floors:
+            continue
+        window = runs.dcp_save[variant]
+        node_cpu = {f"n{i}": c for i, c in enumerate(window.node_cpu)}
+        rows.append((f"{target} {variant}", gb, runs.floors[variant], window.client_cpu, node_cpu))
+    rates = ", ".join(f"{k} {v:.3f}" for k, v in runs.floor_rates.to_json().items())
+    return (f"# the ack's CPU per role against its floor (parts measured in this run, CPU s/GB "
+            f"on one thread: {rates}):\n{floor_table(rows)}")  # fmt: skip
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -1296,6 +1345,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         if not t.passed:
             print(f"# {t.target} missed ({t.what} vs {t.baseline}): floor is {t.floor}")
+    print(floor_summary(nbytes, runs))
 
     result = {
         "command": command,
@@ -1337,6 +1387,8 @@ def main(argv: list[str] | None = None) -> int:
             "degraded": {"window": runs.degraded.to_json(), "dead_node": runs.dead_node,
                          "repair_s": round(runs.repair_s, 1)},
             "codec": runs.codec,
+            "floor_rates_cpu_s_per_gb": runs.floor_rates.to_json(),
+            "floors": {k: f.to_json() for k, f in runs.floors.items()},
             "ram_tier": runs.ram_tier,
             "verified": runs.verified,
             "client_options": {"co-located": shm_options(True), "remote": shm_options(False)},

@@ -134,9 +134,15 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
 def _check_targets(lines: list[str], doc: dict[str, Any]) -> None:
     """The six targets of issue 10: printed with a verdict, each ratio computed from the
     figures beside it, its baseline from this same run, and every byte read back checked."""
-    rows = [line.split(" | ") for line in lines if line.startswith("| P")]
-    assert [r[0].removeprefix("| ") for r in rows] == [*["P1"] * 8, "P2", "P2r", "P3", "P3r",
-                                                      "P3r", "P4"]  # fmt: skip
+    # the targets table's rows (ten columns; the floor table below it has five)
+    rows = [
+        line.split(" | ")
+        for line in lines
+        if line.startswith("| P") and len(line.split(" | ")) == 10
+    ]
+    stalls = 5 if doc["storaged"]["prepared"] is not None else 4  # P1 against two baselines each
+    assert [r[0].removeprefix("| ") for r in rows] == [*["P1"] * (2 * stalls), "P2", "P2r", "P3",
+                                                      "P3r", "P3r", "P4"]  # fmt: skip
     assert all(r[7] in ("pass", "MISS") for r in rows)
     assert any(line.startswith("# targets (issue 10), load average") for line in lines)
     runs = doc["target_runs"]
@@ -169,6 +175,21 @@ def _check_targets(lines: list[str], doc: dict[str, Any]) -> None:
     p2 = by[("P2", "DCP save, FileSystemWriter")]
     assert p2["seconds"] == pytest.approx(runs["dcp_save"]["co-located"]["seconds"], abs=1e-4)
     assert p2["baseline_s"] == pytest.approx(doc["dcp"]["save"][0]["seconds"], abs=1e-4)
+    # issue 20 §1: each role's CPU against its floor, the parts measured in this run
+    rates = runs["floor_rates_cpu_s_per_gb"]
+    assert set(rates) == {"copy", "blake3", "crc32c", "send", "recv"}
+    assert all(v > 0 for v in rates.values())
+    assert rates["send"] == pytest.approx(runs["loopback"]["client_cpu_s_per_gb"], abs=1e-4)
+    for variant in ("co-located", "remote"):
+        floor = runs["floors"][variant]
+        assert set(floor["node_cpu_s"]) == {"n0", "n1", "n2", "n3"}
+        # every byte saved entered some node once and went to two peers (three hot copies)
+        assert sum(floor["entered_bytes"].values()) == pytest.approx(nbytes, rel=0.02)
+        assert sum(floor["sent_bytes"].values()) >= 2 * sum(floor["entered_bytes"].values())
+    assert floor["entered_bytes"].keys() != {"n0"}  # remote: PUT to each chunk's first node
+    assert runs["floors"]["co-located"]["entered_bytes"].keys() == {"n0"}
+    floor_rows = [ln for ln in lines if ln.startswith("| P2") and len(ln.split(" | ")) == 5]
+    assert len(floor_rows) == 2 * 6  # client, n0-n3 and all, for P2 and P2r
 
 
 def test_bad_arguments_are_refused() -> None:
