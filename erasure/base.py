@@ -105,11 +105,17 @@ class Codec(abc.ABC):
         self.k = k
         self.n = n
         self.max_decode_attempts = max_decode_attempts
+        self._open_coder()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(k={self.k}, n={self.n})"
 
     # -- what an implementation provides -------------------------------------------------
+
+    @abc.abstractmethod
+    def _open_coder(self) -> None:
+        """Build what coding uses for ``self.k`` of ``self.n`` (both checked by then); called
+        once, at the end of ``__init__``."""
 
     @abc.abstractmethod
     def _encode_payloads(self, data: memoryview) -> Sequence[BytesLike]:

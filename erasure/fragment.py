@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import crc32c
 
@@ -75,6 +75,9 @@ class _FragmentFields:
     chunk_id: str
 
 
+_SHARED = tuple(f.name for f in fields(_FragmentFields))
+
+
 @dataclass(frozen=True, slots=True)
 class FragmentHeader(_FragmentFields):
     """What a fragment's header says, already checked (magic, version, header checksum)."""
@@ -105,13 +108,9 @@ class FragmentHeader(_FragmentFields):
     def fragment(self, payload: memoryview, header: bytes) -> Fragment:
         """The fragment this header describes: ``header`` its packed bytes, ``payload`` a
         view of the bytes after them (kept, not copied)."""
+        shared = {name: getattr(self, name) for name in _SHARED}
         return Fragment(
-            codec=self.codec,
-            k=self.k,
-            n=self.n,
-            index=self.index,
-            length=self.length,
-            chunk_id=self.chunk_id,
+            **shared,
             payload=payload,
             payload_crc=self.payload_crc,
             version=self.version,

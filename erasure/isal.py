@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from erasure.base import (
-    DEFAULT_MAX_DECODE_ATTEMPTS,
     BytesLike,
     Codec,
     InvalidParameters,
@@ -78,12 +77,9 @@ class IsalCodec(Codec):
 
     name = "isal"
 
-    def __init__(
-        self, k: int, n: int, *, max_decode_attempts: int = DEFAULT_MAX_DECODE_ATTEMPTS
-    ) -> None:
-        super().__init__(k, n, max_decode_attempts=max_decode_attempts)
+    def _open_coder(self) -> None:
         driver_class = _driver_class()
-        self._driver = driver_class(k=k, m=n - k, ec_type=EC_TYPE)
+        self._driver = driver_class(k=self.k, m=self.n - self.k, ec_type=EC_TYPE)
 
     def _encode_payloads(self, data: memoryview) -> Sequence[BytesLike]:
         payloads: list[bytes] = self._driver.encode(_as_bytes(data))

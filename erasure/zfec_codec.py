@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import zfec
 
-from erasure.base import DEFAULT_MAX_DECODE_ATTEMPTS, BytesLike, Codec, DecodeMismatch
+from erasure.base import BytesLike, Codec, DecodeMismatch
 from erasure.fragment import Fragment, payload_crc
 
 #: one helper thread computes the primary payloads' CRCs while zfec codes the parity
@@ -45,14 +45,11 @@ class ZfecCodec(Codec):
 
     name = "zfec"
 
-    def __init__(
-        self, k: int, n: int, *, max_decode_attempts: int = DEFAULT_MAX_DECODE_ATTEMPTS
-    ) -> None:
-        super().__init__(k, n, max_decode_attempts=max_decode_attempts)
+    def _open_coder(self) -> None:
         # Both hold only the coding matrix, which encode/decode read and never write, and
         # both release the GIL while coding: one of each serves every thread.
-        self._encoder = zfec.Encoder(k, n)
-        self._decoder = zfec.Decoder(k, n)
+        self._encoder = zfec.Encoder(self.k, self.n)
+        self._decoder = zfec.Decoder(self.k, self.n)
 
     def _expected_payload_size(self, length: int) -> int:
         return block_size(length, self.k)

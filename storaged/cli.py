@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
 import sys
@@ -286,17 +287,8 @@ def _up_plan(args: argparse.Namespace, data: Path) -> tuple[ClusterFile, LocalEt
     the local etcd member it names; ``ClusterFileError`` or ``ClusterError`` if neither."""
     from storaged.tools.cluster_file import UpFlags, plan
 
-    flags = UpFlags(
-        nodes=args.nodes,
-        port=args.port,
-        peer_port=args.peer_port,
-        memory=args.memory,
-        nvme=args.nvme,
-        cold=args.cold,
-        replication=args.replication,
-        coordinator=args.coordinator,
-        etcd_port=args.etcd_port,
-    )
+    # every field of UpFlags is the flag of ``up`` of the same name
+    flags = UpFlags(**{f.name: getattr(args, f.name) for f in dataclasses.fields(UpFlags)})
     file = plan(data / "cluster.toml", flags)
     etcd = None
     if file.layout.etcd_port is not None:

@@ -203,14 +203,23 @@ def describe_state(state: StateDict) -> list[_SaveItem]:
             zeros = (0,) * array.ndim
             items.append(_array_item(key, array, tuple(array.shape), zeros, None))
         else:
-            try:
-                encoded = msgpack.packb(value)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(
-                    f"{key}: {type(value).__name__} is neither an array nor msgpack-able: {exc}"
-                ) from exc
+            encoded = packed_value(key, value)
             items.append(_SaveItem(key, MSGPACK_DTYPE, (), (), encoded, len(encoded)))
     return items
+
+
+def packed_value(
+    key: str, value: object, *, instead: str = "an array", error: type[Exception] = TypeError
+) -> bytes:
+    """``value`` as the msgpack bytes a non-array item holds; ``error`` naming ``key`` when
+    msgpack cannot pack it (``instead``: what else the value could have been)."""
+    try:
+        encoded: bytes = msgpack.packb(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise error(
+            f"{key}: {type(value).__name__} is neither {instead} nor msgpack-able: {exc}"
+        ) from exc
+    return encoded
 
 
 # --------------------------------------------------------------------------- staging

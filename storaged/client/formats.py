@@ -48,9 +48,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, Final
 
-import msgpack
 import numpy as np
 
+from storaged.client.checkpoint import packed_value
 from storaged.client.format_names import (
     FormatError,
     MissingLibrary,
@@ -140,12 +140,7 @@ def _pread_all(fd: int, into: memoryview, offset: int, what: str) -> None:
 
 
 def _value_item(key: str, value: Any) -> SourceItem:
-    try:
-        encoded = msgpack.packb(value)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise FormatError(
-            f"{key}: {type(value).__name__} is neither a tensor nor msgpack-able: {exc}"
-        ) from None
+    encoded = packed_value(key, value, instead="a tensor", error=FormatError)
 
     def read(offset: int, into: memoryview) -> None:
         into[:] = encoded[offset : offset + len(into)]

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from erasure import parse_fragment_key
@@ -58,6 +59,23 @@ _COPY_QUIET = 0.25
 _FULL_WAIT = 1.0
 #: a wait for RAM looks again at the nvme's mark this often
 _FULL_STEP = 0.25
+
+
+@dataclass(eq=False)
+class Replicas:
+    """One PUT's streams to its other holders, by node id, and the refusals met so far: a
+    stream that fails is dropped (aborted), and a refusal kept to say why the PUT failed."""
+
+    streams: dict[str, PutStream] = field(default_factory=dict)
+    refused: list[Refusal] = field(default_factory=list)
+
+    def drop(self, node_ids: Iterable[str]) -> None:
+        for node_id in node_ids:
+            self.streams.pop(node_id).abort()
+
+    def abort(self) -> None:
+        for stream in self.streams.values():
+            stream.abort()
 
 
 class WritePath:
@@ -211,26 +229,24 @@ class WritePath:
             buf = sealed
         else:
             buf = await self.room(size, lambda wait: self.local.memory.allocate(size, timeout=wait))
-        streams: dict[str, PutStream] = {}
+        replicas = Replicas()
         try:
             remote = [t for t in targets if t != self.local.id]
-            streams = await self._open_streams(chunk_id, size, remote, crc32c)
-            refused: list[Refusal] = []
+            replicas.streams = await self._open_streams(chunk_id, size, remote, crc32c)
             if body is not None:
-                received = await self._receive(body, buf.view, streams, refused)
+                received = await self._receive(body, buf.view, replicas)
                 if received < size:
                     raise BadInput("truncated", f"body ended after {received} of {size} bytes")
                 if await chunk_id_of_async(buf.view) != chunk_id:
                     raise BadInput("checksum_mismatch", "the body's BLAKE3-256 is not the id")
             else:
-                await self._send_all(buf.view, streams, refused)
+                await self._send_all(buf.view, replicas)
             holders, created = await self._finish_streams(
-                chunk_id, buf.view, streams, order, refused, crc32c
+                chunk_id, buf.view, replicas, order, crc32c
             )
         except BaseException:
             # Nothing is deleted anywhere (I2): what reached other nodes is GC's to collect.
-            for stream in streams.values():
-                stream.abort()
+            replicas.abort()
             self.local.memory.release(buf)
             raise
         if self.local.id in holders:
@@ -320,17 +336,11 @@ class WritePath:
         await asyncio.gather(*(open_one(n) for n in remote))
         return streams
 
-    async def _receive(
-        self,
-        body: BodyPieces,
-        buf: memoryview,
-        streams: dict[str, PutStream],
-        refused: list[Refusal],
-    ) -> int:
+    async def _receive(self, body: BodyPieces, buf: memoryview, replicas: Replicas) -> int:
         """Copy pieces into ``buf`` and forward them to every open stream as they arrive.
 
-        A peer that fails or refuses (e.g. memory_full) mid-body leaves ``streams``; its
-        refusal goes into ``refused``.
+        A peer that fails or refuses (e.g. memory_full) mid-body is dropped from
+        ``replicas``; its refusal goes into ``replicas.refused``.
         """
         pos = 0
         size = len(buf)
@@ -339,30 +349,26 @@ class WritePath:
             if pos + n > size:
                 raise BadInput("bad_request", "body longer than its Content-Length")
             buf[pos : pos + n] = piece  # the one copy into this node's RAM copy
-            if streams:
+            if replicas.streams:
                 view = buf[pos : pos + n]
                 dropped = [
                     node_id
-                    for node_id, stream in streams.items()
-                    if not await self._forward(node_id, stream, (view,), refused)
+                    for node_id, stream in replicas.streams.items()
+                    if not await self._forward(node_id, stream, (view,), replicas.refused)
                 ]
-                for node_id in dropped:
-                    streams.pop(node_id).abort()
+                replicas.drop(dropped)
             pos += n
         return pos
 
-    async def _send_all(
-        self, buf: memoryview, streams: dict[str, PutStream], refused: list[Refusal]
-    ) -> None:
+    async def _send_all(self, buf: memoryview, replicas: Replicas) -> None:
         """Send the whole of ``buf`` to every open stream at once, in slices (the transport
-        keeps what the socket does not take); failures leave ``streams`` as in ``_receive``."""
+        keeps what the socket does not take); failures leave ``replicas`` as in ``_receive``."""
         slices = [buf[pos : pos + _SEND_SLICE] for pos in range(0, len(buf), _SEND_SLICE)]
+        streams = replicas.streams
         sent = await asyncio.gather(
-            *(self._forward(n, s, slices, refused) for n, s in streams.items())
+            *(self._forward(n, s, slices, replicas.refused) for n, s in streams.items())
         )
-        for node_id, ok in list(zip(streams, sent, strict=True)):
-            if not ok:
-                streams.pop(node_id).abort()
+        replicas.drop([node_id for node_id, ok in zip(streams, sent, strict=True) if not ok])
 
     async def _forward(
         self,
@@ -389,9 +395,8 @@ class WritePath:
         self,
         chunk_id: str,
         buf: memoryview,
-        streams: dict[str, PutStream],
+        replicas: Replicas,
         order: list[str],
-        refused: list[Refusal],
         crc32c: int | None = None,
     ) -> tuple[list[str], list[str]]:
         """Collect the peers' verdicts; replace failed holders from our own (checked) copy,
@@ -403,7 +408,8 @@ class WritePath:
         targets = order[:rf]
         holders: list[str] = [self.local.id] if self.local.id in targets else []
         created: list[str] = []
-        damaged = await self._verdicts(chunk_id, streams, refused, holders, created)
+        refused = replicas.refused
+        damaged = await self._verdicts(chunk_id, replicas, holders, created)
         # Our copy hashed to the id: a replica that saw other bytes got them damaged on the
         # way. Send it our copy again rather than failing the client's good upload.
         for node_id in damaged:
@@ -436,16 +442,11 @@ class WritePath:
         return sorted(holders, key=lambda n: rank.get(n, len(rank))), created
 
     async def _verdicts(
-        self,
-        chunk_id: str,
-        streams: dict[str, PutStream],
-        refused: list[Refusal],
-        holders: list[str],
-        created: list[str],
+        self, chunk_id: str, replicas: Replicas, holders: list[str], created: list[str]
     ) -> list[str]:
         """Each replica stream's verdict: a holder goes to ``holders`` (and ``created`` if
-        it did not have the chunk before), a refusal to ``refused``; an unreachable replica
-        is reported to the membership. Returns the replicas that saw damaged bytes."""
+        it did not have the chunk before), a refusal to ``replicas.refused``; an unreachable
+        replica is reported to the membership. Returns the replicas that saw damaged bytes."""
         damaged: list[str] = []
 
         async def finish(node_id: str, stream: PutStream) -> None:
@@ -460,13 +461,13 @@ class WritePath:
                     damaged.append(node_id)
                 else:
                     log.warning("replica %s refused %s: %s", node_id, chunk_id, exc)
-                    refused.append((node_id, exc))
+                    replicas.refused.append((node_id, exc))
                 return
             holders.append(node_id)
             if reply.get("new"):
                 created.append(node_id)
 
-        await asyncio.gather(*(finish(n, s) for n, s in streams.items()))
+        await asyncio.gather(*(finish(n, s) for n, s in replicas.streams.items()))
         return damaged
 
     def _too_few_holders(self, count: int, refused: list[Refusal]) -> StoragedError:

@@ -19,8 +19,8 @@ import pytest
 from storaged.errors import InsufficientStorage, Unavailable
 from storaged.ids import chunk_id_of
 from storaged.node import Node
-from storaged.node.write import Refusal
-from storaged.peer import PeerError, PutStream
+from storaged.node.write import Replicas
+from storaged.peer import PeerError
 from tests.service.inproc import InprocCluster, InprocFactory, wait_until
 
 QUIET: dict[str, Any] = {"repair_interval": 3600.0, "gc_interval": 3600.0}
@@ -28,7 +28,7 @@ QUIET: dict[str, Any] = {"repair_interval": 3600.0, "gc_interval": 3600.0}
 
 async def _streams(
     cluster: InprocCluster, data: bytes, sent: bytes | None = None, refusing: int = 0
-) -> tuple[Node, list[str], dict[str, PutStream], list[Refusal]]:
+) -> tuple[Node, list[str], Replicas]:
     """The entry node (first of the order), the order's node ids, and open streams to the
     next ``replication - 1`` nodes that got ``sent`` (``data`` by default); the last
     ``refusing`` of those are marked draining before the bytes go."""
@@ -45,10 +45,10 @@ async def _streams(
         await wait_until(
             "the mark reached it", partial(replica.membership.drains.is_draining, node_id)
         )
-    refused: list[Refusal] = []
-    await entry.writes._send_all(memoryview(sent or data), streams, refused)
-    assert refused == []
-    return entry, ids, streams, refused
+    replicas = Replicas(streams)
+    await entry.writes._send_all(memoryview(sent or data), replicas)
+    assert replicas.refused == []
+    return entry, ids, replicas
 
 
 async def test_a_replica_that_refuses_is_replaced_by_the_next_node(
@@ -57,15 +57,13 @@ async def test_a_replica_that_refuses_is_replaced_by_the_next_node(
     cluster = await inproc.start(4, **QUIET)
     data = os.urandom(96 << 10)
     chunk_id = chunk_id_of(data)
-    entry, ids, streams, refused = await _streams(cluster, data, refusing=1)
+    entry, ids, replicas = await _streams(cluster, data, refusing=1)
 
-    holders, created = await entry.writes._finish_streams(
-        chunk_id, memoryview(data), streams, ids, refused
-    )
+    holders, created = await entry.writes._finish_streams(chunk_id, memoryview(data), replicas, ids)
     assert holders == [ids[0], ids[1], ids[3]]  # in placement order
     assert sorted(created) == sorted([ids[1], ids[3]])
     assert await cluster.node(cluster.index_of(ids[3])).memory.get(chunk_id) == data
-    assert [(n, e.code) for n, e in refused] == [(ids[2], "draining")]
+    assert [(n, e.code) for n, e in replicas.refused] == [(ids[2], "draining")]
     assert not cluster.node(cluster.index_of(ids[2])).holds_hot(chunk_id)
 
 
@@ -77,14 +75,12 @@ async def test_damaged_bytes_on_the_way_are_sent_again(inproc: InprocFactory) ->
     chunk_id = chunk_id_of(data)
     damaged = bytearray(data)
     damaged[1000] ^= 0xFF
-    entry, ids, streams, refused = await _streams(cluster, data, bytes(damaged))
+    entry, ids, replicas = await _streams(cluster, data, bytes(damaged))
 
-    holders, created = await entry.writes._finish_streams(
-        chunk_id, memoryview(data), streams, ids, refused
-    )
+    holders, created = await entry.writes._finish_streams(chunk_id, memoryview(data), replicas, ids)
     assert holders == ids[:3]
     assert sorted(created) == sorted(ids[1:3])
-    assert refused == []
+    assert replicas.refused == []
     for node_id in ids[1:3]:
         assert await cluster.node(cluster.index_of(node_id)).memory.get(chunk_id) == data
     assert not cluster.node(cluster.index_of(ids[3])).holds_hot(chunk_id)
@@ -94,11 +90,11 @@ async def test_too_few_holders_is_refused_and_says_why(inproc: InprocFactory) ->
     cluster = await inproc.start(4, **QUIET)
     data = os.urandom(96 << 10)
     chunk_id = chunk_id_of(data)
-    entry, ids, streams, refused = await _streams(cluster, data, refusing=2)
+    entry, ids, replicas = await _streams(cluster, data, refusing=2)
     await cluster.kill(cluster.index_of(ids[3]))  # and the next node of the order is dead
 
     with pytest.raises(Unavailable) as caught:
-        await entry.writes._finish_streams(chunk_id, memoryview(data), streams, ids, refused)
+        await entry.writes._finish_streams(chunk_id, memoryview(data), replicas, ids)
     assert caught.value.code == "insufficient_replicas"
     assert "only 1 node(s)" in caught.value.message
 
