@@ -702,17 +702,19 @@ async def _settle_and_check(urls: Sequence[str], name: str, limit: float) -> dic
 async def _save_floor(
     urls: Sequence[str], name: str, rates: FloorRates, *, colocated: bool, nodes: int
 ) -> RoleFloor:
-    """The floor per role of the save of ``name``: its chunks' hot holders (``?plan``), each
-    handed to n0 in shared memory (the client's first seed, on this host) or PUT to its first
-    placement node over HTTP (``storaged.client.writes``)."""
+    """The floor per role of the save of ``name``: each chunk's hot holders are its first
+    ``replication`` placement nodes (rendezvous over the live nodes, as the write path placed
+    them: no node drained or died since), each chunk handed to n0 in shared memory (the
+    client's first seed, on this host) or PUT to its first placement node over HTTP
+    (``storaged.client.writes``). Not ``?plan``: by the time this runs, RAM holds a newer
+    checkpoint and the older one's hot copies may have gone."""
     async with Client(list(urls), token=TOKEN) as client:
-        plan = await client.plan(name)
         sizes = check_schema(await client.get_manifest(name)).chunks
-        hot = ("memory", "nvme")
-        holders = {cid: [h.node for h in held if h.tier in hot] for cid, held in plan.items()}
+        copies = client.cluster.replication
+        holders = {cid: client.placement(cid)[:copies] for cid in sizes}
 
         def entry(cid: str, held: Sequence[str]) -> str:
-            return "n0" if colocated else client.placement(cid)[0]
+            return "n0" if colocated else held[0]
 
         return role_floors(holders, sizes, entry, rates, colocated=colocated,
                            nodes=[f"n{i}" for i in range(nodes)])  # fmt: skip
