@@ -142,10 +142,15 @@ def test_longest_prefix_wins() -> None:
             {"prefix": "job42/eval", "keep_last": 2},
         ]
     )
-    assert policy.rule_for("job1/step-1").keep_last == 1  # type: ignore[union-attr]
-    assert policy.rule_for("job42/step-1").keep_last == 5  # type: ignore[union-attr]
-    assert policy.rule_for("job42/eval-3/step-1").keep_last == 2  # type: ignore[union-attr]
-    assert policy.rule_for("other/step-1") is None
+
+    def prefix(name: str) -> str | None:
+        rule = policy.rule_for(name)
+        return None if rule is None else rule.prefix
+
+    assert prefix("job1/step-1") == "job"
+    assert prefix("job42/step-1") == "job42/"
+    assert prefix("job42/eval-3/step-1") == "job42/eval"
+    assert prefix("other/step-1") is None
 
 
 def test_sequence_is_the_trailing_number() -> None:
