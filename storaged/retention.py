@@ -144,8 +144,8 @@ class Decision:
     """What a policy says of a set of checkpoints.
 
     ``kept``: name -> the clauses that keep it (never empty); ``delete``: the names to
-    delete, oldest first; ``archive``: the names to archive now (must-archive and not
-    archived yet; all of them are also in ``kept``)."""
+    delete, oldest first; ``archive``: the names to archive now, oldest first (must-archive
+    and not archived yet; all of them are also in ``kept``)."""
 
     kept: dict[str, tuple[str, ...]] = field(default_factory=dict)
     delete: tuple[str, ...] = ()
@@ -172,7 +172,7 @@ def parse_duration(value: object) -> float | None:
 
 
 def format_duration(seconds: float) -> str:
-    for unit in ("w", "d", "h", "m"):
+    for unit in ("d", "h", "m"):
         if seconds >= _DURATION_UNITS[unit] and seconds % _DURATION_UNITS[unit] == 0:
             return f"{int(seconds // _DURATION_UNITS[unit])}{unit}"
     return f"{seconds:g}s"
@@ -306,6 +306,7 @@ def decide(policy: Policy, checkpoints: Iterable[Committed], now: float | None =
             else:
                 delete.append(c.name)
     delete.reverse()  # oldest first
+    archive.reverse()
     return Decision(kept, tuple(delete), tuple(archive))
 
 
