@@ -40,8 +40,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from storaged.ids import CHECKPOINT_NAME_RE
-
 
 class PolicyError(ValueError):
     """A retention policy that cannot be used; the message names the rule and the key."""
@@ -195,6 +193,10 @@ def parse_rule(entry: object, where: str) -> Rule:
     prefix = entry.get("prefix")
     if not isinstance(prefix, str) or not prefix:
         raise PolicyError(f'{where}: no prefix (write prefix = "job42/")')
+    # Here, not at the top: storaged.config imports this module, and the command line
+    # (``storaged --version``) imports neither hashing nor asyncio (tests/client/test_cli_start.py)
+    from storaged.ids import CHECKPOINT_NAME_RE
+
     stem = prefix.rstrip("/")
     if not stem or not CHECKPOINT_NAME_RE.fullmatch(stem):
         raise PolicyError(f"{where}: prefix {prefix!r} cannot begin a checkpoint name")
