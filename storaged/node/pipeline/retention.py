@@ -262,10 +262,14 @@ class Retention:
                 r.name: {"rule": None, "kept_by": f"policy not applied: {exc}"} for r in records
             }
         out: dict[str, dict[str, Any]] = {}
-        if not policy:
+        # Only the rules something listed falls under: every checkpoint under one of them
+        # starts with its prefix, so their jobs are whole in these prefixes' listings.
+        rules = {rule for r in records if (rule := policy.rule_for(r.name)) is not None}
+        if not rules:
             return {r.name: {"rule": None, "kept_by": NO_POLICY} for r in records}
         reading, _ = await self.reads(self.cluster.placement())
-        decision = await self.decision(policy, await self.records(policy), reading)
+        listed = await self.records(Policy(tuple(rules)))
+        decision = await self.decision(policy, listed, reading)
         for r in records:
             rule = policy.rule_for(r.name)
             reasons = decision.kept.get(r.name, ())
