@@ -322,3 +322,33 @@ def test_never_deletes_what_must_stay(rules: list[Rule], checkpoints: list[Commi
             if must_archive(rule, c.name, newest=c is newest) and not c.archived:
                 assert c.name not in deleted  # must be archived first
                 assert c.name in decision.archive
+
+
+# ---- the cluster file ----------------------------------------------------------------------
+def _cluster(**extra: object) -> dict[str, object]:
+    nodes = [
+        {"id": f"n{i}", "url": f"http://127.0.0.1:{7000 + i}", "peer": f"127.0.0.1:{8000 + i}"}
+        for i in range(4)
+    ]
+    return {"auth": {"cluster_secret": "s3cret"}, "data": "/tmp/n0", "nodes": nodes, **extra}
+
+
+def test_the_cluster_file_carries_the_policy() -> None:
+    from storaged.config import check_file_document, config_from_document
+
+    rules = [{"prefix": "job/", "keep_last": 2, "keep_every": 10, "keep_every_for": "7d"}]
+    doc = _cluster(retention=rules, retention_interval=5)
+    check_file_document(doc)
+    config = config_from_document(doc, "n0")
+    assert config.retention == Policy((Rule("job/", 2, 10, 7 * DAY),))
+    assert config.retention_interval == 5.0
+    assert config_from_document(_cluster(), "n0").retention == Policy()
+
+
+def test_a_bad_rule_in_the_cluster_file_is_refused() -> None:
+    from storaged.config import ConfigError, check_file_document, config_from_document
+
+    doc = _cluster(retention=[{"prefix": "job/", "keep_last": 1, "keep_evry": 3}])
+    for check in (check_file_document, lambda d: config_from_document(d, "n0")):
+        with pytest.raises(ConfigError, match=r"\[\[retention\]\] entry 1: unknown key keep_evry"):
+            check(doc)
