@@ -611,7 +611,10 @@ class Client:
                         int(c["bytes"]),
                         str(c["state"]),
                         CheckpointCosts.from_wire(c["costs"]) if costs else None,
-                        RetentionInfo.from_wire(c["retention"]) if retention else None,
+                        # a node without E20 (a rolling upgrade) leaves it out: not known
+                        RetentionInfo.from_wire(c["retention"])
+                        if retention and "retention" in c
+                        else None,
                     )
                     for c in doc["checkpoints"]
                 ]
