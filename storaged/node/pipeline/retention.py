@@ -143,21 +143,20 @@ class Retention:
         records = await self.records(policy)
         reading, unknown = await self.reads(placement)
         decision = await self.decision(policy, records, reading)
-        archived = await self._archive(decision.archive)
-        report = PassReport(decision, archived=archived, held_back=unknown)
-        if unknown:
-            if decision.delete:
-                log.info(
-                    "retention: %d checkpoint(s) to delete wait for the next pass: %s",
-                    len(decision.delete),
-                    unknown,
-                )
-        else:
-            report = PassReport(
-                decision, deleted=await self._delete(decision.delete), archived=archived
+        deleted: tuple[str, ...] = ()
+        if unknown and decision.delete:
+            log.info(
+                "retention: %d checkpoint(s) to delete wait for the next pass: %s",
+                len(decision.delete),
+                unknown,
             )
-        self.last = report
-        return report
+        elif not unknown:
+            # Deletes first, right after the question about reads; archiving may take long,
+            # and what it archives goes at a later pass (decided again then).
+            deleted = await self._delete(decision.delete)
+        archived = await self._archive(decision.archive)
+        self.last = PassReport(decision, deleted, archived, held_back=unknown)
+        return self.last
 
     async def records(self, policy: Policy) -> list[CatalogRecord]:
         """Every live checkpoint under some rule's prefix (whole jobs: a job's newest and
