@@ -27,6 +27,9 @@ Cluster file::
     data = "/var/lib/storaged/n0" # nvme/, cold/, catalog/ live under it
     [up]                          # read by `storaged up` alone (storaged/tools/cluster_file.py)
     etcd_port = 23790
+    [[retention]]                 # retention policies per name prefix (storaged/retention.py)
+    prefix = "job42/"
+    keep_last = 3
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from storaged.domains import domain_key, fragments_per_node, sizes
+from storaged.retention import Policy, PolicyError, parse_rules
 
 
 class ConfigError(Exception):
@@ -178,6 +182,11 @@ class Config:
     domain: str = ""
     log_level: str = "INFO"
     log_json: bool = False
+    #: the retention policy of the cluster file's ``[[retention]]`` tables (on etcd: the
+    #: policy ``storaged retention set`` stores there wins); applied by the leader
+    retention: Policy = dataclasses.field(default_factory=Policy)
+    #: seconds between the retention leader's passes (``pipeline/retention.py``)
+    retention_interval: float = 60.0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -296,7 +305,7 @@ class Config:
         return self._validate_links()
 
 
-_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nodes",)}
+_SCALARS = {f.name: f for f in fields(Config) if f.name not in ("nodes", "retention")}
 
 
 def _coerce(name: str, raw: object) -> Any:
@@ -318,7 +327,7 @@ def _coerce(name: str, raw: object) -> Any:
 #: tables whose keys are settings (``[tiers] memory_capacity`` is ``memory_capacity``)
 _TABLES = ("erasure", "tiers", "auth", "tls", "timeouts")
 #: what a node ignores: its own list, and ``storaged up``'s table (storaged/tools/cluster_file.py)
-_NOT_SETTINGS = ("nodes", "up")
+_NOT_SETTINGS = ("nodes", "up", "retention")
 _NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False, "domain": False}  # required?
 
 
@@ -391,6 +400,14 @@ def check_file_document(doc: Mapping[str, Any]) -> None:
                 raise ConfigError(f"[[nodes]] entry {i + 1}: {key} must be a string")
             if required and key not in entry:
                 raise ConfigError(f"[[nodes]] entry {i + 1}: no {key}")
+    _retention(doc)
+
+
+def _retention(doc: Mapping[str, Any]) -> Policy:
+    try:
+        return parse_rules(doc.get("retention"))
+    except PolicyError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(
@@ -423,8 +440,10 @@ def config_from_document(
     values: dict[str, Any] = {}
     nodes: list[NodeSpec] = []
     env = os.environ if environ is None else environ
+    retention = Policy()
     if doc is not None:
         values.update(_flatten_file(doc, env))
+        retention = _retention(doc)
         for entry in doc.get("nodes", []):
             try:
                 nodes.append(
@@ -448,7 +467,9 @@ def config_from_document(
     if node_id is not None:
         values["node_id"] = node_id
     coerced = {name: _coerce(name, raw) for name, raw in values.items()}
-    return dataclasses.replace(Config(nodes=tuple(nodes)), **coerced).validate()
+    return dataclasses.replace(
+        Config(nodes=tuple(nodes), retention=retention), **coerced
+    ).validate()
 
 
 def config_field_names() -> list[str]:

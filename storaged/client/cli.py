@@ -150,6 +150,22 @@ def _add_cluster_commands(
     p.add_argument("--prefix", help="delete every checkpoint whose name starts with this")
     p.set_defaults(func=cmd_rm)
 
+    p = sub.add_parser(
+        "retention",
+        parents=parents,
+        help="show the retention policy in force, or store one (etcd coordination)",
+    )
+    p.add_argument("action", choices=("show", "set"))
+    p.add_argument(
+        "file", nargs="?", metavar="FILE", help="for set: a TOML file of [[retention]] tables"
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("STORAGED_ADMIN_TOKEN") or None,
+        help="admin bearer token, for set (default $STORAGED_ADMIN_TOKEN)",
+    )
+    p.set_defaults(func=cmd_retention)
+
 
 def _add_file_commands(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -224,6 +240,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from storaged.client.cluster_commands import cmd_rm as run
+
+    return run(args)
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    from storaged.client.cluster_commands import cmd_retention as run
 
     return run(args)
 

@@ -45,6 +45,7 @@ from storaged.client.documents import (
     NodeInfo,
     PutResult,
     RestorePlanDoc,
+    RetentionInfo,
     Survives,
     TierCost,
     TierSpace,
@@ -586,13 +587,18 @@ class Client:
             await asyncio.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
 
-    async def list(self, prefix: str = "", *, costs: bool = False) -> builtins.list[CheckpointInfo]:
+    async def list(
+        self, prefix: str = "", *, costs: bool = False, retention: bool = False
+    ) -> builtins.list[CheckpointInfo]:
         """Committed checkpoints whose names start with ``prefix``, sorted by name; with
         ``costs``, each with its ``CheckpointCosts`` (one catalogue snapshot and one question
-        to the nodes for the whole listing, on the node's side)."""
+        to the nodes for the whole listing, on the node's side); with ``retention``, each
+        with its ``RetentionInfo`` (extension E20)."""
         params = [f"prefix={quote(prefix, safe='/')}"] if prefix else []
         if costs:
             params.append("costs")
+        if retention:
+            params.append("retention")
         query = "?" + "&".join(params) if params else ""
 
         async def handle(resp: aiohttp.ClientResponse) -> builtins.list[CheckpointInfo]:
@@ -605,6 +611,10 @@ class Client:
                         int(c["bytes"]),
                         str(c["state"]),
                         CheckpointCosts.from_wire(c["costs"]) if costs else None,
+                        # a node without E20 (a rolling upgrade) leaves it out: not known
+                        RetentionInfo.from_wire(c["retention"])
+                        if retention and "retention" in c
+                        else None,
                     )
                     for c in doc["checkpoints"]
                 ]

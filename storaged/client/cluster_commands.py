@@ -35,7 +35,7 @@ from storaged.client.documents import Survives
 from storaged.client.errors import CheckpointNotFound
 from storaged.wire import STATES
 
-__all__ = ["cmd_drain", "cmd_ls", "cmd_nodes", "cmd_rm", "cmd_status"]
+__all__ = ["cmd_drain", "cmd_ls", "cmd_nodes", "cmd_retention", "cmd_rm", "cmd_status"]
 
 
 def _clock(ts: float) -> str:
@@ -58,33 +58,55 @@ def _ls_row(c: CheckpointInfo) -> list[str]:
     return [*row, _clock(c.created)]
 
 
-def _ls_entry(c: CheckpointInfo) -> dict[str, Any]:
+def _ls_entry(c: CheckpointInfo, *, retention: bool) -> dict[str, Any]:
     """A checkpoint as ``ls --json`` prints it: its fields in order, ``costs`` only when
-    asked for (``--costs``)."""
+    asked for (``--costs``), ``retention`` only when some listed checkpoint is under a
+    retention rule."""
     entry = dataclasses.asdict(c)
     if c.costs is None:
         del entry["costs"]
+    if not retention:
+        del entry["retention"]
     return entry
+
+
+def _archive_cell(c: CheckpointInfo) -> str:
+    archived = c.retention.archived if c.retention is not None else None
+    return "-" if archived is None else ("yes" if archived else "no")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     def body() -> None:
         async def main() -> None:
             async with client_of(args) as client:
-                listed = await client.list(args.prefix, costs=args.costs)
+                listed = await client.list(args.prefix, costs=args.costs, retention=True)
+            # The retention columns (extension E20) only where a rule covers something listed:
+            # a cluster without a policy lists as before.
+            policy = any(c.retention is not None and c.retention.rule for c in listed)
             if args.json:
-                print_json({"checkpoints": [_ls_entry(c) for c in listed]})
+                print_json({"checkpoints": [_ls_entry(c, retention=policy) for c in listed]})
                 return
             if not listed:
                 return
             columns = [c for c in LS_COLUMNS if args.costs or c in ("STATE", "SIZE", "CREATED")]
             rows = [["NAME", *columns]] + [[c.name, *_ls_row(c)] for c in listed]
-            widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+            if policy:
+                rows[0][-1:-1] = ["ARCHIVE"]
+                rows[0].append("KEPT BY")
+                for row, c in zip(rows[1:], listed, strict=True):
+                    row[-1:-1] = [_archive_cell(c)]
+                    row.append(c.retention.kept_by if c.retention is not None else "no policy")
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            last = len(rows[0]) - (2 if policy else 1)  # CREATED: the first as-is column
             for row in rows:
-                # NAME and STATE left-aligned, the sizes right-aligned, CREATED last as is
+                # NAME and STATE left-aligned, the sizes right-aligned, CREATED (and KEPT BY)
+                # last as is
                 cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])]
-                cells += [cell.rjust(widths[i]) for i, cell in enumerate(row[2:-1], 2)]
-                print("  ".join([*cells, row[-1]]))
+                cells += [cell.rjust(widths[i]) for i, cell in enumerate(row[2:last], 2)]
+                tail = row[last:]
+                if policy:
+                    tail = [tail[0].ljust(widths[last]), tail[1]]
+                print("  ".join([*cells, *tail]))
 
         run_async(main)
 
@@ -456,6 +478,63 @@ def cmd_drain(args: argparse.Namespace) -> int:
             print_json({**doc, "unreached": marked.get("unreached", [])})
         elif args.wait:
             print(f"{args.node} can leave: nothing it holds is under-replicated without it")
+
+    return run_command(args, body)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def _policy_toml(rules: list[Mapping[str, Any]]) -> str:
+    """``rules`` as the [[retention]] tables ``retention set`` reads back."""
+    out = []
+    for rule in rules:
+        out.append("[[retention]]")
+        for key, value in rule.items():
+            text = ("true" if value else "false") if isinstance(value, bool) else value
+            out.append(f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {text}")
+        out.append("")
+    return "\n".join(out)
+
+
+def cmd_retention(args: argparse.Namespace) -> int:
+    def body() -> None:
+        rules: list[dict[str, Any]] | None = None
+        if args.action == "set":
+            if not args.file:
+                raise UsageError("retention set FILE: name a TOML file of [[retention]] tables")
+            from storaged.retention import PolicyError, parse_policy_toml
+
+            try:
+                with open(args.file) as f:
+                    text = f.read()
+                rules = parse_policy_toml(text, source=args.file).to_doc()
+            except OSError as exc:
+                raise CommandError(f"cannot read {args.file}: {exc.strerror or exc}") from None
+            except PolicyError as exc:
+                raise CommandError(str(exc)) from None
+        elif args.file:
+            raise UsageError("retention show takes no FILE")
+
+        async def main() -> dict[str, Any]:
+            from storaged.client.policies import retention_policy, set_retention_policy
+
+            async with client_of(args) as client:
+                if rules is None:
+                    return await retention_policy(client)
+                return await set_retention_policy(client, rules, admin_token=args.admin_token)
+
+        doc = run_async(main)
+        if args.json:
+            print_json(doc)
+            return
+        if args.action == "set":
+            print(f"retention policy stored in {doc['source']}: {len(doc['rules'])} rule(s)")
+            return
+        print(f"# retention policy from {doc['source']}")
+        if doc.get("error"):
+            print(f"# not applied: {doc['error']}")
+        print(_policy_toml(list(doc["rules"])), end="")
 
     return run_command(args, body)
 

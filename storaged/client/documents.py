@@ -244,6 +244,28 @@ class CheckpointCosts:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionInfo:
+    """What the retention policy says of a checkpoint (extension E20,
+    ``list(retention=True)``): the prefix of the rule it falls under (None: no rule), the
+    clauses that keep it (``"newest, last 3"``, ``"every 10th until 2026-12-13"``, ``"being
+    read"``, ``"awaiting archive"``, ``"no policy"``) or ``"to delete"``, and whether the
+    archive holds a copy (None: not known)."""
+
+    rule: str | None
+    kept_by: str
+    archived: bool | None = None
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> RetentionInfo:
+        rule, archived = doc.get("rule"), doc.get("archived")
+        return cls(
+            None if rule is None else str(rule),
+            str(doc["kept_by"]),
+            None if archived is None else bool(archived),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     name: str
     created: float
@@ -251,6 +273,8 @@ class CheckpointInfo:
     state: str
     #: With ``Client.list(costs=True)`` (extension E17); else None.
     costs: CheckpointCosts | None = None
+    #: With ``Client.list(retention=True)`` (extension E20); else None.
+    retention: RetentionInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from storaged.peer import PeerError
 from storaged.placement import Placement
 
 if TYPE_CHECKING:
+    from storaged.coord.policy_store import PolicyStore
     from storaged.node.services import ClusterView, LocalStore
 
 log = logging.getLogger("storaged.coord.catalogue")
@@ -103,6 +104,11 @@ class Catalogue(abc.ABC):
     async def repair(self) -> int:
         """Bring records back to their full number of holders; returns copies written."""
         return 0
+
+    def policy_store(self) -> PolicyStore | None:
+        """Where the coordinator keeps the cluster's retention policy (``storaged retention
+        set``); None: it keeps none, the cluster file's ``[[retention]]`` is the policy."""
+        return None
 
 
 class EmbeddedCatalogue(Catalogue):

@@ -12,6 +12,7 @@ Keys, under the URL's path (default ``/storaged``)::
     <root>/ckpt/<name>               a checkpoint record or tombstone (small)
     <root>/manifest/<name>#<tag>     its manifest when stored inline
     <root>/refs/<name>#<tag>#<n>     its chunk ids, part n (32 bytes per id)
+    <root>/retention                 the retention policy, JSON (coord/policy_store.py)
 
 ``<tag>`` is a 128-bit hash of the manifest's digest: parts of two racing commits of one
 name never mix. ``#`` cannot occur in a checkpoint name, so ``<name>#`` ranges never

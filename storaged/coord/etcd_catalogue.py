@@ -67,9 +67,11 @@ from storaged.coord.etcd import (
     kv_response,
 )
 from storaged.coord.manifest_store import CatalogRecord, CheckpointNotFound
+from storaged.coord.policy_store import PolicyStore, document, policy_of
 from storaged.errors import BadInput
 from storaged.ids import chunk_id_of
 from storaged.manifest import MAX_INT, check_manifest
+from storaged.retention import Policy
 
 if TYPE_CHECKING:
     from storaged.node.services import DataPlane
@@ -421,6 +423,9 @@ class EtcdCatalogue(Catalogue):
         records = tuple(sorted((r for r, _ in live.values()), key=lambda r: r.name))
         return References(frozenset(chunks), records, taken_at, complete=True)
 
+    def policy_store(self) -> EtcdPolicyStore:
+        return EtcdPolicyStore(self.s)
+
     async def repair(self) -> int:
         """Rewrites the missing chunk-id parts of the records a read of this catalogue found
         incomplete (``repair_record``), then compacts tombstones older than
@@ -670,3 +675,26 @@ def _key(item: Any) -> str:
 def _record(summary: dict[str, Any]) -> CatalogRecord:
     """The record as listed: no manifest, no chunk list."""
     return CatalogRecord.from_wire(summary, listed=True)
+
+
+class EtcdPolicyStore(PolicyStore):
+    origin = "etcd"
+
+    def __init__(self, session: EtcdSession) -> None:
+        self.s = session
+        self.key = session.key("retention")
+
+    async def load(self) -> Policy | None:
+        kv = await self.s.kv()
+        reply = await self.s.call("read of the retention policy", kv.get(self.key))
+        kvs = list(reply.kvs)
+        if not kvs:
+            return None
+        return policy_of(bytes(kvs[0].value))
+
+    async def save(self, policy: Policy) -> None:
+        kv = await self.s.kv()
+        if not policy:
+            await self.s.call("delete of the retention policy", kv.delete(self.key))
+            return
+        await self.s.call("write of the retention policy", kv.put(self.key, document(policy)))

@@ -40,6 +40,7 @@ from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import Node
+from storaged.retention import PolicyError, parse_rules
 from storaged.wire import STATES, ErrorCode, state_name
 from tiers import ByteRange, ChunkNotFound
 
@@ -572,6 +573,7 @@ async def list_checkpoints(request: web.Request) -> web.Response:
     node = request.app[NODE]
     prefix = request.query.get("prefix", "")
     costs = "costs" in request.query  # extension E17
+    retention = "retention" in request.query  # extension E20
     records = await node.list_checkpoints(prefix)
     listing = None
     if records and (costs or "nostate" not in request.query):
@@ -589,6 +591,13 @@ async def list_checkpoints(request: web.Request) -> web.Response:
                 continue  # deleted while being listed
             entry["costs"] = listing.costs[r.name]
         entries.append(entry)
+    if retention and entries:
+        kept = await node.retention.annotate(
+            [r for r in records if r.name in {e["name"] for e in entries}]
+        )
+        for entry in entries:
+            # "archived": the archive's word, null while the node has no archive status
+            entry["retention"] = {**kept[entry["name"]], "archived": None}
     doc: dict[str, Any] = {"checkpoints": entries}
     if costs:
         doc["complete"] = listing.complete if listing else True
@@ -694,6 +703,39 @@ async def pause_gc(request: web.Request) -> web.Response:
     return reply(request, {"node": node.id, "paused_until": until or None})
 
 
+async def retention_policy(request: web.Request) -> web.Response:
+    """Extension E20: the retention policy in force and where it comes from."""
+    node = request.app[NODE]
+    try:
+        policy, origin = await node.retention.policy()
+    except PolicyError as exc:
+        return reply(request, {"rules": [], "source": "unusable", "error": str(exc)})
+    return reply(request, {"rules": policy.to_doc(), "source": origin})
+
+
+async def set_retention(request: web.Request) -> web.Response:
+    """Admin, extension E20: store the cluster's retention policy in the coordinator (etcd);
+    a bad policy is refused whole and changes nothing."""
+    node = request.app[NODE]
+    doc = await read_document(request, 1 << 20)
+    if not isinstance(doc, dict) or not isinstance(doc.get("rules"), list):
+        raise bad_request('body must be {"rules": [{"prefix": ..., "keep_last": ...}, ...]}')
+    try:
+        policy = node.retention.check(parse_rules(doc["rules"], source="rules"))
+    except PolicyError as exc:
+        raise ApiError(400, "bad_policy", str(exc)) from None
+    store = node.retention.store
+    if store is None:
+        raise ApiError(
+            409,
+            "policy_in_cluster_file",
+            "the embedded coordination keeps no policy of its own: write [[retention]] tables "
+            "in the cluster file of every node and restart them",
+        )
+    await store.save(policy)
+    return reply(request, {"rules": policy.to_doc(), "source": store.origin})
+
+
 def _node_id(request: web.Request) -> str:
     node_id = request.match_info["id"]
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", node_id):
@@ -751,6 +793,8 @@ def make_app(node: Node) -> web.Application:
     r.add_get("/v1/cluster", cluster)
     r.add_post("/v1/admin/evict", evict)
     r.add_post("/v1/admin/gc", pause_gc)
+    r.add_get("/v1/retention", retention_policy)
+    r.add_put("/v1/admin/retention", set_retention)
     r.add_post("/v1/nodes/{id}/drain", drain_node)
     r.add_get("/v1/nodes/{id}/drain", drain_progress)
     r.add_get("/healthz", healthz)

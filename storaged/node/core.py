@@ -14,6 +14,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``pipeline/gc.py``          unreferenced chunks after the grace period, retention
 ``pipeline/scrub.py``       re-reads stored bytes
 ``pipeline/leadership.py``  who leads a chunk's repair, which members are away
+``pipeline/retention.py``   the retention policy, applied by the leader through ``rm``
 ``referenced.py``           which chunks are referenced, from a fresh snapshot only
 ``evacuation.py``           draining a node that is to leave: the marks, and when it can go
 ``space.py``                whether the disk tiers have room: full and nearly-full marks
@@ -41,7 +42,7 @@ from typing import Any
 
 from erasure import make_codec
 from erasure.base import Codec
-from storaged.config import Config
+from storaged.config import Config, ConfigError
 from storaged.coord.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
 from storaged.coord.manifest_store import Catalog, CatalogRecord
 from storaged.coord.membership import Membership, StaticMembership
@@ -57,6 +58,7 @@ from storaged.node.pipeline.gc import Collector
 from storaged.node.pipeline.leadership import Leadership
 from storaged.node.pipeline.rebalance import Rebalance
 from storaged.node.pipeline.repair import Repair
+from storaged.node.pipeline.retention import ReadHolds, Retention
 from storaged.node.pipeline.scrub import Scrubber
 from storaged.node.read import ReadPath
 from storaged.node.referenced import ReferencedSet
@@ -64,6 +66,7 @@ from storaged.node.rpc import PeerRpc
 from storaged.node.services import DataPlane
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerServer
+from storaged.retention import PolicyError
 from tiers import ByteRange
 from tiers.cold import ColdTier
 from tiers.memory import MemoryTier
@@ -177,6 +180,17 @@ class Node:
             local, cluster, referenced=self.referenced, leadership=leads, catalogue=self.catalogue
         )
         self.scrubber = Scrubber(local)
+        #: the checkpoints whose manifest or plan this node served within the grace
+        self.read_holds = ReadHolds(config.gc_grace)
+        # The archive's calls (``archive``, ``is_archived``) are bound here once the node
+        # has an archive; until then a policy with archive clauses is refused.
+        self.retention = Retention(
+            local,
+            cluster,
+            catalogue=self.catalogue,
+            delete=self.checkpoints.delete,
+            holds=self.read_holds,
+        )
         self.evacuation = Evacuation(
             local, cluster, writes=self.writes, leadership=leads, referenced=self.referenced
         )
@@ -189,6 +203,7 @@ class Node:
             rebalance=self.rebalance,
             evacuation=self.evacuation,
             heartbeat=self.heartbeat,
+            read_holds=self.read_holds.names,
         )
         cluster.serve_locally(self.rpc.call_local)
 
@@ -244,6 +259,10 @@ class Node:
         return node
 
     async def start(self) -> None:
+        try:
+            self.retention.check(self.config.retention)
+        except PolicyError as exc:
+            raise ConfigError(f"[[retention]]: {exc}") from None
         host, port = self.config.node.peer_addr
         await self.peer_server.start(host, port)
         await self.membership.start()
@@ -253,6 +272,7 @@ class Node:
         self.spawn(self._periodic(self.config.gc_interval, self.gc_pass), "gc")
         self.spawn(self._periodic(self.config.repair_interval, self.repair_pass), "repair")
         self.spawn(self._periodic(self.config.scrub_interval, self.scrub_pass), "scrub")
+        self.spawn(self._periodic(self.config.retention_interval, self.retention_pass), "retention")
         self.spawn(self.local.prefault(), "prefault")
         self.spawn(self._periodic(_SPACE_INTERVAL, self.space.refresh, jitter=False), "space")
         # Chunks that were on nvme but not yet cold when we stopped: offer them to the encoder.
@@ -362,7 +382,10 @@ class Node:
         return await self.checkpoints.commit(name, checked)
 
     async def get_checkpoint(self, name: str) -> CatalogRecord:
-        return await self.checkpoints.get(name)
+        """The manifest, for a client: held for reads from now (``pipeline/retention.py``)."""
+        record = await self.checkpoints.get(name)
+        self.read_holds.hold(name)
+        return record
 
     async def list_checkpoints(self, prefix: str) -> list[CatalogRecord]:
         return await self.checkpoints.list(prefix)
@@ -374,7 +397,9 @@ class Node:
         return await self.checkpoints.status(name)
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
-        return await self.checkpoints.restore_plan(name)
+        plan = await self.checkpoints.restore_plan(name)
+        self.read_holds.hold(name)
+        return plan
 
     async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
         return await self.checkpoints.evict(name, nvme=nvme)
@@ -394,6 +419,9 @@ class Node:
 
     async def scrub_pass(self) -> None:
         await self.scrubber.scrub_pass()
+
+    async def retention_pass(self) -> None:
+        await self.retention.retention_pass()
 
     @contextlib.asynccontextmanager
     async def local_copy(self, chunk_id: str) -> AsyncIterator[bytes | memoryview | None]:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 #: peer calls whose arguments and replies can be large: sent as msgpack bodies
 DOC_METHODS = frozenset(
     {"chunk_info", "catalog_put", "catalog_get", "catalog_dump", "catalog_versions",
-     "set_state", "drop_nvme", "evict", "drain_marks"}
+     "set_state", "drop_nvme", "evict", "drain_marks", "read_holds"}
 )  # fmt: skip
 
 Reply = tuple[dict[str, Any], bytes | bytearray | memoryview | None]
@@ -53,6 +53,8 @@ class PeerRpc:
     evacuation: Evacuation
     #: what this node tells its peers about itself (``Node.heartbeat``)
     heartbeat: Callable[[], dict[str, Any]]
+    #: the checkpoints it served a manifest or plan of recently (``pipeline/retention.py``)
+    read_holds: Callable[[], list[str]]
 
     def __post_init__(self) -> None:
         self.handler = _PeerHandler(self)
@@ -187,6 +189,9 @@ class PeerRpc:
 
     async def rpc_drain_progress(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         return await self.evacuation.local_progress(), None
+
+    async def rpc_read_holds(self, args: dict[str, Any], body: memoryview | None) -> Reply:
+        return {"names": self.read_holds()}, None
 
     async def rpc_catalog_put(self, args: dict[str, Any], body: memoryview | None) -> Reply:
         record = CatalogRecord.from_wire(args["record"])

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from erasure import CorruptFragment, parse_fragment
-from storaged.client import Client, StoragedError
+from storaged.client import CheckpointNotFound, Client, StoragedError
 from storaged.domains import domain_exposed, domain_key, node_budget, sizes, survives_a_domain
 from storaged.ids import chunk_id_of, is_chunk_id
 from storaged.placement import exposed
+from storaged.retention import Policy, job_of, sequence_of
 from storaged.tools.local_cluster import ClusterError
 from tests.nemesis.cluster import DISK_TIERS, NemesisCluster
-from tests.nemesis.history import History
+from tests.nemesis.history import CheckpointRecord, History
 from tests.nemesis.workload import RawHttp, check_visible, verify_checkpoint
 from tiers._durable import HEADER_SIZE as FILE_HEADER_SIZE
 from tiers._durable import InvalidValue, parse_file_header
@@ -143,11 +144,18 @@ class Replication:
         n, k = erasure.n, erasure.k
         replication = self.client.cluster.replication
         live = [r for r in self.history.live_checkpoints() if among is None or r.name in among]
+        deletable = retention_may_delete(self.history, self.history.retention)
         in_ram: dict[str, set[str]] = defaultdict(set)
         short: dict[str, str] = {}
-        for record in live:
+        for record in list(live):
             try:
                 plan = await self.client.plan(record.name)
+            except CheckpointNotFound as exc:
+                if record.name in deletable:
+                    live.remove(record)  # deleted by the retention policy: nothing to heal
+                    continue
+                short[record.name] = f"no plan: {exc}"
+                continue
             except StoragedError as exc:
                 short[record.name] = f"no plan: {exc}"
                 continue
@@ -241,7 +249,9 @@ async def check_history(
     """The end of a run: all ``remaining`` nodes up (default all; those that left for good
     stay down) and faults undone. Times the heal on the remaining nodes, then reads every
     live checkpoint back whole from every node in turn until one serves each chunk, then
-    reads the node logs for tracebacks."""
+    reads the node logs for tracebacks. A live checkpoint the run's retention policy may have
+    deleted (``retention_may_delete``) is checked only if its manifest is still served; one
+    it must keep is checked as any other."""
     try:
         await asyncio.to_thread(cluster.wait_converged, 120.0)
     except ClusterError as exc:
@@ -252,14 +262,24 @@ async def check_history(
     rng = random.Random(f"{history.seed}/checker")
     verified: set[str] = set()
     lost: set[str] = set()
+    deletable = retention_may_delete(history, history.retention)
+    history.note(f"retention may have deleted {len(deletable)}: {sorted(deletable)}")
     for record in sorted(history.checkpoints.values(), key=lambda r: r.name):
         if not record.live:
             await check_visible(history, raw, record, rng.choice(raw.urls), final=True)
             continue
-        result = await verify_checkpoint(history, raw, record, rng, during_faults=False)
+        if record.name in deletable and await _deleted(raw, record.name):
+            history.counts["retention_deleted"] += 1
+            continue
+        result = await verify_checkpoint(
+            history, raw, record, rng, during_faults=False, may_be_gone=record.name in deletable
+        )
         for cid, outcome in result.items():
             if outcome == "ok":
                 verified.add(cid)
+            elif outcome == "unread" and record.name in deletable:
+                # deleted by the policy since its manifest was read: its chunks may be gone
+                history.counts["retention_deleted_while_read"] += 1
             elif outcome == "unread" and cid not in lost:
                 lost.add(cid)
                 history.violate(
@@ -267,7 +287,11 @@ async def check_history(
                     f"chunk of acknowledged {record.name} lost: no node serves it\n"
                     + history.story(cid),
                 )
-    await _check_listing(history, client)
+    history.note(
+        f"retention deleted {history.counts['retention_deleted']} of them "
+        f"({history.counts['retention_deleted_while_read']} chunks while they were read)"
+    )
+    await _check_listing(history, client, deletable)
     await asyncio.to_thread(check_logs, cluster, history)
     return Report(
         seed=history.seed,
@@ -342,7 +366,59 @@ def _blame(history: History, cid: str) -> str:
     return "I1"
 
 
-async def _check_listing(history: History, client: Client) -> None:
+async def _deleted(raw: RawHttp, name: str) -> bool:
+    """Whether a node says 404 for ``name`` before any serves its manifest."""
+    for url in raw.urls:
+        got = await raw.manifest(url, name)
+        if got is not None and got[0] in (200, 404):
+            return got[0] == 404
+    return False
+
+
+def retention_may_delete(history: History, policy: Policy) -> set[str]:
+    """The live (acknowledged, not deleted) checkpoints ``policy`` may have deleted; the
+    others it must keep, in every order the cluster may have seen the commits in.
+
+    It must keep a checkpoint whose sequence number an every-Nth clause names (with no end:
+    the nemesis's policy has none), and one with fewer than ``max(keep_last, 1)`` others of
+    its job that may be live and committed after it: those whose step comes later, and
+    those of an earlier step whose commit's outcome is unknown (it may have landed late).
+    A writer commits its steps in turn (a race's after its step's), so an acknowledged
+    commit of an earlier step came before."""
+    deletable: set[str] = set()
+    if not policy:
+        return deletable
+    jobs: dict[str, list[CheckpointRecord]] = defaultdict(list)
+    for record in history.checkpoints.values():
+        if record.outcome != "refused" and record.deleted != "acked":  # may be live
+            jobs[job_of(record.name)].append(record)
+
+    def order(name: str) -> tuple[int, bool]:
+        return sequence_of(name) or 0, "/race-" in name
+
+    for record in history.checkpoints.values():
+        rule = policy.rule_for(record.name)
+        if not record.live or rule is None:
+            continue
+        seq = sequence_of(record.name)
+        if rule.keep_every and seq is not None and seq % rule.keep_every == 0:
+            assert rule.keep_every_for is None, "the nemesis's every-Nth clause has no end"
+            continue
+        later = sum(
+            1
+            for other in jobs[job_of(record.name)]
+            if other is not record
+            and (
+                order(other.name) > order(record.name)
+                or other.outcome != "acked"  # may have landed after this one
+            )
+        )
+        if later >= max(rule.keep_last, 1):
+            deletable.add(record.name)
+    return deletable
+
+
+async def _check_listing(history: History, client: Client, deletable: set[str]) -> None:
     # A listing walks the whole catalogue (on etcd, page by page): one that times out right
     # after the heal (etcd still catching up) is tried again, thrice at most, and counted.
     failures: list[str] = []
@@ -358,7 +434,7 @@ async def _check_listing(history: History, client: Client) -> None:
         history.violate("I4", f"the final listing failed thrice: {failures}")
         return
     for record in history.checkpoints.values():
-        if record.live and record.name not in listed:
+        if record.live and record.name not in listed and record.name not in deletable:
             history.violate("I4", f"acknowledged {record.name} missing from the listing")
         if record.name in listed and (record.outcome == "refused" or record.deleted == "acked"):
             history.violate(

@@ -13,6 +13,7 @@ import blake3
 import numpy as np
 
 from storaged.ids import chunk_id_of
+from storaged.retention import Policy
 
 #: events kept for the report (a soak would otherwise grow without bound)
 LOG_LIMIT = 50_000
@@ -64,8 +65,10 @@ class Violation:
 
 
 class History:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, retention: Policy | None = None) -> None:
         self.seed = seed
+        #: the retention policy the nodes apply (what it may delete need not be there)
+        self.retention = retention or Policy()
         self.t0 = time.monotonic()
         self.chunks: dict[str, ChunkSpec] = {}
         self.checkpoints: dict[str, CheckpointRecord] = {}

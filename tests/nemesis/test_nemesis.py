@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from storaged.retention import parse_rules
 from storaged.tools.local_cluster import ClusterError, free_port_block
 from tests.conftest import FAST_SETTINGS, TOKEN, _dump_logs, healthy_rig
 from tests.etcd import EtcdCluster
@@ -59,7 +60,15 @@ SETTINGS: dict[str, Any] = {
     "drain_defer": 0.2,
     "max_chunk_size": 2**20,
     "tiers": {"memory_capacity": "256MiB", "nvme_capacity": "1GiB", "cold_capacity": "1GiB"},
+    # A retention policy over every writer's checkpoints (jobs w0, w1, ...), tighter than
+    # the writers' own deletes (their newest 3): the leader deletes the third newest but
+    # every third step through the rm path while the faults run, and the checker requires
+    # what the policy must keep (checker.retention_may_delete).
+    "retention": [{"prefix": "w", "keep_last": 2, "keep_every": 3}],
+    "retention_interval": 1.0,
 }
+#: the policy the nodes apply, as the checker reads it
+RETENTION = parse_rules(SETTINGS["retention"])
 
 
 def domains(slots: int) -> dict[int, str]:
@@ -167,7 +176,7 @@ async def _until(event: asyncio.Event) -> None:
 async def run_nemesis(
     cluster: NemesisCluster, seed: int, shape: RunShape, etcd: EtcdCluster | None = None
 ) -> tuple[Report, History]:
-    history = History(seed)
+    history = History(seed, RETENTION)
     rng = random.Random(f"{seed}/base")
     base = [history.chunk(f"base/{i}", rng.randint(*shape.workload.sizes)) for i in range(6)]
     base_ids = [(cid, len(data)) for cid, data in base]

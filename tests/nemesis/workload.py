@@ -448,12 +448,16 @@ async def verify_checkpoint(
     rng: random.Random,
     *,
     during_faults: bool,
+    may_be_gone: bool = False,
 ) -> dict[str, str]:
     """Read ``record`` back: its manifest, then every chunk from random nodes (some by
     range), every 200/206 body checked. Returns chunk id -> "ok" | "wrong" | "unread" (no
-    node gave it: after faults that is a lost chunk)."""
+    node gave it: after faults that is a lost chunk). ``may_be_gone``: the retention
+    policy may delete it meanwhile (a 404 for the manifest is no violation even at the
+    end)."""
     # A wrong manifest is recorded by check_visible; the chunks are read all the same.
-    await check_visible(h, raw, record, rng.choice(raw.urls), final=not during_faults)
+    final = not during_faults and not may_be_gone
+    await check_visible(h, raw, record, rng.choice(raw.urls), final=final)
     out: dict[str, str] = {}
     for cid in dict.fromkeys(record.chunks):
         size = h.chunks[cid].size
