@@ -95,6 +95,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
         try:
             return asyncio.run(_serve(config))
+        except ConfigError as exc:  # found at start: an archive that cannot be opened
+            print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
         except OSError as exc:
             # _check_listen's probe and the bind race with other processes on the host.
             if exc.errno != errno.EADDRINUSE:

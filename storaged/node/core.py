@@ -45,7 +45,9 @@ from storaged.config import Config
 from storaged.coord.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
 from storaged.coord.manifest_store import Catalog, CatalogRecord
 from storaged.coord.membership import Membership, StaticMembership
+from storaged.errors import NotFound
 from storaged.manifest import CheckedManifest
+from storaged.node.archive import Archive, ReadThroughCache, is_archived_record, open_archive
 from storaged.node.checkpoints import Checkpoints
 from storaged.node.cluster import Cluster, ping
 from storaged.node.evacuation import Evacuation
@@ -64,7 +66,8 @@ from storaged.node.rpc import PeerRpc
 from storaged.node.services import DataPlane
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerServer
-from tiers import ByteRange
+from tiers import ByteRange, ChunkNotFound
+from tiers.archive import ArchiveTier
 from tiers.cold import ColdTier
 from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
@@ -95,8 +98,11 @@ class Node:
         *,
         membership: Membership | None = None,
         catalogue: Catalogue | Callable[[DataPlane], Catalogue] | None = None,
+        archive: ArchiveTier | None = None,
     ) -> None:
         self.config = config
+        #: the archive tier (``[archive] url``), None when there is none
+        self.archive_tier = archive
         self.id = config.node_id
         self.url = config.node.url
         self.local = local = Local(config, memory, nvme, cold, codec, catalog, state_log, index)
@@ -142,7 +148,8 @@ class Node:
         #: who leads each chunk's repair, and which members are away (repair keeps it)
         self.leadership = leads = Leadership(config)
         self.writes = WritePath(local, cluster, to_drain=lambda cid: self.drainer.offer(cid))
-        self.reads = ReadPath(local, cluster)
+        cache = ReadThroughCache(config.archive_cache_size)
+        self.reads = ReadPath(local, cluster, cached=cache.get)
         if isinstance(catalogue, Catalogue):
             self.catalogue: Catalogue = catalogue
         elif catalogue is not None:
@@ -150,6 +157,13 @@ class Node:
         else:
             self.catalogue = EmbeddedCatalogue(local, cluster)
         self.checkpoints = Checkpoints(local, cluster, self.catalogue)
+        self.archive = Archive(
+            local,
+            self.archive_tier,
+            cache,
+            read_chunk=self.reads.read_chunk,
+            get_record=self.checkpoints.get,
+        )
         self.drainer = Drain(
             local, cluster, writes=self.writes, to_encode=lambda cid: self.encoder.offer(cid)
         )
@@ -221,6 +235,8 @@ class Node:
         (``catalogue`` is a factory: it gets the node's chunks, ``DataPlane``)."""
         data = config.data_dir
         await asyncio.to_thread(lambda: data.mkdir(parents=True, exist_ok=True))
+        # First: a node that cannot reach its archive refuses to start (CannotOpenArchive)
+        archive = await open_archive(config) if config.archive else None
         memory = MemoryTier(config.memory_capacity, put_timeout=config.put_wait)
         nvme = await NvmeTier.open(data / "nvme", config.nvme_capacity)
         cold = await ColdTier.open(data / "cold", config.cold_capacity)
@@ -239,6 +255,7 @@ class Node:
             index,
             membership=membership,
             catalogue=catalogue,
+            archive=archive,
         )
         await node.local.rebuild_index()
         return node
@@ -303,6 +320,8 @@ class Node:
         await self.memory.close()
         await self.nvme.close()
         await self.cold.close()
+        if self.archive_tier is not None:
+            await self.archive_tier.close()
         self.state_log.close()
 
     async def _periodic(
@@ -352,7 +371,13 @@ class Node:
     async def read_chunk(
         self, chunk_id: str, rng: ByteRange | None = None
     ) -> tuple[bytes | memoryview, str]:
-        return await self.reads.read_chunk(chunk_id, rng)
+        """The chunk from the cluster, else read through from the archive (if any)."""
+        try:
+            return await self.reads.read_chunk(chunk_id, rng)
+        except ChunkNotFound:
+            if not self.archive.configured:
+                raise
+        return await self.archive.read_through(chunk_id, rng)
 
     async def missing(self, ids: list[str]) -> list[str]:
         """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
@@ -362,7 +387,13 @@ class Node:
         return await self.checkpoints.commit(name, checked)
 
     async def get_checkpoint(self, name: str) -> CatalogRecord:
-        return await self.checkpoints.get(name)
+        """The catalogue's record of ``name``, else the archive's (``is_archived_record``)."""
+        try:
+            return await self.checkpoints.get(name)
+        except NotFound:
+            if not self.archive.configured:
+                raise
+        return await self.archive.record(name)
 
     async def list_checkpoints(self, prefix: str) -> list[CatalogRecord]:
         return await self.checkpoints.list(prefix)
@@ -371,10 +402,26 @@ class Node:
         await self.checkpoints.delete(name)
 
     async def checkpoint_status(self, name: str) -> dict[str, Any]:
-        return await self.checkpoints.status(name)
+        """``Checkpoints.status``, with ``archived`` (E19); a checkpoint only the archive
+        knows is ``"state": "archived"``, ``"source": "archive"``."""
+        record = await self.get_checkpoint(name)
+        status = await self.checkpoints.status_of(record)
+        if is_archived_record(record):
+            # Its chunks are in the archive: none is lost for want of a live holder.
+            status.update(state="archived", lost=0, archived=True, source="archive")
+        else:
+            status["archived"] = await self.archive.archived_or_none(name)
+        return status
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
-        return await self.checkpoints.restore_plan(name)
+        """``Checkpoints.restore_plan``, of the archive's record when the catalogue has none
+        (its chunks then have the holders the cluster has: often none; a GET reads them
+        through the archive)."""
+        record = await self.get_checkpoint(name)
+        plan = await self.checkpoints.plan_of(record)
+        if is_archived_record(record):
+            plan["source"] = "archive"
+        return plan
 
     async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:
         return await self.checkpoints.evict(name, nvme=nvme)
