@@ -7,6 +7,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``write.py``                the PUT path: RAM here and on the other holders, the ack
 ``read.py``                 the GET path: fastest local tier, a peer, or fragments
 ``checkpoints.py``          commits, the catalogue quorum, status and restore plans
+``archive.py``              checkpoints to the archive tier; reads through it
 ``pipeline/drain.py``       RAM -> nvme on every holder
 ``pipeline/encode.py``      nvme -> cold fragments, by the chunk's owner
 ``pipeline/repair.py``      missing copies, fragments and catalogue records
