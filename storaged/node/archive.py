@@ -216,13 +216,19 @@ class Archive:
 
     async def begin(self, name: str) -> bool:
         """Start archiving ``name`` in the background unless this node already is; False
-        when it is archived already. Checks first, so that what would fail at once (no
-        archive, an archive out of reach, a name not committed) fails the call."""
+        when it is archived already (also when only the archive knows it). Checks first,
+        so that what would fail at once (no archive, an archive out of reach, a name
+        neither committed nor archived) fails the call."""
         self._tier()
         if name in self.running:
             return True
-        record = await self._get_record(name)
-        if record.extra.get(SOURCE) == FROM_ARCHIVE or await self.archived(name):
+        try:
+            await self._get_record(name)
+        except NotFound:
+            if await self.archived(name):
+                return False  # only the archive knows it (a fresh cluster): archived
+            raise
+        if await self.archived(name):
             return False
         self.running.add(name)
         self.local.spawn(self._run(name), f"archive {name}")

@@ -302,6 +302,8 @@ async def fresh_cluster_restores(
         assert tiers == ["archive", "memory"]  # fetched once, then from the node's RAM
     await restored_equal(second.urls, second.token, name, m)
     await restored_equal(second.urls, second.token, name, m)  # served from RAM now
+    async with Client(second.urls, token=second.token) as client:
+        assert await client.archive(name) is True  # archived already, though not catalogued
 
 
 async def test_a_fresh_cluster_restores_from_the_s3_archive(
