@@ -33,7 +33,7 @@ from storaged.client.checkpoint import restore_checkpoint, save_checkpoint
 from storaged.client.errors import CheckpointNotFound, Conflict
 from storaged.config import ConfigError, config_from_document
 from storaged.ids import chunk_id_of
-from storaged.node.archive import CannotOpenArchive
+from storaged.node.archive import CannotOpenArchive, ReadThroughCache
 from storaged.tools.local_cluster import LocalCluster
 from tests.conftest import TOKEN, ClusterFactory
 from tests.s3server import SwiftS3Server, swift_missing
@@ -187,6 +187,19 @@ async def test_a_node_whose_archive_cannot_be_opened_refuses_to_start(
     assert proc.returncode == 2, proc.stderr
     assert "storaged serve: node n0: archive file://" in proc.stderr
     assert "cannot open it" in proc.stderr
+
+
+def test_the_read_through_cache_keeps_to_its_budget_least_recently_used_out_first() -> None:
+    cache = ReadThroughCache(10)
+    a, b, c = (memoryview(bytes([i]) * 4) for i in range(3))
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # a is now the most recently used
+    cache.put("c", c)  # 12 bytes > 10: b goes
+    assert cache.get("b") is None and cache.get("a") is a and cache.get("c") is c
+    assert cache.used == 8 and len(cache) == 2
+    cache.put("big", memoryview(bytes(11)))  # larger than the budget: not kept, none dropped
+    assert cache.get("big") is None and len(cache) == 2
 
 
 # --------------------------------------------------------------------------- archiving
