@@ -253,19 +253,23 @@ async def check_history(
     verified: set[str] = set()
     lost: set[str] = set()
     for record in sorted(history.checkpoints.values(), key=lambda r: r.name):
-        if not record.live:
+        if not (record.live or record.archived):
             await check_visible(history, raw, record, rng.choice(raw.urls), final=True)
             continue
+        # Live, or archived (deleted since, perhaps: then read through the archive)
+        if not record.live:
+            history.counts["archived_after_delete"] += 1
         result = await verify_checkpoint(history, raw, record, rng, during_faults=False)
         for cid, outcome in result.items():
             if outcome == "ok":
                 verified.add(cid)
             elif outcome == "unread" and cid not in lost:
                 lost.add(cid)
+                blame = _blame(history, cid) if record.live else "archive"
                 history.violate(
-                    _blame(history, cid),
-                    f"chunk of acknowledged {record.name} lost: no node serves it\n"
-                    + history.story(cid),
+                    blame,
+                    f"chunk of {'acknowledged' if record.live else 'archived'} {record.name} "
+                    "lost: no node serves it\n" + history.story(cid),
                 )
     await _check_listing(history, client)
     await asyncio.to_thread(check_logs, cluster, history)
@@ -348,7 +352,7 @@ async def _check_listing(history: History, client: Client) -> None:
     failures: list[str] = []
     for _ in range(3):
         try:
-            listed = {c.name for c in await client.list()}
+            listed = {c.name: c.state for c in await client.list()}
             break
         except StoragedError as exc:
             failures.append(str(exc))
@@ -360,6 +364,11 @@ async def _check_listing(history: History, client: Client) -> None:
     for record in history.checkpoints.values():
         if record.live and record.name not in listed:
             history.violate("I4", f"acknowledged {record.name} missing from the listing")
+        if record.archived and record.name not in listed:
+            history.violate("archive", f"archived {record.name} missing from the listing")
+        from_archive = record.archive_asked and listed.get(record.name) == "archived"
+        if from_archive and record.outcome == "acked":
+            continue  # deleted from the cluster, listed from the archive
         if record.name in listed and (record.outcome == "refused" or record.deleted == "acked"):
             history.violate(
                 "I4", f"{record.name} ({record.outcome}, deleted {record.deleted}) is listed"

@@ -297,10 +297,11 @@ async def fresh_cluster_restores(
         assert listed[name].state == "archived" and listed[name].bytes > 0
         status = await client.status(name)
         assert status.state == "archived" and status.archived is True
-    code, out = await asyncio.to_thread(
-        cli, "ls", "--json", "--url", ",".join(second.urls), "--token", second.token
-    )
-    assert code == 0 and name in out
+    for form in (["--json"], []):
+        code, out = await asyncio.to_thread(
+            cli, "ls", *form, "--url", ",".join(second.urls), "--token", second.token
+        )
+        assert code == 0 and name in out and "archived" in out
     headers = {"Authorization": f"Bearer {second.token}"}
     async with aiohttp.ClientSession(headers=headers) as http:
         async with http.get(f"{second.url(0)}/v1/checkpoints/{name}") as resp:
