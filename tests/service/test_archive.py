@@ -345,15 +345,23 @@ async def test_a_fresh_cluster_restores_from_a_file_archive(
     await fresh_cluster_restores(first, second, "filejob/step-10", model(5))
 
 
-async def test_the_dcp_reader_restores_from_a_fresh_cluster(
-    inproc: InprocFactory, tmp_path: Path
-) -> None:
+def _dcp() -> tuple[Any, Any, Any, Any, Any]:
+    """torch, DCP's load and save, and storaged's DCP reader and writer (skip: no torch)."""
     torch = pytest.importorskip("torch")
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     from storaged.client.dcp import StoragedReader, StoragedWriter
 
+    return torch, load, save, StoragedReader, StoragedWriter
+
+
+@pytest.mark.torch
+async def test_the_dcp_reader_restores_from_a_fresh_cluster(
+    inproc: InprocFactory, tmp_path: Path
+) -> None:
+    # Imported in a thread: torch's import takes seconds of the nodes' loop otherwise
+    torch, dcp_load, dcp_save, StoragedReader, StoragedWriter = await asyncio.to_thread(_dcp)
     archive = (tmp_path / "archive").as_uri()
     first = await inproc.start(4, archive=archive)
     state = {"w": torch.randn(64, 33), "h": torch.arange(100, dtype=torch.bfloat16), "step": 3}
