@@ -204,7 +204,7 @@ class Archive:
         if self.tier is None:
             return False
         with _mapped(self.tier):
-            return name in await self.tier.list_manifests(name)
+            return await self.tier.has_manifest(name)
 
     async def archived_or_none(self, name: str) -> bool | None:
         """``archived``, or None when the archive does not answer (a status still answers)."""
