@@ -41,7 +41,7 @@ from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import Node
-from storaged.node.archive import is_archived_record
+from storaged.node.archive import LISTING_DEADLINE, is_archived_record
 from storaged.wire import STATES, ErrorCode, state_name
 from tiers import ByteRange, ChunkNotFound
 
@@ -627,9 +627,10 @@ async def _list_archived(node: Node, prefix: str, doc: dict[str, Any], *, costs:
     name order with the others; an archive out of reach leaves them out and says so."""
     known = {entry["name"] for entry in doc["checkpoints"]}
     try:
-        archived = await node.archive.listed(prefix, known)
-    except Unavailable as exc:
-        log.warning("listing without the archive's checkpoints: %s", exc)
+        async with asyncio.timeout(LISTING_DEADLINE):
+            archived = await node.archive.listed(prefix, known)
+    except (Unavailable, TimeoutError) as exc:
+        log.warning("listing without the archive's checkpoints: %s", exc or "no answer")
         doc["archive_unavailable"] = True
         return
     for record in archived:

@@ -55,6 +55,11 @@ log = logging.getLogger("storaged.node.archive")
 ARCHIVE_CONCURRENCY = 4
 #: archive-only manifests read at once for a listing
 _LISTING_CONCURRENCY = 8
+#: seconds a status waits for the archive to say whether it holds the checkpoint, and a
+#: listing (or an archive request) for the archive's answer: past them the answer goes
+#: without it, or is 503 (the tier's own bounds, ``ArchiveTimeouts``, are tens of seconds)
+STATUS_DEADLINE = 2.0
+LISTING_DEADLINE = 10.0
 #: where a record built from the archive came from (``CatalogRecord.extra["source"]``)
 SOURCE = "source"
 FROM_ARCHIVE = "archive"
@@ -207,9 +212,14 @@ class Archive:
             return await self.tier.has_manifest(name)
 
     async def archived_or_none(self, name: str) -> bool | None:
-        """``archived``, or None when the archive does not answer (a status still answers)."""
+        """``archived``, or None when the archive does not answer within
+        ``STATUS_DEADLINE`` (a status still answers, at once: clients poll it)."""
         try:
-            return await self.archived(name)
+            async with asyncio.timeout(STATUS_DEADLINE):
+                return await self.archived(name)
+        except TimeoutError:
+            log.warning("archive: no answer about %s within %.0f s", name, STATUS_DEADLINE)
+            return None
         except StoragedError as exc:
             log.warning("archive: %s", exc)
             return None
@@ -225,14 +235,27 @@ class Archive:
         try:
             await self._get_record(name)
         except NotFound:
-            if await self.archived(name):
+            if await self._probe(name):
                 return False  # only the archive knows it (a fresh cluster): archived
             raise
-        if await self.archived(name):
+        if await self._probe(name):
             return False
         self.running.add(name)
         self.local.spawn(self._run(name), f"archive {name}")
         return True
+
+    async def _probe(self, name: str) -> bool:
+        """``archived``, within ``LISTING_DEADLINE``: a request waits no longer for the
+        archive (503 ``archive_unavailable``)."""
+        try:
+            async with asyncio.timeout(LISTING_DEADLINE):
+                return await self.archived(name)
+        except TimeoutError:
+            raise unavailable(
+                "archive_unavailable",
+                f"the archive did not answer within {LISTING_DEADLINE:.0f} s",
+                retry_after=5.0,
+            ) from None
 
     async def _run(self, name: str) -> None:
         try:
