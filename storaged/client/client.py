@@ -194,6 +194,9 @@ class Client:
             stats=self.stats,
             trace_configs=trace_configs,
         )
+        #: how long a request waits before the next node is asked too (the request
+        #: engine's own object; a value, not a call)
+        self.deadlines: Deadlines = deadlines
         #: the bandwidth chunk reads have had so far: their deadlines follow from it
         self.bandwidth = Bandwidth(deadlines)
         self._direct_reads = direct_reads
@@ -267,10 +270,6 @@ class Client:
     def cluster(self) -> ClusterInfo:
         """The membership as last learned; ``RuntimeError`` before ``open``."""
         return self._requests.known_cluster()
-
-    @property
-    def deadlines(self) -> Deadlines:
-        return self._requests.deadlines
 
     def slow_nodes(self) -> builtins.list[str]:
         """Nodes that missed a deadline lately (asked after the others)."""
