@@ -285,8 +285,11 @@ async def fresh_cluster_restores(
     dirs, the same archive): it lists ``name`` and restores it byte for byte, the second
     time from RAM."""
     ids = await save(first.urls, first.token, name, m)
-    async with Client(first.urls, token=first.token) as client:
-        assert await client.archive(name, wait=True, timeout=120) is True
+    code, out = await asyncio.to_thread(
+        cli, "archive", name, "--wait", "--json", "--timeout", "120",
+        "--url", ",".join(first.urls), "--token", first.token,
+    )  # fmt: skip
+    assert code == 0 and json.loads(out) == {"name": name, "archived": True}
     await asyncio.to_thread(first.stop)
     second: LocalCluster = await second_start()
     assert second.data != first.data
