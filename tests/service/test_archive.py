@@ -308,8 +308,14 @@ async def fresh_cluster_restores(
         assert code == 0 and name in out and "archived" in out
     headers = {"Authorization": f"Bearer {second.token}"}
     async with aiohttp.ClientSession(headers=headers) as http:
-        async with http.get(f"{second.url(0)}/v1/checkpoints/{name}") as resp:
-            assert resp.status == 200 and resp.headers["X-Storaged-Source"] == "archive"
+        for query in ("", "?plan", "?status"):
+            async with http.get(f"{second.url(0)}/v1/checkpoints/{name}{query}") as resp:
+                assert resp.status == 200 and resp.headers["X-Storaged-Source"] == "archive"
+                doc = await resp.json()
+            if query:
+                assert doc["source"] == "archive"
+            if query == "?plan":  # every chunk, none held by the cluster
+                assert set(doc["chunks"]) == ids and not any(doc["chunks"].values())
         cid = sorted(ids)[0]
         tiers = []
         for _ in range(2):
