@@ -117,6 +117,18 @@ async def get_raw(
         return resp.status, doc, resp.headers
 
 
+async def archive_reads(urls: list[str]) -> float:
+    """Bytes the nodes have served fetched from the archive (``/metrics``, no token)."""
+    total = 0.0
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(f"{url}/metrics") as resp:
+                for line in (await resp.text()).splitlines():
+                    if line.startswith('storaged_read_bytes_total{tier="archive"}'):
+                        total += float(line.split()[-1])
+    return total
+
+
 def cli(*argv: str) -> tuple[int, str]:
     """``storaged ARGV`` in this process (in a thread: the nodes may be in the test's
     loop); its exit status and what it printed."""
@@ -325,7 +337,9 @@ async def fresh_cluster_restores(
                 tiers.append(resp.headers["X-Storaged-Tier"])
         assert tiers == ["archive", "memory"]  # fetched once, then from the node's RAM
     await restored_equal(second.urls, second.token, name, m)
+    fetched = await archive_reads(second.urls)
     await restored_equal(second.urls, second.token, name, m)  # served from RAM now
+    assert await archive_reads(second.urls) == fetched > 0  # nothing fetched again
     async with Client(second.urls, token=second.token) as client:
         assert await client.archive(name) is True  # archived already, though not catalogued
 
