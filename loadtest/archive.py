@@ -12,6 +12,16 @@ round (chunks are content-addressed: the same bytes twice would be a no-op for t
 - ``raw get``: the library's GET of each raw object into its buffer, unchecked.
 - ``tier get``: ``ArchiveTier.get(id)``: the same GET and the BLAKE3 check.
 
+Then, through a real cluster (``--no-cluster`` skips it): a checkpoint of the same bytes
+(``--count`` chunks of ``--size``) saved to 4 node processes pointed at the archive,
+``archive`` (``POST ?archive`` until ``?status`` says archived: every chunk read from the
+nodes' RAM and put, then the manifest), the cluster stopped, and a fresh cluster of 4 with
+empty data directories pointed at the same archive: ``restore from archive`` (the client's
+``restore_checkpoint``; the nodes read every chunk through the archive) and ``restore
+again`` (from the nodes' read-through cache in RAM). Each as GB/s of checkpoint bytes, and
+as a ratio to the store's own best raw put (archive) or raw get (the restores) of the
+same run.
+
 The store is a Swift with s3api started for the run on 127.0.0.1 (the tests' server,
 ``tests/s3server.py``), or ``--endpoint``/``--bucket``/``--access-key``/``--secret-key``
 of yours, or a directory (``--file DIR``: the ``file://`` form, raw = the library's
@@ -37,11 +47,16 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import obstore
 from obstore.store import LocalStore, S3Store
 
 from erasure.content import chunk_id_of
+from loadtest.harness.cluster import TOKEN, start_cluster
 from loadtest.harness.report import RESULTS, markdown_table, ratio, write_json
+from storaged.client import Client
+from storaged.client.checkpoint import restore_checkpoint, save_checkpoint
+from storaged.tools.local_cluster import LocalCluster
 from tiers.archive import ArchiveTier, S3Options
 
 if TYPE_CHECKING:
@@ -116,6 +131,72 @@ async def measure(
     return times
 
 
+#: the cluster step's node settings: small RAM, nothing pre-faulted (two clusters run)
+CLUSTER_SETTINGS = {"prefault_fraction": 0.0, "log_level": "WARNING"}
+#: seconds between status polls while a checkpoint is archived
+_POLL = 0.02
+
+
+async def through_cluster(
+    args: argparse.Namespace, archive: dict[str, str], scratch: Path
+) -> dict[str, float]:
+    """Seconds to archive a checkpoint of ``count`` chunks of ``size`` bytes from a cluster,
+    to restore it on a fresh cluster that shares only the archive, and to restore it again
+    (``archive``: the cluster file's ``[archive]`` table)."""
+    total = args.count * args.size
+    data = np.frombuffer(os.urandom(total), dtype=np.uint8)
+    name = f"bench/archive-{time.time_ns()}"
+    make = partial(LocalCluster, archive=archive)
+    first = await asyncio.to_thread(
+        start_cluster, scratch / "first", memory="1GiB", settings=CLUSTER_SETTINGS, make=make
+    )
+    try:
+        async with Client(first.urls, token=TOKEN) as client:
+            await save_checkpoint(client, name, {0: {"bytes": data}}, chunk_size=args.size)
+            started = time.perf_counter()
+            await client.archive(name)
+            while not (await client.status(name)).archived:
+                await asyncio.sleep(_POLL)
+            seconds = {"archive": time.perf_counter() - started}
+    finally:
+        await asyncio.to_thread(first.stop)
+        shutil.rmtree(scratch / "first", ignore_errors=True)
+    second = await asyncio.to_thread(
+        start_cluster, scratch / "second", memory="1GiB", settings=CLUSTER_SETTINGS, make=make
+    )
+    try:
+        async with Client(second.urls, token=TOKEN) as client:
+            for step in ("restore from archive", "restore again"):
+                out = np.empty(total, dtype=np.uint8)
+                started = time.perf_counter()
+                await restore_checkpoint(client, name, {"bytes": out})
+                seconds[step] = time.perf_counter() - started
+                if not np.array_equal(out, data):
+                    raise AssertionError(f"{step}: the restored bytes differ")
+    finally:
+        await asyncio.to_thread(second.stop)
+        shutil.rmtree(scratch / "second", ignore_errors=True)
+    return seconds
+
+
+def summarize_cluster(
+    seconds: dict[str, float], total: int, modes: dict[str, Any]
+) -> dict[str, Any]:
+    """GB/s of each cluster step, and its ratio to the store's raw mode of the same kind
+    (best rounds: the raw modes' best GB/s)."""
+    rows: dict[str, Any] = {}
+    for step, took in seconds.items():
+        gbps = total / took / 1e9
+        base = "raw put" if step == "archive" else "raw get"
+        rows[step] = {
+            "seconds": round(took, 6),
+            "gbps": round(gbps, 3),
+            "baseline": base,
+            "ratio": ratio(gbps, modes[base]["best_gbps"]),
+        }
+    return rows
+
+
 def summarize(times: dict[str, list[float]], total: int) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for mode, seconds in times.items():
@@ -142,6 +223,7 @@ async def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         raw: ObjectStore = LocalStore(root, mkdir=True)
         tier = await ArchiveTier.open(root.as_uri(), 1 << 50)
         doc["store"] = f"file:// {root}"
+        archive = {"url": (root / "cluster").as_uri()}
     else:
         if not args.endpoint:
             server = await asyncio.to_thread(start_swift, scratch)
@@ -168,15 +250,26 @@ async def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         )
         tier = await ArchiveTier.open(f"s3://{args.bucket}/{prefix}", 1 << 50, s3=options)
         doc["store"] = "swift s3api" if server else f"s3 {args.endpoint}"
+        archive = {
+            "url": f"s3://{args.bucket}/{prefix}-cluster",
+            "endpoint": args.endpoint,
+            "region": args.region,
+        }
+        if args.access_key:  # the nodes take them from their environment only
+            os.environ["AWS_ACCESS_KEY_ID"] = args.access_key
+            os.environ["AWS_SECRET_ACCESS_KEY"] = args.secret_key
     try:
         times = await measure(raw, tier, args)
+        doc["modes"] = summarize(times, args.count * args.size)
+        if args.cluster:
+            seconds = await through_cluster(args, archive, scratch)
+            doc["cluster"] = summarize_cluster(seconds, args.count * args.size, doc["modes"])
     finally:
         await tier.close()
         if server is not None:
             await asyncio.to_thread(server.close_blocking)
         if args.file:
             shutil.rmtree(root, ignore_errors=True)
-    doc["modes"] = summarize(times, args.count * args.size)
     doc["load_average"] = round(os.getloadavg()[0], 1)
     return doc
 
@@ -206,11 +299,14 @@ def report(doc: dict[str, Any]) -> str:
                 f"{row['ratio_median']:.2f}" if "ratio_median" in row else "-",
             ]
         )
+    for step, row in doc.get("cluster", {}).items():
+        rows.append([f"cluster: {step}", f"{row['gbps']:.3f}", "-", f"{row['ratio']:.2f}", "-"])
     started = f", started in {doc['swift_start_s']} s" if "swift_start_s" in doc else ""
     title = (
         f"archive tier on {doc['store']}{started}: {doc['count']} chunks of {doc['size']} "
         f"bytes per round, {doc['rounds']} rounds, {doc['concurrency']} in flight; load "
-        f"average at the end {doc['load_average']} (ratio: tier / raw of the same kind)"
+        f"average at the end {doc['load_average']} (ratio: tier / raw of the same kind; "
+        "cluster: archive / raw put, restores / raw get, best rounds)"
     )
     return title + "\n\n" + markdown_table(head, rows)
 
@@ -228,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--secret-key", default="", help="with --endpoint")
     p.add_argument("--region", default="us-east-1", help="with --endpoint")
     p.add_argument("--file", default="", help="the file:// form, in a new directory in DIR")
+    p.add_argument(
+        "--no-cluster",
+        dest="cluster",
+        action="store_false",
+        help="skip the archive and restore of a checkpoint through node processes",
+    )
     p.add_argument("--out", type=Path, default=RESULTS, help="where archive.json goes")
     args = p.parse_args(argv)
     if args.quick:

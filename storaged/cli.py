@@ -96,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
         try:
             return asyncio.run(_serve(config))
-        except ConfigError as exc:  # what only the node can check (an archive for the policy)
+        except ConfigError as exc:  # found at start: an archive that cannot be opened, or a
+            # policy that needs one (what only the node can check)
             print(f"storaged serve: node {config.node_id}: {exc}", file=sys.stderr)
             return EXIT_CONFIG
         except OSError as exc:

@@ -25,6 +25,10 @@ Cluster file::
     url = "http://127.0.0.1:7400"
     peer = "127.0.0.1:8400"       # the peer (replication) protocol's address
     data = "/var/lib/storaged/n0" # nvme/, cold/, catalog/ live under it
+    [archive]                     # the archive tier (docs/OPERATIONS.md); optional
+    url = "s3://bucket/cluster-a" # or "file:///mnt/lustre/storaged"; the same on every node
+    endpoint = "http://10.0.0.9:8080"  # an S3-compatible server (default: AWS's)
+    region = "us-east-1"          # credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY
     [up]                          # read by `storaged up` alone (storaged/tools/cluster_file.py)
     etcd_port = 23790
     [[retention]]                 # retention policies per name prefix (storaged/retention.py)
@@ -180,6 +184,21 @@ class Config:
     #: this node's failure domain when no cluster file lists it (on etcd: its member record
     #: carries it); in a cluster file, each [[nodes]] entry's ``domain``
     domain: str = ""
+    #: the archive tier (docs/OPERATIONS.md "Archive tier"): ``s3://bucket[/prefix]`` or
+    #: ``file:///path`` (a Lustre or NFS mount), the same on every node of the cluster;
+    #: empty: none. Its credentials come from the environment (``AWS_ACCESS_KEY_ID``,
+    #: ``AWS_SECRET_ACCESS_KEY``, as AWS's tools), never from the cluster file.
+    archive: str = ""
+    #: an S3-compatible server (``http://host:port``); empty: AWS's for ``archive_region``
+    archive_endpoint: str = ""
+    archive_region: str = "us-east-1"
+    #: ``http://bucket.host/key`` instead of ``http://host/bucket/key``
+    archive_virtual_hosted: bool = False
+    #: the bytes this cluster may put in the archive (an object store has no size of its own)
+    archive_capacity: int = 2**50
+    #: RAM for chunks read through from the archive (no node held them): a cache, not a
+    #: copy of the chunk's life (never drained, encoded or counted as a holder)
+    archive_cache_size: int = 2**30
     log_level: str = "INFO"
     log_json: bool = False
     #: the retention policy of the cluster file's ``[[retention]]`` tables (on etcd: the
@@ -278,6 +297,14 @@ class Config:
             raise ConfigError(f"gone_after={self.gone_after}: write seconds, 0 or more")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key")
+        if self.archive and not re.fullmatch(r"s3://[^/\s]+(/\S*)?|file:///\S*", self.archive):
+            raise ConfigError(
+                f"archive {self.archive!r}: write s3://bucket[/prefix] or file:///path"
+            )
+        if self.archive_endpoint and not re.fullmatch(r"https?://\S+", self.archive_endpoint):
+            raise ConfigError(
+                f"archive endpoint {self.archive_endpoint!r}: write http(s)://host:port"
+            )
         return self
 
     def _validate_coordinated(self) -> Config:
@@ -325,7 +352,9 @@ def _coerce(name: str, raw: object) -> Any:
 
 
 #: tables whose keys are settings (``[tiers] memory_capacity`` is ``memory_capacity``)
-_TABLES = ("erasure", "tiers", "auth", "tls", "timeouts")
+_TABLES = ("erasure", "tiers", "auth", "tls", "timeouts", "archive")
+#: what the archive's credentials are read from (never the cluster file: it is shared)
+_ARCHIVE_SECRETS = ("access_key_id", "secret_access_key", "session_token")
 #: what a node ignores: its own list, and ``storaged up``'s table (storaged/tools/cluster_file.py)
 _NOT_SETTINGS = ("nodes", "up", "retention")
 _NODE_KEYS = {"id": True, "url": True, "peer": True, "data": False, "domain": False}  # required?
@@ -341,10 +370,20 @@ def _file_entries(doc: Mapping[str, Any]) -> list[tuple[str, str, object]]:
                 name = str(sub)
                 if key == "tls":
                     name = {"cert": "tls_cert", "key": "tls_key"}.get(name, name)
+                elif key == "archive":
+                    name = "archive" if name == "url" else f"archive_{name}"
                 out.append((f"[{key}] {sub}", name, subval))
         elif key not in _NOT_SETTINGS:
             out.append((str(key), str(key), value))
     return out
+
+
+def _refuse_archive_secret(where: str, name: str) -> None:
+    if name.removeprefix("archive_") in _ARCHIVE_SECRETS and name.startswith("archive_"):
+        raise ConfigError(
+            f"{where}: the archive's credentials are not written in the cluster file; set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in every node's environment"
+        )
 
 
 def _is_setting(name: str) -> bool:
@@ -355,6 +394,7 @@ def _flatten_file(doc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, A
     out: dict[str, Any] = {}
     unknown = []
     for where, name, value in _file_entries(doc):
+        _refuse_archive_secret(where, name)
         out[name] = value
         if not _is_setting(name):
             unknown.append(where)
@@ -375,6 +415,7 @@ def check_file_document(doc: Mapping[str, Any]) -> None:
     against the number of nodes, say) is ``Config.validate``'s.
     """
     for where, name, value in _file_entries(doc):
+        _refuse_archive_secret(where, name)
         if not _is_setting(name):
             raise ConfigError(f"unknown key {where}")
         if isinstance(value, dict | list):

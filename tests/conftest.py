@@ -270,8 +270,12 @@ class ClusterFactory:
         https: bool = False,
         node_module: str = "storaged",
         domains: Mapping[int, str] | None = None,
+        archive: str | Mapping[str, Any] = "",
+        env: Mapping[str, str] | None = None,
         **settings: Any,
     ) -> LocalCluster:
+        """``archive``: the [archive] table (or its URL) of every node; ``env``: variables
+        the nodes get besides the tests' (an archive's AWS_* credentials)."""
         merged = {**FAST_SETTINGS, **settings}
         if "tiers" in settings:
             merged["tiers"] = {**FAST_SETTINGS["tiers"], **settings["tiers"]}
@@ -284,11 +288,12 @@ class ClusterFactory:
                 peer_port=port + nodes,
                 token=token,
                 settings=merged,
-                env=_node_env(),
+                env={**_node_env(), **(env or {})},
                 https=https,
                 coordinator=self.coordinator() if self.coordinator is not None else "",
                 node_module=node_module,
                 domains=dict(domains or {}),
+                archive=archive,
             )
             self.clusters.append(cluster)
             try:
@@ -310,6 +315,8 @@ class ClusterFactory:
         https: bool = False,
         node_module: str = "storaged",
         domains: Mapping[int, str] | None = None,
+        archive: str | Mapping[str, Any] = "",
+        env: Mapping[str, str] | None = None,
         **settings: Any,
     ) -> LocalCluster:
         """``self(...)`` off the event loop: for async tests."""
@@ -321,6 +328,8 @@ class ClusterFactory:
                 https=https,
                 node_module=node_module,
                 domains=domains,
+                archive=archive,
+                env=env,
                 **settings,
             )
         )

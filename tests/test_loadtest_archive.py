@@ -1,5 +1,6 @@
 """Smoke test of ``python -m loadtest.archive``: it runs end to end, on the Swift it starts
-and on a ``file://`` directory, and reports what it promises. No throughput is asserted
+and on a ``file://`` directory, the tier's modes and the archive and restores through
+node processes, and reports what it promises. No throughput is asserted
 (that is the benchmark's job, on an idle machine): only that every mode ran every round,
 that the ratios come from the figures next to them, and that nothing is left behind."""
 
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +21,7 @@ from tests.s3server import swift_missing
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_quick(tmp_path: Path, *extra: str) -> dict[str, object]:
+def run_quick(tmp_path: Path, *extra: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -28,7 +30,7 @@ def run_quick(tmp_path: Path, *extra: str) -> dict[str, object]:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| tier put |" in proc.stdout and "ratio: tier / raw" in proc.stdout
-    doc: dict[str, object] = json.loads((out / "archive.json").read_text())
+    doc: dict[str, Any] = json.loads((out / "archive.json").read_text())
     assert doc["rounds"] == 2 and doc["count"] == 4 and doc["size"] == 8 << 20
     modes = doc["modes"]
     assert isinstance(modes, dict)
@@ -41,6 +43,19 @@ def run_quick(tmp_path: Path, *extra: str) -> dict[str, object]:
     for mode, base in (("tier put", "raw put"), ("tier get", "raw get")):
         best = min(modes[base]["seconds"]) / min(modes[mode]["seconds"])
         assert math.isclose(modes[mode]["ratio_best"], best, rel_tol=0.01, abs_tol=0.002)
+    # through a cluster: archived by one, restored twice by a fresh one, as ratios to the
+    # store's raw modes of the same run
+    cluster = doc["cluster"]
+    assert isinstance(cluster, dict)
+    assert set(cluster) == {"archive", "restore from archive", "restore again"}
+    assert "| cluster: restore from archive |" in proc.stdout
+    for step, row in cluster.items():
+        base = "raw put" if step == "archive" else "raw get"
+        assert row["baseline"] == base and row["seconds"] > 0
+        gbps = 4 * (8 << 20) / row["seconds"] / 1e9
+        assert math.isclose(row["gbps"], gbps, rel_tol=0.01, abs_tol=0.002)
+        expected = row["gbps"] / modes[base]["best_gbps"]
+        assert math.isclose(row["ratio"], expected, rel_tol=0.01, abs_tol=0.002)
     assert not list(tmp_path.glob("storaged-archive-bench-*")), "scratch directory left behind"
     return doc
 

@@ -338,6 +338,18 @@ class ArchiveTier(Tier):
             raise CorruptChunk(path, exc.reason) from None
         return body
 
+    async def has_manifest(self, name: str) -> bool:
+        """Whether checkpoint ``name``'s manifest is held now (a HEAD: its bytes are not
+        read, nor checked: ``get_manifest`` checks them)."""
+        self._check_open()
+        _check_manifest_name(name)
+        try:
+            async with self._mapped_errors(name):
+                await obstore.head_async(self._store, MANIFESTS + name)
+        except ChunkNotFound:
+            return False
+        return True
+
     async def list_manifests(self, prefix: str = "") -> list[str]:
         """Names of the manifests held now that start with ``prefix`` (as strings do:
         ``job/step`` finds ``job/step-1``), sorted."""

@@ -33,6 +33,9 @@ from typing import Final
 from storaged.client.format_names import FORMATS
 from storaged.wire import STATES
 
+#: the levels ``status --wait`` takes: the cluster's, and the archive's (E19)
+WAIT_LEVELS: Final = (*STATES, "archived")
+
 __all__ = ["register"]
 
 
@@ -116,7 +119,25 @@ def _add_cluster_commands(
         help="durability of a checkpoint: levels reached, and where its copies are now",
     )
     p.add_argument("name")
+    p.add_argument(
+        "--wait",
+        choices=WAIT_LEVELS,
+        default=None,
+        help="first wait until the checkpoint reached this level (archived: in the archive)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait may take")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "archive",
+        parents=parents,
+        help="copy a committed checkpoint to the cluster's archive (its chunks, then its "
+        "manifest); a fresh cluster pointed at the archive lists and restores it",
+    )
+    p.add_argument("name")
+    p.add_argument("--wait", action="store_true", help="return once it is archived")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait may take")
+    p.set_defaults(func=cmd_archive)
 
     p = sub.add_parser(
         "nodes",
@@ -222,6 +243,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from storaged.client.cluster_commands import cmd_status as run
+
+    return run(args)
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    from storaged.client.cluster_commands import cmd_archive as run
 
     return run(args)
 

@@ -31,6 +31,7 @@ import msgpack
 from storaged.client.deadlines import Bandwidth, Deadlines
 from storaged.client.direct import DirectGets
 from storaged.client.documents import (
+    ARCHIVED,
     BlockedWatch,
     CheckpointCosts,
     CheckpointInfo,
@@ -194,6 +195,9 @@ class Client:
             stats=self.stats,
             trace_configs=trace_configs,
         )
+        #: how long a request waits before the next node is asked too (the request
+        #: engine's own object; a value, not a call)
+        self.deadlines: Deadlines = deadlines
         #: the bandwidth chunk reads have had so far: their deadlines follow from it
         self.bandwidth = Bandwidth(deadlines)
         self._direct_reads = direct_reads
@@ -267,10 +271,6 @@ class Client:
     def cluster(self) -> ClusterInfo:
         """The membership as last learned; ``RuntimeError`` before ``open``."""
         return self._requests.known_cluster()
-
-    @property
-    def deadlines(self) -> Deadlines:
-        return self._requests.deadlines
 
     def slow_nodes(self) -> builtins.list[str]:
         """Nodes that missed a deadline lately (asked after the others)."""
@@ -508,6 +508,7 @@ class Client:
                         for b in doc.get("blocked") or ()
                     ),
                     Survives.of(doc.get("survives")),
+                    None if doc.get("archived") is None else bool(doc["archived"]),
                 )
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed status: {exc!r}") from exc
@@ -541,6 +542,28 @@ class Client:
                 self._requests.learn_url(holder.node, holder.url)
         return plan
 
+    async def archive(self, name: str, *, wait: bool = False, timeout: float = 600.0) -> bool:
+        """Archive committed checkpoint ``name`` (extension E19): the nodes copy its chunks,
+        then its manifest, to the archive. Returns whether it is archived: at once when it
+        was already, else False while it runs in the background, or, with ``wait``, True
+        once it is (``WaitTimeout`` after ``timeout`` s). Asking again is harmless, and
+        finishes an archiving that a node's death cut short.
+
+        ``CheckpointNotFound``; ``Conflict`` (``no_archive``) when the cluster has none;
+        ``Unavailable`` (``archive_unavailable``) when the archive does not answer."""
+
+        async def handle(resp: aiohttp.ClientResponse) -> bool:
+            doc = await decoded(resp)
+            if not isinstance(doc, dict):
+                raise ProtocolError(message="archive answer is not a map")
+            return bool(doc.get("archived"))
+
+        done = await self._requests.call("POST", checkpoint_path(name) + "?archive", handle)
+        if wait and not done:
+            await self.wait(name, ARCHIVED, timeout=timeout)
+            return True
+        return done
+
     async def delete(self, name: str) -> None:
         """Delete a checkpoint (its chunks are freed once no other checkpoint names them).
 
@@ -564,11 +587,13 @@ class Client:
         # The issue's signature; asyncio.timeout around it would lose the last status.
         timeout: float = 60.0,
     ) -> CheckpointStatus:
-        """Poll ``status`` until ``name`` reaches ``state``; ``WaitTimeout`` after ``timeout`` s.
+        """Poll ``status`` until ``name`` reaches ``state`` (``memory``, ``nvme``, ``cold``,
+        or ``archived``: E19); ``WaitTimeout`` after ``timeout`` s.
 
         ``NvmeFull`` (or ``ColdFull``) instead, within a second or two, when a node's full
         disk tier keeps it from ``state`` (extension E16): waiting would not help."""
-        state_rank(state)
+        if state != ARCHIVED:
+            state_rank(state)
         deadline = time.monotonic() + timeout
         pause = 0.05
         last: CheckpointStatus | None = None

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from storaged.client.client import CheckpointInfo, CheckpointStatus
+from storaged.client.client import CheckpointInfo, CheckpointStatus, Client
 from storaged.client.command import (
     EXIT_NODE_DOWN,
     CommandError,
@@ -31,7 +31,7 @@ from storaged.client.command import (
     run_async,
     run_command,
 )
-from storaged.client.documents import Survives
+from storaged.client.documents import Survives, WaitTimeout
 from storaged.client.errors import CheckpointNotFound
 from storaged.wire import STATES
 
@@ -133,6 +133,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         async def main() -> tuple[CheckpointStatus, dict[str, int]]:
             async with client_of(args) as client:
                 try:
+                    if args.wait is not None:
+                        await _wait(client, args.name, args.wait, args.timeout)
                     status, plan = await asyncio.gather(
                         client.status(args.name), client.plan(args.name)
                     )
@@ -156,6 +158,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             doc["lost"] = status.lost
         if status.survives is not None:
             doc["survives"] = {"nodes": status.survives.nodes, "domain": status.survives.domain}
+        if status.archived is not None:
+            doc["archived"] = status.archived
         if args.json:
             print_json(doc)
             return
@@ -172,6 +176,44 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"lost    {status.lost}")
         if status.survives is not None:
             print(f"survives the loss of {status.survives} (as its copies are held now)")
+        if status.archived is not None:
+            print(f"archive {'archived' if status.archived else 'not archived'}")
+
+    return run_command(args, body)
+
+
+async def _wait(client: Client, name: str, level: str, timeout: float) -> None:
+    """``Client.wait``, its timeout said as a command error."""
+    try:
+        await client.wait(name, level, timeout=timeout)
+    except WaitTimeout as exc:
+        raise CommandError(str(exc)) from None
+
+
+def cmd_archive(args: argparse.Namespace) -> int:
+    """Archive a committed checkpoint (E19); ``--wait``: until its manifest is there."""
+
+    def body() -> None:
+        check_name(args.name)
+
+        async def main() -> bool:
+            async with client_of(args) as client:
+                try:
+                    done = await client.archive(args.name)
+                    if args.wait and not done:
+                        await _wait(client, args.name, "archived", args.timeout)
+                        return True
+                except CheckpointNotFound:
+                    raise CommandError(f"no checkpoint named {args.name}") from None
+                return done
+
+        done = run_async(main)
+        if args.json:
+            print_json({"name": args.name, "archived": done})
+        elif done:
+            print(f"{args.name}: archived")
+        else:
+            print(f"{args.name}: archiving (storaged status {args.name} --wait archived)")
 
     return run_command(args, body)
 

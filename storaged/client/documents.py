@@ -13,7 +13,13 @@ from typing import Any
 
 from storaged.client.errors import ColdFull, NvmeFull, ProtocolError, StorageFull
 from storaged.domains import describe
-from storaged.wire import STATES, state_at_least
+from storaged.wire import STATES, state_at_least, state_rank
+
+#: the level a checkpoint reaches once its manifest is in the archive (E19), and the state
+#: of one only the archive holds
+ARCHIVED = "archived"
+#: the levels ``Client.wait`` and ``--wait`` take
+WAIT_LEVELS = (*STATES, ARCHIVED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,14 +159,25 @@ class CheckpointStatus:
     #: What it survives as held now: nodes lost at once, and whether one whole failure
     #: domain (None: the node did not say)
     survives: Survives | None = None
+    #: Whether its manifest is in the archive (E19); None: the archive did not answer, or
+    #: the node did not say
+    archived: bool | None = None
 
     def reached(self, level: str) -> bool:
+        """Whether it reached ``level``: ``memory``, ``nvme``, ``cold`` (the cluster's), or
+        ``archived``. A checkpoint only the archive holds (``state`` ``archived``) reached
+        none of the cluster's."""
+        if level == ARCHIVED:
+            return bool(self.archived)
+        if self.state == ARCHIVED:
+            state_rank(level)
+            return False
         return state_at_least(self.state, level)
 
     def blocked_from(self, level: str) -> list[FullTier]:
         """The full tiers that keep it from ``level`` (a full nvme keeps it from cold too);
         empty once it reached ``level``."""
-        if self.reached(level) or level == "memory":
+        if self.reached(level) or level in ("memory", ARCHIVED):
             return []
         tiers = ("nvme",) if level == "nvme" else ("nvme", "cold")
         return [b for b in self.blocked if b.tier in tiers]

@@ -16,6 +16,7 @@ import logging
 import math
 import re
 import ssl
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from storaged.front.shm import ShmListener, socket_path
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.manifest import check_manifest, decode_document
 from storaged.node import Node
+from storaged.node.archive import LISTING_DEADLINE, is_archived_record
 from storaged.retention import PolicyError, parse_rules
 from storaged.wire import STATES, ErrorCode, state_name
 from tiers import ByteRange, ChunkNotFound
@@ -548,19 +550,42 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     return reply(request, body, status)
 
 
+#: on an answer about a checkpoint the catalogue does not know but the archive does (E19)
+_FROM_ARCHIVE = {"X-Storaged-Source": "archive"}
+
+
 async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     name = _name(request)
     if "status" in request.query:
-        return reply(request, await node.checkpoint_status(name))
+        status = await node.checkpoint_status(name)
+        source = _FROM_ARCHIVE if status.get("source") == "archive" else None
+        return reply(request, status, headers=source)
     if "plan" in request.query:
-        return reply(request, await node.restore_plan(name))
+        plan = await node.restore_plan(name)
+        return reply(request, plan, headers=_FROM_ARCHIVE if "source" in plan else None)
     record = await node.get_checkpoint(name)
     assert record.manifest is not None
+    headers = _FROM_ARCHIVE if is_archived_record(record) else None
     if wants_msgpack(request):
-        return web.Response(body=record.manifest, content_type="application/msgpack")
+        return web.Response(
+            body=record.manifest, content_type="application/msgpack", headers=headers
+        )
     manifest = msgpack.unpackb(record.manifest, raw=False)
-    return reply(request, manifest)
+    return reply(request, manifest, headers=headers)
+
+
+async def post_checkpoint(request: web.Request) -> web.Response:
+    """Extension E19: ``?archive`` archives a committed checkpoint in the background (202),
+    or says it is archived already (200). Without ``?archive`` a POST is not allowed here,
+    as before."""
+    node = request.app[NODE]
+    if "archive" not in request.query:
+        raise web.HTTPMethodNotAllowed("POST", ["GET", "PUT", "DELETE"])
+    name = _name(request)
+    if await node.archive.begin(name):
+        return reply(request, {"name": name, "archived": False, "archiving": True}, 202)
+    return reply(request, {"name": name, "archived": True, "archiving": False})
 
 
 async def delete_checkpoint(request: web.Request) -> web.Response:
@@ -595,13 +620,63 @@ async def list_checkpoints(request: web.Request) -> web.Response:
         kept = await node.retention.annotate(
             [r for r in records if r.name in {e["name"] for e in entries}]
         )
+        archived = await _archived_words(node, [entry["name"] for entry in entries])
         for entry in entries:
-            # "archived": the archive's word, null while the node has no archive status
-            entry["retention"] = {**kept[entry["name"]], "archived": None}
+            # "archived": the archive's word; null with no archive, or no answer in time
+            entry["retention"] = {**kept[entry["name"]], "archived": archived.get(entry["name"])}
     doc: dict[str, Any] = {"checkpoints": entries}
     if costs:
         doc["complete"] = listing.complete if listing else True
+    if node.archive.configured:
+        await _list_archived(node, prefix, doc, costs=costs)
     return reply(request, doc)
+
+
+async def _archived_words(node: Node, names: list[str]) -> dict[str, bool | None]:
+    """Whether the archive holds each of ``names`` (E20's ``archived``), a few asked at once,
+    each within the status's deadline (None: no answer); empty with no archive."""
+    if not node.archive.configured:
+        return {}
+    slots = asyncio.Semaphore(8)
+
+    async def ask(name: str) -> tuple[str, bool | None]:
+        async with slots:
+            return name, await node.archive.archived_or_none(name)
+
+    return dict(await asyncio.gather(*(ask(name) for name in names)))
+
+
+async def _list_archived(node: Node, prefix: str, doc: dict[str, Any], *, costs: bool) -> None:
+    """Add to a listing the archive's checkpoints the catalogue does not know (E19), in
+    name order with the others; an archive out of reach leaves them out and says so."""
+    known = {entry["name"] for entry in doc["checkpoints"]}
+    try:
+        async with asyncio.timeout(LISTING_DEADLINE):
+            archived = await node.archive.listed(prefix, known)
+    except (Unavailable, TimeoutError) as exc:
+        log.warning("listing without the archive's checkpoints: %s", exc or "no answer")
+        doc["archive_unavailable"] = True
+        return
+    for record in archived:
+        entry: dict[str, Any] = {
+            "name": record.name,
+            "created": record.created,
+            "bytes": record.total_bytes,
+            "state": "archived",
+            "source": "archive",
+        }
+        if costs:
+            entry["costs"] = archived_costs(node, record.chunks)
+        doc["checkpoints"].append(entry)
+    doc["checkpoints"].sort(key=lambda entry: entry["name"])
+
+
+def archived_costs(node: Node, chunks: list[str]) -> dict[str, Any]:
+    """E17's costs of a checkpoint only the archive holds: nothing in the cluster's tiers
+    (the read-through cache is not a holding), and nothing lost."""
+    costs = node.checkpoints.costs_of(chunks, {}, {}, Counter())
+    costs["lost"] = 0
+    return costs
 
 
 # ---- cluster and admin -------------------------------------------------------------------
@@ -790,6 +865,7 @@ def make_app(node: Node) -> web.Application:
     r.add_put("/v1/checkpoints/{name:.+}", put_checkpoint)
     r.add_get("/v1/checkpoints/{name:.+}", get_checkpoint)
     r.add_delete("/v1/checkpoints/{name:.+}", delete_checkpoint)
+    r.add_post("/v1/checkpoints/{name:.+}", post_checkpoint)
     r.add_get("/v1/cluster", cluster)
     r.add_post("/v1/admin/evict", evict)
     r.add_post("/v1/admin/gc", pause_gc)

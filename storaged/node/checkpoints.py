@@ -197,7 +197,10 @@ class Checkpoints:
         fewer than ``n`` fragments (repair's work); ``now``: how many have a copy in each
         tier at this moment (RAM copies go with a restart or an eviction, while the state
         they reached stays)."""
-        record = await self.get(name)
+        return await self.status_of(await self.get(name))
+
+    async def status_of(self, record: CatalogRecord) -> dict[str, Any]:
+        """``status`` of a record found already (the catalogue's, or the archive's)."""
         placement = self.cluster.placement()  # one view for both questions
         held = await self.cluster.holdings(placement.alive, record.chunks)
         states = await self.cluster.chunk_states(record.chunks, placement=placement)
@@ -400,7 +403,10 @@ class Checkpoints:
         }
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
-        record = await self.get(name)
+        return await self.plan_of(await self.get(name))
+
+    async def plan_of(self, record: CatalogRecord) -> dict[str, Any]:
+        """``restore_plan`` of a record found already (the catalogue's, or the archive's)."""
         held = await self.cluster.holdings(self.cluster.placement().alive, record.chunks)
         tier_rank = {"memory": 0, "nvme": 1, "cold": 2}
         plan: dict[str, list[dict[str, Any]]] = {}

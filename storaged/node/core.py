@@ -7,6 +7,7 @@ it upholds (``docs/RELIABILITY.md`` has the whole list):
 ``write.py``                the PUT path: RAM here and on the other holders, the ack
 ``read.py``                 the GET path: fastest local tier, a peer, or fragments
 ``checkpoints.py``          commits, the catalogue quorum, status and restore plans
+``archive.py``              checkpoints to the archive tier; reads through it
 ``pipeline/drain.py``       RAM -> nvme on every holder
 ``pipeline/encode.py``      nvme -> cold fragments, by the chunk's owner
 ``pipeline/repair.py``      missing copies, fragments and catalogue records
@@ -46,7 +47,9 @@ from storaged.config import Config, ConfigError
 from storaged.coord.catalogue import Catalogue, CatalogueUnavailable, EmbeddedCatalogue
 from storaged.coord.manifest_store import Catalog, CatalogRecord
 from storaged.coord.membership import Membership, StaticMembership
+from storaged.errors import NotFound
 from storaged.manifest import CheckedManifest
+from storaged.node.archive import Archive, ReadThroughCache, is_archived_record, open_archive
 from storaged.node.checkpoints import Checkpoints
 from storaged.node.cluster import Cluster, ping
 from storaged.node.evacuation import Evacuation
@@ -67,7 +70,8 @@ from storaged.node.services import DataPlane
 from storaged.node.write import BodyPieces, WritePath
 from storaged.peer import PeerClient, PeerServer
 from storaged.retention import PolicyError
-from tiers import ByteRange
+from tiers import ByteRange, ChunkNotFound
+from tiers.archive import ArchiveTier
 from tiers.cold import ColdTier
 from tiers.memory import MemoryTier
 from tiers.nvme import NvmeTier
@@ -98,8 +102,11 @@ class Node:
         *,
         membership: Membership | None = None,
         catalogue: Catalogue | Callable[[DataPlane], Catalogue] | None = None,
+        archive: ArchiveTier | None = None,
     ) -> None:
         self.config = config
+        #: the archive tier (``[archive] url``), None when there is none
+        self.archive_tier = archive
         self.id = config.node_id
         self.url = config.node.url
         self.local = local = Local(config, memory, nvme, cold, codec, catalog, state_log, index)
@@ -145,7 +152,8 @@ class Node:
         #: who leads each chunk's repair, and which members are away (repair keeps it)
         self.leadership = leads = Leadership(config)
         self.writes = WritePath(local, cluster, to_drain=lambda cid: self.drainer.offer(cid))
-        self.reads = ReadPath(local, cluster)
+        cache = ReadThroughCache(config.archive_cache_size)
+        self.reads = ReadPath(local, cluster, cached=cache.get)
         if isinstance(catalogue, Catalogue):
             self.catalogue: Catalogue = catalogue
         elif catalogue is not None:
@@ -153,6 +161,13 @@ class Node:
         else:
             self.catalogue = EmbeddedCatalogue(local, cluster)
         self.checkpoints = Checkpoints(local, cluster, self.catalogue)
+        self.archive = Archive(
+            local,
+            self.archive_tier,
+            cache,
+            read_chunk=self.reads.read_chunk,
+            get_record=self.checkpoints.get,
+        )
         self.drainer = Drain(
             local, cluster, writes=self.writes, to_encode=lambda cid: self.encoder.offer(cid)
         )
@@ -182,14 +197,16 @@ class Node:
         self.scrubber = Scrubber(local)
         #: the checkpoints whose manifest or plan this node served within the grace
         self.read_holds = ReadHolds(config.gc_grace)
-        # The archive's calls (``archive``, ``is_archived``) are bound here once the node
-        # has an archive; until then a policy with archive clauses is refused.
+        # A node without an archive refuses a policy with archive clauses.
+        archives = self.archive.configured
         self.retention = Retention(
             local,
             cluster,
             catalogue=self.catalogue,
             delete=self.checkpoints.delete,
             holds=self.read_holds,
+            archive=self.archive.archive if archives else None,
+            is_archived=self.archive.archived if archives else None,
         )
         self.evacuation = Evacuation(
             local, cluster, writes=self.writes, leadership=leads, referenced=self.referenced
@@ -236,6 +253,8 @@ class Node:
         (``catalogue`` is a factory: it gets the node's chunks, ``DataPlane``)."""
         data = config.data_dir
         await asyncio.to_thread(lambda: data.mkdir(parents=True, exist_ok=True))
+        # First: a node that cannot reach its archive refuses to start (CannotOpenArchive)
+        archive = await open_archive(config) if config.archive else None
         memory = MemoryTier(config.memory_capacity, put_timeout=config.put_wait)
         nvme = await NvmeTier.open(data / "nvme", config.nvme_capacity)
         cold = await ColdTier.open(data / "cold", config.cold_capacity)
@@ -254,6 +273,7 @@ class Node:
             index,
             membership=membership,
             catalogue=catalogue,
+            archive=archive,
         )
         await node.local.rebuild_index()
         return node
@@ -323,6 +343,8 @@ class Node:
         await self.memory.close()
         await self.nvme.close()
         await self.cold.close()
+        if self.archive_tier is not None:
+            await self.archive_tier.close()
         self.state_log.close()
 
     async def _periodic(
@@ -372,7 +394,13 @@ class Node:
     async def read_chunk(
         self, chunk_id: str, rng: ByteRange | None = None
     ) -> tuple[bytes | memoryview, str]:
-        return await self.reads.read_chunk(chunk_id, rng)
+        """The chunk from the cluster, else read through from the archive (if any)."""
+        try:
+            return await self.reads.read_chunk(chunk_id, rng)
+        except ChunkNotFound:
+            if not self.archive.configured:
+                raise
+        return await self.archive.read_through(chunk_id, rng)
 
     async def missing(self, ids: list[str]) -> list[str]:
         """Of ``ids``, those the cluster does not hold. The held ones count as used now."""
@@ -383,9 +411,18 @@ class Node:
 
     async def get_checkpoint(self, name: str) -> CatalogRecord:
         """The manifest, for a client: held for reads from now (``pipeline/retention.py``)."""
-        record = await self.checkpoints.get(name)
+        record = await self._record(name)
         self.read_holds.hold(name)
         return record
+
+    async def _record(self, name: str) -> CatalogRecord:
+        """The catalogue's record of ``name``, else the archive's (``is_archived_record``)."""
+        try:
+            return await self.checkpoints.get(name)
+        except NotFound:
+            if not self.archive.configured:
+                raise
+        return await self.archive.record(name)
 
     async def list_checkpoints(self, prefix: str) -> list[CatalogRecord]:
         return await self.checkpoints.list(prefix)
@@ -394,11 +431,25 @@ class Node:
         await self.checkpoints.delete(name)
 
     async def checkpoint_status(self, name: str) -> dict[str, Any]:
-        return await self.checkpoints.status(name)
+        """``Checkpoints.status``, with ``archived`` (E19); a checkpoint only the archive
+        knows is ``"state": "archived"``, ``"source": "archive"``."""
+        record = await self._record(name)  # a status poll is no read: no hold
+        status = await self.checkpoints.status_of(record)
+        if is_archived_record(record):
+            # Its chunks are in the archive: none is lost for want of a live holder.
+            status.update(state="archived", lost=0, archived=True, source="archive")
+        else:
+            status["archived"] = await self.archive.archived_or_none(name)
+        return status
 
     async def restore_plan(self, name: str) -> dict[str, Any]:
-        plan = await self.checkpoints.restore_plan(name)
-        self.read_holds.hold(name)
+        """``Checkpoints.restore_plan``, of the archive's record when the catalogue has none
+        (its chunks then have the holders the cluster has: often none; a GET reads them
+        through the archive). Held for reads from now, as a manifest is."""
+        record = await self.get_checkpoint(name)
+        plan = await self.checkpoints.plan_of(record)
+        if is_archived_record(record):
+            plan["source"] = "archive"
         return plan
 
     async def evict(self, name: str, *, nvme: bool) -> dict[str, int]:

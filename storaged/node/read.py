@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from erasure import fragment_key
@@ -36,14 +36,24 @@ def _slice(data: bytes | memoryview, rng: ByteRange | None) -> bytes | memoryvie
 
 
 class ReadPath:
-    def __init__(self, local: LocalStore, cluster: ClusterView) -> None:
+    """``cached``: the archive's read-through cache (``node/archive.py``), asked after RAM
+    and nvme; its chunks were checked against their ids when fetched."""
+
+    def __init__(
+        self,
+        local: LocalStore,
+        cluster: ClusterView,
+        cached: Callable[[str], memoryview | None] | None = None,
+    ) -> None:
         self.local = local
         self.cluster = cluster
+        self.cached = cached
 
     async def read_hot(
         self, chunk_id: str, rng: ByteRange | None = None
     ) -> tuple[bytes | memoryview | None, str]:
-        """The bytes from this node's RAM or nvme, verified; (None, "") when not held hot,
+        """The bytes from this node's RAM or nvme, verified, or from the archive's
+        read-through cache (tier ``memory``); (None, "") when not held hot,
         or when the disk cannot be read now (an I/O error, a data dir replaced behind the
         node's back): readers then go to the next source."""
         if self.local.memory_has(chunk_id):
@@ -64,6 +74,10 @@ class ReadPath:
             except OSError as exc:
                 # Not proof the copy is gone (the disk may come back): kept, not served.
                 log.error("nvme copy of %s cannot be read: %s", chunk_id, exc)
+        if self.cached is not None:
+            view = self.cached(chunk_id)
+            if view is not None:
+                return _slice(view, rng), "memory"  # RAM, though not a holding
         return None, ""
 
     @contextlib.asynccontextmanager

@@ -138,6 +138,9 @@ class LocalCluster:
     config_written: bool = False
     #: node index -> its failure domain (storaged/domains.py); a node not named has none
     domains: Mapping[int, str] = field(default_factory=dict)
+    #: the archive every node points at: its URL, or the cluster file's ``[archive]`` table
+    #: (``url``, ``endpoint``, ...); credentials go in ``env`` (``AWS_ACCESS_KEY_ID``, ...)
+    archive: str | Mapping[str, Any] = ""
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: where each node's log stood when it was last started: its exit cause is after that
     _log_starts: dict[int, int] = field(default_factory=dict)
@@ -220,6 +223,9 @@ class LocalCluster:
                 }
                 for i in range(self.nodes)
             ]
+        if self.archive:
+            table = {"url": self.archive} if isinstance(self.archive, str) else self.archive
+            doc["archive"] = dict(table)
         for key, value in self.settings.items():
             if key in ("codec", "k", "n"):
                 doc["erasure"][key] = value

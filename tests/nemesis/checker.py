@@ -148,6 +148,10 @@ class Replication:
         in_ram: dict[str, set[str]] = defaultdict(set)
         short: dict[str, str] = {}
         for record in list(live):
+            gone = record.name in deletable and record.archived
+            if gone and await _archive_only(self.client, record.name):
+                live.remove(record)  # deleted by the policy, served by the archive alone
+                continue
             try:
                 plan = await self.client.plan(record.name)
             except CheckpointNotFound as exc:
@@ -265,27 +269,33 @@ async def check_history(
     deletable = retention_may_delete(history, history.retention)
     history.note(f"retention may have deleted {len(deletable)}: {sorted(deletable)}")
     for record in sorted(history.checkpoints.values(), key=lambda r: r.name):
-        if not record.live:
+        if not (record.live or record.archived):
             await check_visible(history, raw, record, rng.choice(raw.urls), final=True)
             continue
-        if record.name in deletable and await _deleted(raw, record.name):
+        # What the policy may have deleted is gone or whole; an archived checkpoint is
+        # whole either way (deleted since, its reads go through the archive).
+        may_be_gone = record.name in deletable and not record.archived
+        if may_be_gone and await _deleted(raw, record.name):
             history.counts["retention_deleted"] += 1
             continue
+        if not record.live:
+            history.counts["archived_after_delete"] += 1
         result = await verify_checkpoint(
-            history, raw, record, rng, during_faults=False, may_be_gone=record.name in deletable
+            history, raw, record, rng, during_faults=False, may_be_gone=may_be_gone
         )
         for cid, outcome in result.items():
             if outcome == "ok":
                 verified.add(cid)
-            elif outcome == "unread" and record.name in deletable:
+            elif outcome == "unread" and may_be_gone:
                 # deleted by the policy since its manifest was read: its chunks may be gone
                 history.counts["retention_deleted_while_read"] += 1
             elif outcome == "unread" and cid not in lost:
                 lost.add(cid)
+                blame = _blame(history, cid) if record.live else "archive"
                 history.violate(
-                    _blame(history, cid),
-                    f"chunk of acknowledged {record.name} lost: no node serves it\n"
-                    + history.story(cid),
+                    blame,
+                    f"chunk of {'acknowledged' if record.live else 'archived'} {record.name} "
+                    "lost: no node serves it\n" + history.story(cid),
                 )
     history.note(
         f"retention deleted {history.counts['retention_deleted']} of them "
@@ -366,6 +376,14 @@ def _blame(history: History, cid: str) -> str:
     return "I1"
 
 
+async def _archive_only(client: Client, name: str) -> bool:
+    """Whether the cluster answers ``name``'s status from the archive alone (deleted here)."""
+    try:
+        return (await client.status(name)).state == "archived"
+    except StoragedError:
+        return False
+
+
 async def _deleted(raw: RawHttp, name: str) -> bool:
     """Whether a node says 404 for ``name`` before any serves its manifest."""
     for url in raw.urls:
@@ -424,7 +442,7 @@ async def _check_listing(history: History, client: Client, deletable: set[str]) 
     failures: list[str] = []
     for _ in range(3):
         try:
-            listed = {c.name for c in await client.list()}
+            listed = {c.name: c.state for c in await client.list()}
             break
         except StoragedError as exc:
             failures.append(str(exc))
@@ -436,6 +454,11 @@ async def _check_listing(history: History, client: Client, deletable: set[str]) 
     for record in history.checkpoints.values():
         if record.live and record.name not in listed and record.name not in deletable:
             history.violate("I4", f"acknowledged {record.name} missing from the listing")
+        if record.archived and record.name not in listed:
+            history.violate("archive", f"archived {record.name} missing from the listing")
+        from_archive = record.archive_asked and listed.get(record.name) == "archived"
+        if from_archive and record.outcome == "acked":
+            continue  # deleted from the cluster, listed from the archive
         if record.name in listed and (record.outcome == "refused" or record.deleted == "acked"):
             history.violate(
                 "I4", f"{record.name} ({record.outcome}, deleted {record.deleted}) is listed"

@@ -50,6 +50,11 @@ class CheckpointRecord:
     #: None, "acked" (204) or "unknown" (no answer)
     deleted: str | None = None
     statuses: list[str] = field(default_factory=list)
+    #: an archive of it was asked for (it may be in the archive, even if not confirmed)
+    archive_asked: bool = False
+    #: the cluster said it is archived: from then on it must restore byte-exact, also
+    #: after its delete (read through the archive)
+    archived: bool = False
 
     @property
     def live(self) -> bool:

@@ -13,6 +13,7 @@ short etcd run of its own (``test_nemesis_etcd_ci``, fixed seed, about 20 s of f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import secrets
 import shutil
@@ -95,6 +96,10 @@ class RunShape:
     first_pass_grace: float = 40.0
 
 
+#: share of committed checkpoints a writer archives when the cluster has an archive (the
+#: embedded runs: a file:// directory beside the nodes')
+ARCHIVE_RATE = 0.2
+
 #: the default suite's run (the suite's time budget: the soak is the long one)
 #: the nemesis's view of the nodes' timing
 SHAPE = NemesisShape(gone_after=SETTINGS["gone_after"], gc_grace=SETTINGS["gc_grace"])
@@ -141,6 +146,8 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
                 env={"PYTHONASYNCIODEBUG": ""},
                 small_disk=random.Random(f"{seed}/small-disk").randrange(NODES),
                 domains=domains(slots),
+                # The embedded runs archive some checkpoints (workload.py, step 7)
+                archive=(root / f"archive{len(made)}").as_uri() if etcd is None else "",
                 coordinator=etcd.fresh_prefix("nemesis") if etcd is not None else "",
             )
             made.append(cluster)
@@ -181,6 +188,9 @@ async def run_nemesis(
     base = [history.chunk(f"base/{i}", rng.randint(*shape.workload.sizes)) for i in range(6)]
     base_ids = [(cid, len(data)) for cid, data in base]
     stop = asyncio.Event()
+    workload = shape.workload
+    if cluster.archive and not workload.archive:
+        workload = dataclasses.replace(workload, archive=ARCHIVE_RATE)
     # The writers know the first six nodes (spares that join are found through them).
     urls = cluster.urls[:NODES]
     clients = [writer_client(urls, TOKEN) for _ in range(shape.workload.writers + 2)]
@@ -200,7 +210,7 @@ async def run_nemesis(
             await client.open()
         try:
             writers = [
-                Writer(w, history, clients[w], raw, shape.workload, base_ids)
+                Writer(w, history, clients[w], raw, workload, base_ids)
                 for w in range(shape.workload.writers)
             ]
             tasks = [asyncio.create_task(w.run(stop)) for w in writers]
@@ -247,6 +257,12 @@ def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[st
     skipped = {k: n for k, n in sorted(history.counts.items()) if k.endswith(" skipped")}
     with capsys.disabled():
         print("\n" + report.line())
+        if history.counts["archive_asked"]:
+            print(
+                f"nemesis archive: {history.counts['archive_asked']} asked, "
+                f"{history.counts['archived']} confirmed, "
+                f"{history.counts['archived_after_delete']} read back after their delete"
+            )
         print(f"nemesis faults by kind: {kinds}" + (f" ({skipped})" if skipped else ""))
     log = Path(tempfile.gettempdir()) / f"storaged-nemesis-seed{history.seed}.log"
     dump(history, log)
@@ -274,6 +290,8 @@ async def test_nemesis_ci(
     seed = CI_SEED if replay is None else int(replay)
     cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, CI.spares)
     report, history = await run_nemesis(cluster, seed, CI, nemesis_etcd)
+    if cluster.archive:  # the embedded run archives (and checks) some checkpoints
+        assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
     _conclude(report, history, capsys)
 
 

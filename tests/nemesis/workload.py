@@ -14,8 +14,12 @@ What a step of writer ``w`` does (each "sometimes" a draw from the writer's own 
 4. Sometimes re-PUTs a chunk of its oldest live checkpoint (by then often cold).
 5. Commits (retrying lost answers; re-uploading chunks a 409 names as missing).
 6. Sometimes commits two different manifests under one name at once (I4).
-7. Deletes its checkpoints beyond the newest ``keep``.
-8. Sometimes reads a live checkpoint back: manifest and every chunk, some by range, from
+7. With an archive (``WorkloadShape.archive``), archives its first acknowledged checkpoint
+   and sometimes the one it just committed (``Client.archive``, waiting a few seconds at
+   most); the checker then wants it restored byte-exact at the end, also once it is
+   deleted (read through the archive).
+8. Deletes its checkpoints beyond the newest ``keep``.
+9. Sometimes reads a live checkpoint back: manifest and every chunk, some by range, from
    random nodes with raw HTTP, every 200/206 body checked (I7).
 """
 
@@ -38,6 +42,7 @@ from storaged.client import (
     MissingChunks,
     StoragedError,
 )
+from storaged.client.documents import WaitTimeout
 from storaged.client.retry import RetryPolicy
 from tests.nemesis.history import CheckpointRecord, History
 from tests.nemesis.proxy import reset
@@ -57,6 +62,8 @@ class WorkloadShape:
     base_chunks: int = 6
     #: live checkpoints a writer keeps; older ones are deleted
     keep: int = 3
+    #: share of committed checkpoints archived (the cluster must have an archive)
+    archive: float = 0.0
 
 
 def manifest_of(chunks: Sequence[tuple[str, int]], meta: dict[str, Any]) -> dict[str, Any]:
@@ -183,6 +190,8 @@ class Writer:
         #: chunks of checkpoints deleted earlier, for reuse (bounded)
         self.deleted_pool: list[tuple[str, int]] = []
         self.previous: list[tuple[str, int]] = []
+        #: whether this writer asked for an archive yet
+        self.archive_asked = False
 
     async def run(self, stop: asyncio.Event) -> None:
         step = 0
@@ -230,6 +239,10 @@ class Writer:
             self.mine.append(record)
         if record.outcome == "acked":
             self.previous = order
+            # A writer's first acknowledged checkpoint is archived, then a share of them
+            first = not self.archive_asked and self.shape.archive > 0
+            if first or rng.random() < self.shape.archive:
+                await self._archive(record)
         if rng.random() < 0.25:
             await self._race(s, order)
         await self._delete_old()
@@ -324,6 +337,22 @@ class Writer:
                 h.violate("I4", f"{record.name}: 409 exists for the only manifest ever sent")
         return result
 
+    async def _archive(self, record: CheckpointRecord) -> None:
+        """Archive ``record`` and wait a little for it: confirmed, it must restore from
+        the archive once deleted; unconfirmed, it may be in the archive all the same."""
+        h = self.history
+        record.archive_asked = self.archive_asked = True
+        h.counts["archive_asked"] += 1
+        try:
+            await self.client.archive(record.name, wait=True, timeout=10.0)
+        except (StoragedError, WaitTimeout) as exc:
+            h.counts["archive_unconfirmed"] += 1
+            h.note(f"archive {record.name}: not confirmed ({exc})")
+            return
+        record.archived = True
+        h.counts["archived"] += 1
+        h.note(f"archive {record.name}: archived")
+
     async def _upload_again(self, name: str, missing: list[str]) -> None:
         """PUT the chunks a commit said are missing, without asking ``/missing`` first: it
         may say held what the commit does not count (recorded, then uploaded regardless)."""
@@ -415,6 +444,8 @@ async def check_visible(
     want = expected_manifest(record)
     if status == 200:
         if final and record.deleted == "acked":
+            if record.archive_asked and doc == want:
+                return True  # from the archive, which keeps what it was given
             h.violate("I4", f"{record.name}: deleted (204) but its manifest is served again")
             return False
         if want is not None and doc == want:
@@ -430,6 +461,9 @@ async def check_visible(
         )
         return False
     if status == 404:
+        if final and record.archived:
+            h.violate("archive", f"{record.name}: archived, but 404 at the end")
+            return False
         if want is None or record.deleted is not None:
             return True
         if final:

@@ -279,8 +279,17 @@ class InprocFactory:
         self.clusters: list[InprocCluster] = []
 
     async def start(
-        self, nodes: int = 4, *, per_node: dict[int, dict[str, Any]] | None = None, **settings: Any
+        self,
+        nodes: int = 4,
+        *,
+        per_node: dict[int, dict[str, Any]] | None = None,
+        archive: str = "",
+        **settings: Any,
     ) -> InprocCluster:
+        """``archive``: the archive every node points at (``archive_endpoint`` and the other
+        ``archive_*`` settings go in ``settings``; credentials in the environment)."""
+        if archive:
+            settings = {**settings, "archive": archive}
         root = self.root / f"inproc{len(self.clusters)}"
         cluster: InprocCluster
         if self.coordinator is None:

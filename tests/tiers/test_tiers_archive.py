@@ -384,6 +384,10 @@ async def test_manifests_round_trip_list_by_string_prefix_and_delete(
     assert await archive.list_manifests("job") == [*steps, "jobs/a"]
     assert await archive.list_manifests("job/") == steps
     assert await archive.list_manifests("nothing/") == []
+    for name in bodies:
+        assert await archive.has_manifest(name)
+    for name in ("job", "job/step", "nothing"):  # a directory, a prefix: no manifest
+        assert not await archive.has_manifest(name)
     await archive.put_manifest("job/step-1", b"replaced")
     assert bytes(await archive.get_manifest("job/step-1")) == b"replaced"
     await archive.delete_manifest("job/step-1")
@@ -392,6 +396,7 @@ async def test_manifests_round_trip_list_by_string_prefix_and_delete(
         await archive.get_manifest("job/step-1")
     assert isinstance(info.value, KeyError) and info.value.key == "job/step-1"
     assert "job/step-1" not in await archive.list_manifests()
+    assert not await archive.has_manifest("job/step-1")
     assert archive.usage().count == 0  # manifests are not chunks
 
 
