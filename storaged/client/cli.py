@@ -27,7 +27,9 @@ needs whole tensors). Progress bars (on stderr, when it is a terminal, or with
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+from collections.abc import Callable
 from typing import Final
 
 from storaged.client.format_names import FORMATS
@@ -91,6 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     as_json = _json_option()
 
     _add_cluster_commands(sub, [conn, as_json])
+    _add_change_commands(sub, [conn, as_json])
     _add_file_commands(sub, [conn, progress, as_json])
 
 
@@ -98,7 +101,7 @@ def _add_cluster_commands(
     sub: argparse._SubParsersAction[argparse.ArgumentParser],
     parents: list[argparse.ArgumentParser],
 ) -> None:
-    """ls, status, nodes, drain and rm: what the cluster holds, and its nodes."""
+    """ls, status, archive and nodes: what the cluster holds, and its nodes."""
     p = sub.add_parser(
         "ls",
         parents=parents,
@@ -148,6 +151,12 @@ def _add_cluster_commands(
     )
     p.set_defaults(func=cmd_nodes)
 
+
+def _add_change_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: list[argparse.ArgumentParser],
+) -> None:
+    """drain, rm and retention: what changes what the cluster holds."""
     p = sub.add_parser(
         "drain",
         parents=parents,
@@ -235,55 +244,24 @@ def _add_file_commands(
 # no checkpoint machinery (tests/client/test_cli_start.py holds that).
 
 
-def cmd_ls(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_ls as run
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``name`` of ``storaged.client.<module>``, imported when it runs."""
 
-    return run(args)
+    def run(args: argparse.Namespace) -> int:
+        command: Callable[[argparse.Namespace], int]
+        command = getattr(importlib.import_module(f"storaged.client.{module}"), name)
+        return command(args)
 
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_status as run
-
-    return run(args)
-
-
-def cmd_archive(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_archive as run
-
-    return run(args)
+    run.__name__ = run.__qualname__ = name
+    return run
 
 
-def cmd_nodes(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_nodes as run
-
-    return run(args)
-
-
-def cmd_drain(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_drain as run
-
-    return run(args)
-
-
-def cmd_rm(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_rm as run
-
-    return run(args)
-
-
-def cmd_retention(args: argparse.Namespace) -> int:
-    from storaged.client.cluster_commands import cmd_retention as run
-
-    return run(args)
-
-
-def cmd_save(args: argparse.Namespace) -> int:
-    from storaged.client.file_commands import cmd_save as run
-
-    return run(args)
-
-
-def cmd_restore(args: argparse.Namespace) -> int:
-    from storaged.client.file_commands import cmd_restore as run
-
-    return run(args)
+cmd_ls = _lazy("cluster_commands", "cmd_ls")
+cmd_status = _lazy("cluster_commands", "cmd_status")
+cmd_archive = _lazy("cluster_commands", "cmd_archive")
+cmd_nodes = _lazy("cluster_commands", "cmd_nodes")
+cmd_drain = _lazy("cluster_commands", "cmd_drain")
+cmd_rm = _lazy("cluster_commands", "cmd_rm")
+cmd_retention = _lazy("cluster_commands", "cmd_retention")
+cmd_save = _lazy("file_commands", "cmd_save")
+cmd_restore = _lazy("file_commands", "cmd_restore")
