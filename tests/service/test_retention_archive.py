@@ -1,6 +1,7 @@
-"""Retention's archive clauses on in-process nodes, against a real archive: the leaf
-``tiers.archive.ArchiveTier`` over a ``file://`` directory, wrapped in the two calls the
-stage is given (``archive(name)``: every chunk, then the manifest; ``is_archived(name)``).
+"""Retention's archive clauses on in-process nodes whose archive is a real one: the node's
+own archive stage (``node/archive.py``) over ``tiers.archive.ArchiveTier`` on a ``file://``
+directory, which the node hands its retention stage (``archive(name)``: every chunk, then
+the manifest; ``archived(name)``).
 
 A checkpoint the policy must archive is kept until the archive holds it, whatever else the
 policy says; once archived it may go. A node without an archive refuses such a policy.
@@ -21,7 +22,7 @@ from storaged.node import Node
 from storaged.retention import AWAITING_ARCHIVE, Policy, Rule
 from tests.service.http import manifest_for
 from tests.service.inproc import InprocCluster, put_bytes
-from tiers.archive import ArchiveTier, ManifestNotFound
+from tiers.archive import ArchiveTier
 
 POLICY = Policy((Rule("job/", keep_last=1, archive_every=2),))
 SETTINGS: dict[str, Any] = {
@@ -33,35 +34,19 @@ SETTINGS: dict[str, Any] = {
 }
 
 
-class ArchivingCluster(InprocCluster):
-    """In-process nodes whose retention stage archives into ``tier``; ``failing`` makes
-    every archive call fail (an archive out of reach)."""
+def archive_out_of_reach(node: Node) -> list[bool]:
+    """Make ``node``'s retention archive through its own archive stage unless the flag
+    returned is set (an archive out of reach: every call fails, as the stage's 503 does)."""
+    failing = [False]
+    real = node.archive.archive
 
-    tier: ArchiveTier
-    failing: bool = False
+    async def archive(name: str) -> object:
+        if failing[0]:
+            raise OSError("the archive is out of reach")
+        return await real(name)
 
-    async def open_node(self, config: Any) -> Node:
-        node = await Node.open(config)
-
-        async def archive(name: str) -> None:
-            if self.failing:
-                raise OSError("the archive is out of reach")
-            record = await node.checkpoints.get(name)
-            for cid in dict.fromkeys(record.chunks):
-                data, _ = await node.read_chunk(cid)
-                await self.tier.put(cid, data)
-            assert record.manifest is not None
-            await self.tier.put_manifest(name, record.manifest)
-
-        async def is_archived(name: str) -> bool:
-            try:
-                await self.tier.get_manifest(name)
-            except ManifestNotFound:
-                return False
-            return True
-
-        node.retention.archive, node.retention.is_archived = archive, is_archived
-        return node
+    node.retention.archive = archive
+    return failing
 
 
 async def _commit(node: Node, name: str) -> bytes:
@@ -78,14 +63,19 @@ async def _live(node: Node) -> list[str]:
 
 
 async def test_archive_clauses_keep_until_archived(tmp_path: Path) -> None:
-    cluster = ArchivingCluster(tmp_path / "nodes", 4, dict(SETTINGS))
-    cluster.tier = await ArchiveTier.open(f"file://{tmp_path / 'archive'}", 1 << 30)
+    settings = {**SETTINGS, "archive": f"file://{tmp_path / 'archive'}"}
+    cluster = InprocCluster(tmp_path / "nodes", 4, settings)
+    tier = None
     try:
         await cluster.start()
         leader = cluster.node(0)
+        # the node hands its retention stage its own archive's calls
+        assert leader.retention.archive == leader.archive.archive
+        assert leader.retention.is_archived == leader.archive.archived
+        failing = archive_out_of_reach(leader)
         saved = {f"job/step-{s}": await _commit(leader, f"job/step-{s}") for s in range(1, 6)}
 
-        cluster.failing = True
+        failing[0] = True
         report = await leader.retention.retention_pass()
         assert report is not None
         assert report.deleted == ("job/step-1", "job/step-3")
@@ -96,7 +86,7 @@ async def test_archive_clauses_keep_until_archived(tmp_path: Path) -> None:
         # a node that is not the leader runs no pass
         assert await cluster.node(1).retention.retention_pass() is None
 
-        cluster.failing = False
+        failing[0] = False
         report = await leader.retention.retention_pass()
         assert report is not None
         assert report.archived == ("job/step-2", "job/step-4")
@@ -107,15 +97,17 @@ async def test_archive_clauses_keep_until_archived(tmp_path: Path) -> None:
         assert await _live(leader) == ["job/step-5"]
 
         # the archive holds them whole: manifest, then every chunk, byte for byte
-        assert await cluster.tier.list_manifests("job/") == ["job/step-2", "job/step-4"]
+        tier = await ArchiveTier.open(f"file://{tmp_path / 'archive'}", 1 << 30)
+        assert await tier.list_manifests("job/") == ["job/step-2", "job/step-4"]
         for name in ("job/step-2", "job/step-4"):
             manifest = check_manifest(manifest_for([saved[name]]), 2**30)
-            assert bytes(await cluster.tier.get_manifest(name)) == manifest.encoded
+            assert bytes(await tier.get_manifest(name)) == manifest.encoded
             (cid,) = manifest.chunks
-            assert bytes(await cluster.tier.get(cid)) == saved[name]
+            assert bytes(await tier.get(cid)) == saved[name]
     finally:
         await cluster.close()
-        await cluster.tier.close()
+        if tier is not None:
+            await tier.close()
 
 
 async def test_a_node_without_an_archive_refuses_archive_clauses(tmp_path: Path) -> None:
