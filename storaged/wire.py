@@ -90,6 +90,7 @@ class ErrorCode(enum.StrEnum):
     BAD_NAME = "bad_name"
     BAD_MANIFEST = "bad_manifest"
     BAD_RANGE = "bad_range"
+    BAD_POLICY = "bad_policy"
     CHECKSUM_MISMATCH = "checksum_mismatch"
     TRUNCATED = "truncated"
     LENGTH_REQUIRED = "length_required"
@@ -109,6 +110,8 @@ class ErrorCode(enum.StrEnum):
     CONFLICT = "conflict"
     EXISTS = "exists"
     MISSING_CHUNKS = "missing_chunks"
+    NO_ARCHIVE = "no_archive"
+    POLICY_IN_CLUSTER_FILE = "policy_in_cluster_file"
     # not now (503): retry
     UNAVAILABLE = "unavailable"
     INSUFFICIENT_REPLICAS = "insufficient_replicas"
@@ -119,10 +122,13 @@ class ErrorCode(enum.StrEnum):
     TOO_MANY_PUTS = "too_many_puts"
     TOO_MANY_LEASES = "too_many_leases"
     DRAINING = "draining"
+    ARCHIVE_UNAVAILABLE = "archive_unavailable"
+    CHUNKS_UNAVAILABLE = "chunks_unavailable"
     # a full disk tier (507)
     STORAGE_FULL = "storage_full"
     NVME_FULL = "nvme_full"
     COLD_FULL = "cold_full"
+    ARCHIVE_FULL = "archive_full"
     # between nodes and on the shared-memory path
     ABORTED = "aborted"
     CORRUPT = "corrupt"
