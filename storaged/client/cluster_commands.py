@@ -71,6 +71,9 @@ def _ls_entry(c: CheckpointInfo, *, retention: bool) -> dict[str, Any]:
 
 
 def _archive_cell(c: CheckpointInfo) -> str:
+    """Whether the archive holds ``c``: yes, no, or - (no archive, or it did not say)."""
+    if c.state == "archived":
+        return "yes"  # only the archive holds it (E19)
     archived = c.retention.archived if c.retention is not None else None
     return "-" if archived is None else ("yes" if archived else "no")
 
@@ -80,21 +83,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         async def main() -> None:
             async with client_of(args) as client:
                 listed = await client.list(args.prefix, costs=args.costs, retention=True)
-            # The retention columns (extension E20) only where a rule covers something listed:
-            # a cluster without a policy lists as before.
+            # KEPT BY (extension E20) only where a rule covers something listed, ARCHIVE where
+            # the cluster has an archive (E19): a cluster with neither lists as before.
             policy = any(c.retention is not None and c.retention.rule for c in listed)
+            archive = policy or any(_archive_cell(c) != "-" for c in listed)
             if args.json:
-                print_json({"checkpoints": [_ls_entry(c, retention=policy) for c in listed]})
+                print_json({"checkpoints": [_ls_entry(c, retention=archive) for c in listed]})
                 return
             if not listed:
                 return
             columns = [c for c in LS_COLUMNS if args.costs or c in ("STATE", "SIZE", "CREATED")]
             rows = [["NAME", *columns]] + [[c.name, *_ls_row(c)] for c in listed]
-            if policy:
+            if archive:
                 rows[0][-1:-1] = ["ARCHIVE"]
-                rows[0].append("KEPT BY")
                 for row, c in zip(rows[1:], listed, strict=True):
                     row[-1:-1] = [_archive_cell(c)]
+            if policy:
+                rows[0].append("KEPT BY")
+                for row, c in zip(rows[1:], listed, strict=True):
                     row.append(c.retention.kept_by if c.retention is not None else "no policy")
             widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
             last = len(rows[0]) - (2 if policy else 1)  # CREATED: the first as-is column

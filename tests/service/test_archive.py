@@ -302,6 +302,14 @@ async def fresh_cluster_restores(
         "--url", ",".join(first.urls), "--token", first.token,
     )  # fmt: skip
     assert code == 0 and json.loads(out) == {"name": name, "archived": True}
+    # a cluster with an archive (and no retention policy) lists whether each one is in it
+    code, out = await asyncio.to_thread(
+        cli, "ls", "--no-costs", "--url", ",".join(first.urls), "--token", first.token
+    )
+    header, *rows = out.splitlines()
+    assert code == 0 and header.split()[-2:] == ["ARCHIVE", "CREATED"]
+    end = header.index("ARCHIVE") + len("ARCHIVE")  # the cell is right-aligned under it
+    assert [row[end - 4 : end] for row in rows if row.split()[0] == name] == [" yes"]
     await asyncio.to_thread(first.stop)
     second: LocalCluster = await second_start()
     assert second.data != first.data
