@@ -33,7 +33,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -129,28 +129,21 @@ class Archived:
     put_bytes: int
 
 
+@dataclass(eq=False, repr=False)
 class Archive:
     """The archive stage (``node.archive``). ``tier`` None: no archive is configured;
     ``archive`` then answers 409 ``no_archive`` and ``archived`` False."""
 
-    def __init__(
-        self,
-        local: LocalStore,
-        tier: ArchiveTier | None,
-        cache: ReadThroughCache,
-        *,
-        read_chunk: ReadChunk,
-        get_record: GetRecord,
-    ) -> None:
-        self.local = local
-        self.tier = tier
-        self.cache = cache
-        self._read_chunk = read_chunk
-        self._get_record = get_record
-        #: checkpoints being archived in the background by this node
-        self.running: set[str] = set()
-        #: one fetch of a chunk from the archive at a time: concurrent readers share it
-        self._fetches = KeyLocks()
+    local: LocalStore
+    tier: ArchiveTier | None
+    cache: ReadThroughCache
+    _: KW_ONLY
+    read_chunk: ReadChunk
+    get_record: GetRecord
+    #: checkpoints being archived in the background by this node
+    running: set[str] = field(default_factory=set, init=False)
+    #: one fetch of a chunk from the archive at a time: concurrent readers share it
+    _fetches: KeyLocks = field(default_factory=KeyLocks, init=False)
 
     @property
     def configured(self) -> bool:
@@ -162,7 +155,7 @@ class Archive:
         Idempotent. Raises 404 ``checkpoint_not_found`` (not committed), 409 ``no_archive``,
         503 ``archive_unavailable`` / ``chunks_unavailable``, 507 ``archive_full``."""
         tier = self._tier()
-        record = await self._get_record(name)
+        record = await self.get_record(name)
         assert record.manifest is not None  # a live record carries its manifest
         ids = list(dict.fromkeys(record.chunks))
         pending = iter(ids)
@@ -178,7 +171,7 @@ class Archive:
                     except ChunkNotFound:
                         pass
                 try:
-                    data, _ = await self._read_chunk(chunk_id)
+                    data, _ = await self.read_chunk(chunk_id)
                 except ChunkNotFound:
                     raise unavailable(
                         "chunks_unavailable",
@@ -233,7 +226,7 @@ class Archive:
         if name in self.running:
             return True
         try:
-            await self._get_record(name)
+            await self.get_record(name)
         except NotFound:
             if await self._probe(name):
                 return False  # only the archive knows it (a fresh cluster): archived
