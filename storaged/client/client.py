@@ -388,7 +388,6 @@ class Client:
         if tier not in ("memory", "nvme"):
             raise ValueError(f"tier must be 'memory' or 'nvme', not {tier!r}")
         checkpoint_path(name)  # BadName before any request
-        payload: bytes = msgpack.packb({"checkpoint": name, "tier": tier})
 
         async def handle(resp: aiohttp.ClientResponse) -> dict[str, int]:
             doc = await decoded(resp)
@@ -397,13 +396,8 @@ class Client:
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise ProtocolError(message=f"malformed evict answer: {exc!r}") from exc
 
-        return await self._requests.call(
-            "POST",
-            "/v1/admin/evict",
-            handle,
-            body=lambda: payload,
-            headers=admin_headers(admin_token, {"Content-Type": MSGPACK}),
-        )
+        doc = {"checkpoint": name, "tier": tier}
+        return await self._requests.admin("POST", "/v1/admin/evict", handle, doc, admin_token)
 
     async def drain(
         self, node_id: str, *, cancel: bool = False, admin_token: str | None = None
@@ -417,14 +411,8 @@ class Client:
         async def handle(resp: aiohttp.ClientResponse) -> dict[str, Any]:
             return document(await decoded(resp), "drain", ("node", "state"))
 
-        payload: bytes = msgpack.packb({"cancel": cancel})
-        return await self._requests.call(
-            "POST",
-            f"/v1/nodes/{quote(node_id, safe='')}/drain",
-            handle,
-            body=lambda: payload,
-            headers=admin_headers(admin_token, {"Content-Type": MSGPACK}),
-        )
+        path = f"/v1/nodes/{quote(node_id, safe='')}/drain"
+        return await self._requests.admin("POST", path, handle, {"cancel": cancel}, admin_token)
 
     async def drain_progress(
         self, node_id: str, *, admin_token: str | None = None

@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
-import msgpack
 
 from storaged.client.client import Client
-from storaged.client.request import MSGPACK, admin_headers, decoded, document
+from storaged.client.request import decoded, document
 
 __all__ = ["retention_policy", "set_retention_policy"]
 
@@ -38,11 +37,5 @@ async def set_retention_policy(
     coordinator (etcd); the answer is ``retention_policy``'s. A bad policy is refused whole
     (``BadRequest``, ``bad_policy``), and so is any policy on the embedded coordination,
     whose policy is the cluster file's (``Conflict``, ``policy_in_cluster_file``)."""
-    payload: bytes = msgpack.packb({"rules": [dict(r) for r in rules]})
-    return await client._requests.call(
-        "PUT",
-        "/v1/admin/retention",
-        _policy,
-        body=lambda: payload,
-        headers=admin_headers(admin_token, {"Content-Type": MSGPACK}),
-    )
+    doc = {"rules": [dict(r) for r in rules]}
+    return await client._requests.admin("PUT", "/v1/admin/retention", _policy, doc, admin_token)

@@ -25,6 +25,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
+import msgpack
 
 from storaged.client.deadlines import Deadlines, SlowNodes
 from storaged.client.direct import NotHandled
@@ -312,6 +313,25 @@ class Requests:
         for node in info.nodes:
             self.urls[node.id] = node.url
         return info
+
+    async def admin(
+        self,
+        method: str,
+        path: str,
+        handle: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+        doc: Mapping[str, Any],
+        admin_token: str | None,
+    ) -> T:
+        """An admin request whose body is ``doc`` in msgpack, sent with ``admin_token``
+        instead of the client token (``admin_headers``)."""
+        payload: bytes = msgpack.packb(doc)
+        return await self.call(
+            method,
+            path,
+            handle,
+            body=lambda: payload,
+            headers=admin_headers(admin_token, {"Content-Type": MSGPACK}),
+        )
 
     async def cluster_document(self) -> dict[str, Any]:
         """``GET /v1/cluster`` as the node sent it; also refreshes ``cluster``."""
