@@ -326,9 +326,12 @@ class Item(ItemFields):
 
     @classmethod
     def from_fields(cls, f: ItemFields) -> Item:
-        """The item of checked fields; a value (``VALUE_DTYPES``) must have shape ``[]``."""
+        """The item of checked fields (they themselves when they are an ``Item``); a value
+        (``VALUE_DTYPES``) must have shape ``[]``."""
         if f.dtype in VALUE_DTYPES and f.global_shape:
             raise InvalidManifest(f"{f.key}: a {f.dtype} item has shape []")
+        if isinstance(f, Item):
+            return f
         return cls(f.key, f.dtype, f.global_shape, f.offsets, f.shape, f.start, f.length)
 
 
@@ -365,7 +368,7 @@ class ShardEntry:
 
     @classmethod
     def from_fields(cls, f: ShardFields) -> ShardEntry:
-        return cls(f.rank, f.chunks, tuple(Item.from_fields(i) for i in f.items))
+        return cls(f.rank, f.chunks, tuple(map(Item.from_fields, f.items)))
 
 
 def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None:
@@ -383,6 +386,8 @@ def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None
                     f"{key}: rank {rank} saved {item.dtype}{list(item.global_shape)}, "
                     f"another rank {first.dtype}{list(first.global_shape)}"
                 )
+        if _tiled_at_a_glance(first.global_shape, [item for _, item in entries], complete):
+            continue
         boxes = [(rank, _promote(item.box)) for rank, item in entries if item.box.size > 0]
         fault = tiling_fault(key, first.global_shape, boxes)
         if fault is None:
@@ -392,6 +397,24 @@ def _check_keys(shards: Sequence[ShardEntry], *, complete: bool = False) -> None
         # A gap is restore's to report, for the region it is asked for; an overlap
         # elsewhere is still an error.
         _check_disjoint(key, first.global_shape, boxes)
+
+
+def _tiled_at_a_glance(global_shape: Shape, items: Sequence[Item], complete: bool) -> bool:
+    """True when the items' boxes share no element (and, with ``complete``, hold every
+    element of ``global_shape``) as the common layouts show at a glance: one box, or boxes
+    alike but along one dimension whose extents there do not meet. False says nothing:
+    ``tiling_fault`` then decides (and names the element). Each box lies inside the shape
+    (the schema's check), so disjoint boxes whose volumes add up to the shape's tile it."""
+    boxes = [(item.offsets, item.shape) for item in items if _volume(item.shape)]
+    if complete and sum(_volume(shape) for _, shape in boxes) != _volume(global_shape):
+        return False
+    if len(boxes) < 2:
+        return True
+    for d in range(len(global_shape)):
+        if len({(o[:d] + o[d + 1 :], s[:d] + s[d + 1 :]) for o, s in boxes}) == 1:
+            runs = sorted((o[d], o[d] + s[d]) for o, s in boxes)
+            return all(end <= start for (_, end), (start, _) in itertools.pairwise(runs))
+    return False
 
 
 def _describe(rank: int, box: Box) -> str:
@@ -512,7 +535,7 @@ class Manifest:
         A key whose boxes leave part of its global shape unsaved is let through (restore
         refuses to read that part, ``RegionNotCovered``) unless ``complete``.
         """
-        fields = _schema_checked(lambda d, _: check_schema(d), doc, "manifest")
+        fields = _schema_checked(lambda d, _: check_schema(d, item_type=Item), doc, "manifest")
         shards = tuple(ShardEntry.from_fields(s) for s in fields.shards)
         _check_keys(shards, complete=complete)
         return cls(fields.created, fields.meta, shards)

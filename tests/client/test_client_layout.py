@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from storaged.client import layout
 from storaged.client.checkpoint import Shard, StagedShard, stage_shard
 from storaged.client.layout import (
     FORMAT,
@@ -24,6 +25,7 @@ from storaged.client.layout import (
     Box,
     DtypeMismatch,
     InvalidManifest,
+    Item,
     KeyNotSaved,
     Manifest,
     RegionNotCovered,
@@ -456,6 +458,30 @@ def test_tiling_fault_matches_a_brute_force_cell_count(case: tuple[Shape, list[B
         assert isinstance(fault, ShardOverlap)
         holders = [(r, b) for r, b in ranked if _holds(b, element)]
         assert list(fault.boxes) == holders and len(holders) == counts[element]
+
+
+@settings(max_examples=400, deadline=None)
+@given(box_sets(), st.booleans())
+def test_the_glance_at_a_common_layout_agrees_with_the_full_tiling_check(
+    case: tuple[Shape, list[Box]], complete: bool
+) -> None:
+    """A key's boxes that differ along one dimension are judged by a sort; whatever the
+    boxes, the verdict (none, or the error and its message) is the full check's."""
+    shape, boxes = case
+    items = tuple(Item("k", "uint8", shape, box.offsets, box.shape, 0, box.size) for box in boxes)
+    shards = [ShardEntry(rank, (), (item,)) for rank, item in enumerate(items)]
+
+    def verdict() -> tuple[type, str] | None:
+        try:
+            layout._check_keys(shards, complete=complete)
+        except InvalidManifest as exc:
+            return type(exc), str(exc)
+        return None
+
+    fast = verdict()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout, "_tiled_at_a_glance", lambda *_: False)
+        assert verdict() == fast
 
 
 def _holds(box: Box, element: Shape) -> bool:
