@@ -81,17 +81,22 @@ class ItemFields:
 
 @dataclass(frozen=True, slots=True)
 class ShardFields:
-    """One checked shard: every item lies inside its stream (the chunks, in order)."""
+    """One checked shard: every item lies inside its stream (the chunks, in order).
+
+    ``unchecked_chunks``: with ``check_schema(chunks_on_read=True)``, the chunk list as the
+    document has it, its sizes summed for the items' bounds but nothing more checked yet
+    (``check_chunks`` does it when the shard is read); ``chunks`` is then empty."""
 
     rank: int
     chunks: tuple[tuple[str, int], ...]
     items: tuple[ItemFields, ...]
+    unchecked_chunks: Sequence[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ManifestFields:
     """A checked document; ``chunks``: the distinct chunk ids in first-seen order, with
-    their sizes (one size per id)."""
+    their sizes (one size per id; of the shards whose chunks were checked)."""
 
     created: float
     meta: Mapping[str, Any]
@@ -195,9 +200,10 @@ def check_shard(
     limits: ManifestLimits | None = None,
     seen: _Seen | None = None,
     item_type: type[ItemFields] = ItemFields,
+    chunks_on_read: bool = False,
 ) -> ShardFields:
     """One ``shards`` entry; ``seen``, the shards before it in the document; its items
-    made ``item_type``."""
+    made ``item_type``. ``chunks_on_read``: see ``check_schema``."""
     doc = _a_map(doc, where)
     rank = check_int(doc.get("rank"), f"{where}.rank")
     seen = _Seen() if seen is None else seen
@@ -207,22 +213,54 @@ def check_shard(
     stream = doc.get("chunks")
     if not isinstance(stream, list | tuple):
         raise SchemaError(f"{where}.chunks must be a list of [id, size]")
-    checked = _chunks_at_once(stream, limits, seen)
-    if checked is None:
-        chunks = _chunks_one_by_one(stream, where, limits, seen)
-        stream_len = sum(size for _, size in chunks)
+    summed = _stream_length(stream) if chunks_on_read else None
+    if summed is None:
+        checked = _chunks_at_once(stream, limits, seen)
+        if checked is None:
+            chunks = _chunks_one_by_one(stream, where, limits, seen)
+            stream_len = sum(size for _, size in chunks)
+        else:
+            chunks, stream_len = checked
     else:
-        chunks, stream_len = checked
+        chunks, stream_len = (), summed
     raw_items = doc.get("items")
     if not isinstance(raw_items, list | tuple):
         raise SchemaError(f"{where}.items must be a list")
     items = _items_at_once(raw_items, limits, stream_len, item_type)
     if items is None:
+        if summed is not None:  # a fault in the chunk list comes first, as without summing
+            check_chunks(stream, where, limits)
         items = tuple(
             check_item(raw, f"{where}.items[{i}]", limits, stream_len, item_type)
             for i, raw in enumerate(raw_items)
         )
+    if summed is not None:
+        return ShardFields(rank, (), items, stream)
     return ShardFields(rank, chunks, items)
+
+
+def check_chunks(
+    stream: object, where: str = "shard", limits: ManifestLimits | None = None
+) -> tuple[tuple[str, int], ...]:
+    """A shard's ``chunks`` on their own (an id listed twice keeps one size), as
+    ``check_schema`` checks them; ``where`` names the shard in messages."""
+    if not isinstance(stream, list | tuple):
+        raise SchemaError(f"{where}.chunks must be a list of [id, size]")
+    seen = _Seen()
+    checked = _chunks_at_once(stream, limits, seen)
+    if checked is not None:
+        return checked[0]
+    return _chunks_one_by_one(stream, where, limits, seen)
+
+
+def _stream_length(stream: Sequence[Any]) -> int | None:
+    """The sum of a chunk list's sizes in one pass, checking nothing else; None when the
+    entries or sizes are not what a sum needs (the full check then says what is wrong)."""
+    try:
+        total = sum(map(_SECOND, stream))
+    except (TypeError, KeyError, IndexError):
+        return None
+    return total if type(total) is int else None
 
 
 def _chunks_one_by_one(
@@ -348,10 +386,17 @@ def check_schema(
     limits: ManifestLimits | None = None,
     *,
     item_type: type[ItemFields] = ItemFields,
+    chunks_on_read: bool = False,
 ) -> ManifestFields:
     """A decoded manifest document, checked shard by shard and item by item; with the
     server's ``limits``, also against those. ``SchemaError`` says what is wrong. Its
-    items are made ``item_type`` (a subclass of ``ItemFields`` with the same fields)."""
+    items are made ``item_type`` (a subclass of ``ItemFields`` with the same fields).
+
+    ``chunks_on_read``: each shard's chunk list is only summed, for its items' bounds, and
+    left in ``ShardFields.unchecked_chunks`` for ``check_chunks`` when the shard is read
+    (a restoring rank reads a few shards of many); an id listed by two shards with two
+    sizes is then not looked for (the node refused that at commit; a reader's fetches
+    follow the sizes of the shards it reads, each checked on its own)."""
     if not isinstance(doc, Mapping):
         raise SchemaError("the manifest must be a map")
     if limits is not None and set(doc) - FIELDS:
@@ -373,7 +418,7 @@ def check_schema(
         raise SchemaError("shards must be a non-empty list")
     seen = _Seen()
     shards = tuple(
-        check_shard(raw, f"shards[{i}]", limits, seen, item_type)
+        check_shard(raw, f"shards[{i}]", limits, seen, item_type, chunks_on_read)
         for i, raw in enumerate(raw_shards)
     )
     return ManifestFields(float(created), meta, shards, seen.sizes)

@@ -18,7 +18,7 @@ from storaged.client.layout import InvalidManifest, Manifest
 from storaged.errors import BadInput
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.manifest_schema import ManifestLimits, SchemaError, check_schema
+from storaged.manifest_schema import ManifestLimits, SchemaError, check_chunks, check_schema
 
 CHUNK = chunk_id_of(b"x")
 
@@ -126,12 +126,30 @@ def _paths(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return found
 
 
+LIMITS = ManifestLimits(max_chunk_size=2**20, max_dims=2)
+
+
 def _verdict(doc: Any) -> Any:
     try:
-        fields = check_schema(doc, ManifestLimits(max_chunk_size=2**20, max_dims=2))
+        fields = check_schema(doc, LIMITS)
     except SchemaError as exc:
         return str(exc)
     return fields
+
+
+def _verdict_on_read(doc: Any) -> Any:
+    """``check_schema(chunks_on_read=True)``, then every shard's chunks as a reader checks
+    them: the shards' fields as the full check gives them, or a message."""
+    try:
+        fields = check_schema(doc, LIMITS, chunks_on_read=True)
+        return [
+            (s.rank, s.items, check_chunks(s.unchecked_chunks, f"shards[{i}]", LIMITS))
+            if s.unchecked_chunks is not None
+            else (s.rank, s.items, s.chunks)
+            for i, s in enumerate(fields.shards)
+        ]
+    except SchemaError as exc:
+        return str(exc)
 
 
 def _a_document_with_repeats() -> dict[str, Any]:
@@ -165,6 +183,13 @@ def test_whole_list_checks_and_the_entry_by_entry_check_agree(data: st.DataObjec
     assert fast == slow
     if not isinstance(fast, str):
         assert list(fast.chunks.items()) == list(slow.chunks.items())  # first-seen order
+    # Chunks checked when read: the same shards, or refused all the same (but for an id
+    # two shards list with two sizes, which is not looked for there)
+    on_read = _verdict_on_read(doc)
+    if isinstance(fast, str):
+        assert isinstance(on_read, str) or "listed with two different sizes" in fast
+    else:
+        assert on_read == [(s.rank, s.items, s.chunks) for s in fast.shards]
 
 
 def test_an_id_repeated_within_and_across_shards_keeps_its_one_size() -> None:

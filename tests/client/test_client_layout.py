@@ -8,6 +8,7 @@ array on N ranks (uneven splits along random axes) and restoring it on M ranks
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -380,6 +381,40 @@ def test_manifest_rejects_bad_documents() -> None:
             Manifest.from_wire(broken)
     with pytest.raises(InvalidManifest):
         Manifest.from_wire([good])
+
+
+def test_a_restore_checks_the_chunk_lists_of_the_shards_it_reads() -> None:
+    """``chunks_on_read``: everything but the shards' chunk lists is checked at once; a
+    shard's list when a plan first reads it, refused then with the full check's words."""
+    g = np.arange(32, dtype=np.float32).reshape(4, 8)
+    halves = [Shard(g[2 * r : 2 * r + 2], (4, 8), (2 * r, 0)) for r in (0, 1)]
+    doc, _ = commit_local([stage_shard(r, {"w": half}, 48) for r, half in enumerate(halves)])
+    first, second = (Request("w", (4, 8), Box(h.offsets, h.array.shape), g.dtype) for h in halves)
+    broken = copy.deepcopy(doc)
+    broken["shards"][1]["chunks"][0][0] = "zz"
+    with pytest.raises(InvalidManifest) as whole:
+        Manifest.from_wire(broken)
+    assert str(whole.value) == "shards[1].chunks[0]: 'zz' is not a chunk id"
+    manifest = Manifest.from_wire(broken, chunks_on_read=True)
+    plan = plan_restore(manifest, [first])
+    assert plan.chunk_sizes == dict(doc["shards"][0]["chunks"])  # shard 0's alone
+    with pytest.raises(InvalidManifest) as on_read:
+        plan_restore(manifest, [second])
+    assert str(on_read.value) == str(whole.value)
+    # An item outside its stream is refused at once, as without it.
+    short = copy.deepcopy(doc)
+    short["shards"][1]["chunks"].pop()
+    with pytest.raises(InvalidManifest, match="lie outside its rank's stream"):
+        Manifest.from_wire(short, chunks_on_read=True)
+    # An id two shards list with two sizes: refused when a plan reads both.
+    twice = copy.deepcopy(doc)
+    twice["shards"][1]["chunks"][0][0] = doc["shards"][0]["chunks"][1][0]  # 48 and 16 bytes
+    manifest = Manifest.from_wire(twice, chunks_on_read=True)
+    plan_restore(manifest, [first])
+    with pytest.raises(InvalidManifest, match="listed with two different sizes"):
+        plan_restore(manifest, [first, second])
+    # Unbroken, both ways give the same manifest.
+    assert Manifest.from_wire(doc, chunks_on_read=True).to_wire() == doc
 
 
 def test_overlapping_boxes_are_refused() -> None:
