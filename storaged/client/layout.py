@@ -397,7 +397,7 @@ class _ShardCheckedOnRead(ShardEntry):
 
     @property
     def chunks(self) -> tuple[tuple[str, int], ...]:
-        unchecked = self._unchecked
+        unchecked = getattr(self, "_unchecked", None)  # a copy or unpickled one: the tuple
         if unchecked is not None:  # another thread checking at once makes the same tuple
             _CHUNKS_SLOT.__set__(self, _schema_checked(check_chunks, unchecked, self._where))
             object.__setattr__(self, "_unchecked", None)
@@ -812,7 +812,9 @@ def plan_restore(
     as one range. Small direct pieces of one chunk close together are merged into
     one fetch with several parts.
 
-    Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch`` or ``RegionNotCovered``.
+    Raises ``KeyNotSaved``, ``ShapeMismatch``, ``DtypeMismatch`` or ``RegionNotCovered``;
+    ``InvalidManifest`` for the chunk list of a shard it reads, when the manifest was parsed
+    with ``chunks_on_read``.
     """
     planner = _Planner(manifest, dtype_map, coalesce_gap, max_tile)
     for req_index, req in enumerate(requests):

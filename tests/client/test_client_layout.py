@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 from typing import Any
 
 import msgpack
@@ -413,8 +414,11 @@ def test_a_restore_checks_the_chunk_lists_of_the_shards_it_reads() -> None:
     plan_restore(manifest, [first])
     with pytest.raises(InvalidManifest, match="listed with two different sizes"):
         plan_restore(manifest, [first, second])
-    # Unbroken, both ways give the same manifest.
+    # Unbroken, both ways give the same manifest, also copied or pickled before any read.
     assert Manifest.from_wire(doc, chunks_on_read=True).to_wire() == doc
+    fresh = Manifest.from_wire(doc, chunks_on_read=True)
+    assert pickle.loads(pickle.dumps(fresh)).to_wire() == doc
+    assert copy.deepcopy(Manifest.from_wire(doc, chunks_on_read=True)).to_wire() == doc
 
 
 def test_overlapping_boxes_are_refused() -> None:
