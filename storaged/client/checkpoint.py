@@ -1283,11 +1283,12 @@ async def restore_checkpoint(
             )
         else:
             doc = await store.get_manifest(checkpoint)
-        manifest = Manifest.from_wire(doc, chunks_on_read=True)
+        # in a thread, as the plan: at 405B on 1,024 ranks the check takes 80-100 ms of CPU
+        manifest = await asyncio.to_thread(Manifest.from_wire, doc, chunks_on_read=True)
     elif isinstance(checkpoint, Manifest):
         manifest = checkpoint
     else:
-        manifest = Manifest.from_wire(checkpoint, chunks_on_read=True)
+        manifest = await asyncio.to_thread(Manifest.from_wire, checkpoint, chunks_on_read=True)
     wanted: Mapping[str, Target] = dict.fromkeys(manifest.keys()) if targets is None else targets
     requests, arrays, allocated = _requests(manifest, wanted, dtype_map)
     plan = await asyncio.to_thread(
