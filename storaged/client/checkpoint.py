@@ -1283,7 +1283,7 @@ async def restore_checkpoint(
             )
         else:
             doc = await store.get_manifest(checkpoint)
-        # in a thread, as the plan: at 405B on 1,024 ranks the check takes 80-100 ms of CPU
+        # in a thread, as the plan: at 405B on 1,024 ranks the check takes 40-60 ms of CPU
         manifest = await asyncio.to_thread(Manifest.from_wire, doc, chunks_on_read=True)
     elif isinstance(checkpoint, Manifest):
         manifest = checkpoint
