@@ -19,7 +19,11 @@ the whole state into a reused buffer (``np.copyto``), measured in the same run: 
 stall is reported as a ratio to it (the target for lazy: at most 0.1; the median of the
 memcpy before the run and before each mode). A lazy stall is mostly the ``save`` call's
 trip to the saver's loop thread and back: on a loaded machine that thread's wake-up, not
-the copy, is what the ratio shows for small states (``--quick``). The peak RSS
+the copy, is what the ratio shows for small states (``--quick``). Each stall is also
+given as its two parts, the ``save`` call (and of it, the save's own time on the saver's
+loop: the rest is the two thread hops) and the step's wait in the hook, and a lazy
+save's copy (from the call until ``staged``, seen from the saver's loop) beside the
+forward+backward it must fit in. The peak RSS
 growth of this process during each mode's checkpoints (VmHWM after a reset through
 /proc/self/clear_refs) is reported against the staging budget. The last checkpoint of
 each mode is restored and compared with the parameters at the step it was taken at.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import re
 import shutil
@@ -110,6 +115,20 @@ class Trainer:
         return [first, held, self.optimizer.register_step_pre_hook(after)]
 
 
+async def _timed_save(
+    saver: AsyncSaver, name: str, state: dict[str, Any], lazy: bool
+) -> tuple[Any, float]:
+    """``saver.save`` and the seconds it took on the loop: the rest of the caller's wait is
+    the two thread hops (to the saver's loop and back)."""
+    began = time.perf_counter()
+    handle = await saver.save(name, {0: state}, lazy=lazy)
+    return handle, time.perf_counter() - began
+
+
+def _copied(into: list[float], began: float, _: Any) -> None:
+    into.append(time.perf_counter() - began)
+
+
 def memcpy_seconds(state: dict[str, Any], rounds: int) -> float:
     """The median time of one copy of the whole state into a reused buffer."""
     total = sum(a.nbytes for a in state.values())
@@ -139,6 +158,9 @@ def run_mode(
     saver = trainer.call(make())
     hooks = trainer.time_hooks(saver) if lazy else []
     stalls: list[float] = []
+    calls: list[float] = []  # the save() call alone; a lazy stall adds the step's wait
+    copied: list[float] = []  # a lazy save's copy: from the call until staged
+    in_loop: list[float] = []  # of a call, the save's own time on the saver's loop
     base = _reset_peak()
     digest, name, handle, after_save = "", "", None, False
     # One step more than the checkpoints need: the last one's copy is waited for too.
@@ -156,9 +178,14 @@ def run_mode(
         name = f"lazy-bench/{mode.replace(', ', '-')}/{step}"
         digest = digest_arrays(list(trainer.state().values()))
         t0 = time.perf_counter()
-        handle = trainer.call(saver.save(name, {0: trainer.state()}, lazy=lazy))
+        handle, inside = trainer.call(_timed_save(saver, name, trainer.state(), lazy))
         stalls.append(time.perf_counter() - t0)
+        calls.append(stalls[-1])
+        in_loop.append(inside)
         after_save = lazy
+        if lazy:  # when its copy was done (seen from the saver's loop): against the fb
+            staged = asyncio.run_coroutine_threadsafe(handle.staged(), trainer.loop)
+            staged.add_done_callback(functools.partial(_copied, copied, t0))
     assert handle is not None
     trainer.call(handle.acked())
     peak = _kib("VmHWM")
@@ -169,6 +196,10 @@ def run_mode(
     restored = digest_arrays([back[f"p{i}"] for i in range(len(trainer.params))])
     return {
         "stalls_s": stalls,
+        "calls_s": calls,
+        "held_s": [stall - call for stall, call in zip(stalls, calls, strict=True)],
+        "copy_s": copied,
+        "in_loop_s": in_loop,
         "budget": budget,
         "peak_rss_growth": None if base is None or peak is None else peak * 1024 - base,
         "verified": restored == digest,
@@ -235,7 +266,10 @@ def report(
         growth = r["peak_rss_growth"]
         rows.append([
             mode, f"{med * 1000:.1f}", f"{min(r['stalls_s']) * 1000:.1f}-"
-            f"{max(r['stalls_s']) * 1000:.1f}", f"{med / memcpy:.3f}",
+            f"{max(r['stalls_s']) * 1000:.1f}",
+            f"{statistics.median(r['calls_s']) * 1000:.1f} "
+            f"({statistics.median(r['in_loop_s']) * 1000:.1f}) / "
+            f"{statistics.median(r['held_s']) * 1000:.1f}", f"{med / memcpy:.3f}",
             "-" if r["budget"] is None else f"{r['budget'] / MiB:.0f}",
             "-" if growth is None else f"{growth / MiB:.0f}", str(r["verified"]),
         ])  # fmt: skip
@@ -243,8 +277,15 @@ def report(
           f"{args.checkpoints} checkpoints a mode, forward+backward {fb * 1000:.0f} ms; "
           f"one memcpy of the state {memcpy * 1000:.1f} ms")  # fmt: skip
     print(markdown_table(
-        ["mode", "stall ms median", "min-max", "x memcpy", "budget MiB",
+        ["mode", "stall ms median", "min-max", "call (on the loop) / step held ms, medians",
+         "x memcpy",
+         "budget MiB",
          "peak RSS growth MiB", "restored = saved"], rows))  # fmt: skip
+    copies = results["lazy"]["copy_s"]
+    if copies:
+        print(f"lazy copy (call until staged) {statistics.median(copies) * 1000:.1f} ms median, "
+              f"{min(copies) * 1000:.1f}-{max(copies) * 1000:.1f}; forward+backward "
+              f"{fb * 1000:.0f} ms")  # fmt: skip
     lazy, today = (statistics.median(results[m]["stalls_s"]) for m in ("lazy", "save"))
     print(f"lazy / memcpy {lazy / memcpy:.3f} (target <= 0.1); save / memcpy "
           f"{today / memcpy:.3f}; lazy / save {lazy / today:.3f}")  # fmt: skip

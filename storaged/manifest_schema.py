@@ -10,13 +10,23 @@ is each side's: the server's is ``storaged.manifest``, the client's
 
 A leaf the client may import: stdlib and ``storaged.ids`` only (numpy where a dtype's
 size is wanted, imported there: ``storaged ls`` starts without it).
+
+Every restoring rank checks the whole manifest (at 405B on 1,024 ranks: 96,896 chunks and
+7,325 items), so a shard is checked first in whole-list passes that run in C (types, lengths
+and bounds of each column, the ids' hex in one pass over their bytes); only when one of them
+fails is it checked again entry by entry, which says where and how. The passes accept
+nothing the entry-by-entry check refuses (they want exact types where it takes subclasses:
+those fall through to it), so both give the same verdict and the same message.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import add, itemgetter, le
 from typing import Any, Final
 
 from storaged.ids import is_chunk_id
@@ -26,6 +36,14 @@ FORMAT: Final = 1
 MAX_INT: Final = 2**62
 #: the fields of a manifest document
 FIELDS: Final = frozenset({"format", "created", "meta", "shards"})
+#: the characters of a chunk id (``storaged.ids.CHUNK_ID_RE``: 64 of them)
+_HEX_DIGITS: Final = b"0123456789abcdef"
+_CHUNK_ID_LEN: Final = 64
+_FIRST: Final = itemgetter(0)
+_SECOND: Final = itemgetter(1)
+_ITEM_FIELDS: Final = itemgetter(
+    "key", "dtype", "global_shape", "offsets", "shape", "start", "length"
+)
 
 Shape = tuple[int, ...]
 
@@ -63,17 +81,22 @@ class ItemFields:
 
 @dataclass(frozen=True, slots=True)
 class ShardFields:
-    """One checked shard: every item lies inside its stream (the chunks, in order)."""
+    """One checked shard: every item lies inside its stream (the chunks, in order).
+
+    ``unchecked_chunks``: with ``check_schema(chunks_on_read=True)``, the chunk list as the
+    document has it, its sizes summed for the items' bounds but nothing more checked yet
+    (``check_chunks`` does it when the shard is read); ``chunks`` is then empty."""
 
     rank: int
     chunks: tuple[tuple[str, int], ...]
     items: tuple[ItemFields, ...]
+    unchecked_chunks: Sequence[Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ManifestFields:
     """A checked document; ``chunks``: the distinct chunk ids in first-seen order, with
-    their sizes (one size per id)."""
+    their sizes (one size per id; of the shards whose chunks were checked)."""
 
     created: float
     meta: Mapping[str, Any]
@@ -104,6 +127,14 @@ def check_int_list(value: object, what: str, max_len: int | None = None) -> Shap
 def numeric_item_size(dtype: str, shape: Shape) -> int | None:
     """Bytes an item of this numpy dtype and shape must span; None for other dtypes (values,
     or an array dtype numpy lacks, such as ``bfloat16``: its length cannot be checked)."""
+    itemsize = _numeric_itemsize(dtype)
+    return None if itemsize is None else math.prod(shape) * itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _numeric_itemsize(dtype: str) -> int | None:
+    """A numeric numpy dtype's element size; None for any other name (a manifest names a
+    handful of dtypes thousands of times: numpy parses each name once)."""
     import numpy as np
 
     try:
@@ -112,7 +143,7 @@ def numeric_item_size(dtype: str, shape: Shape) -> int | None:
         return None
     if parsed.kind not in "biufc":
         return None  # flexible or object kinds ("bytes", "str", ...) carry their own length
-    return math.prod(shape) * parsed.itemsize
+    return parsed.itemsize
 
 
 def check_item(
@@ -120,9 +151,11 @@ def check_item(
     where: str,
     limits: ManifestLimits | None = None,
     stream_len: int | None = None,
+    item_type: type[ItemFields] = ItemFields,
 ) -> ItemFields:
     """One ``items`` entry; ``where`` names it in messages. With ``stream_len``, the
-    item must lie inside its rank's stream of that many bytes."""
+    item must lie inside its rank's stream of that many bytes. ``item_type``: what to
+    make of it (the client's ``Item``, built once)."""
     doc = _a_map(doc, where)
     key, dtype = doc.get("key"), doc.get("dtype")
     if not isinstance(key, str) or not key:
@@ -150,7 +183,7 @@ def check_item(
         raise SchemaError(
             f"{where} ({key}): {dtype}{list(shape)} needs {expected} bytes, not {length}"
         )
-    return ItemFields(key, dtype, gshape, offsets, shape, start, length)
+    return item_type(key, dtype, gshape, offsets, shape, start, length)
 
 
 @dataclass(slots=True)
@@ -166,8 +199,11 @@ def check_shard(
     where: str,
     limits: ManifestLimits | None = None,
     seen: _Seen | None = None,
+    item_type: type[ItemFields] = ItemFields,
+    chunks_on_read: bool = False,
 ) -> ShardFields:
-    """One ``shards`` entry; ``seen``, the shards before it in the document."""
+    """One ``shards`` entry; ``seen``, the shards before it in the document; its items
+    made ``item_type``. ``chunks_on_read``: see ``check_schema``."""
     doc = _a_map(doc, where)
     rank = check_int(doc.get("rank"), f"{where}.rank")
     seen = _Seen() if seen is None else seen
@@ -177,6 +213,60 @@ def check_shard(
     stream = doc.get("chunks")
     if not isinstance(stream, list | tuple):
         raise SchemaError(f"{where}.chunks must be a list of [id, size]")
+    summed = _stream_length(stream) if chunks_on_read else None
+    if summed is None:
+        checked = _chunks_at_once(stream, limits, seen)
+        if checked is None:
+            chunks = _chunks_one_by_one(stream, where, limits, seen)
+            stream_len = sum(size for _, size in chunks)
+        else:
+            chunks, stream_len = checked
+    else:
+        chunks, stream_len = (), summed
+    raw_items = doc.get("items")
+    if not isinstance(raw_items, list | tuple):
+        raise SchemaError(f"{where}.items must be a list")
+    items = _items_at_once(raw_items, limits, stream_len, item_type)
+    if items is None:
+        if summed is not None:  # a fault in the chunk list comes first, as without summing
+            check_chunks(stream, where, limits)
+        items = tuple(
+            check_item(raw, f"{where}.items[{i}]", limits, stream_len, item_type)
+            for i, raw in enumerate(raw_items)
+        )
+    if summed is not None:
+        return ShardFields(rank, (), items, stream)
+    return ShardFields(rank, chunks, items)
+
+
+def check_chunks(
+    stream: object, where: str = "shard", limits: ManifestLimits | None = None
+) -> tuple[tuple[str, int], ...]:
+    """A shard's ``chunks`` on their own (an id listed twice keeps one size), as
+    ``check_schema`` checks them; ``where`` names the shard in messages."""
+    if not isinstance(stream, list | tuple):
+        raise SchemaError(f"{where}.chunks must be a list of [id, size]")
+    seen = _Seen()
+    checked = _chunks_at_once(stream, limits, seen)
+    if checked is not None:
+        return checked[0]
+    return _chunks_one_by_one(stream, where, limits, seen)
+
+
+def _stream_length(stream: Sequence[Any]) -> int | None:
+    """The sum of a chunk list's sizes in one pass, checking nothing else; None when the
+    entries or sizes are not what a sum needs (the full check then says what is wrong)."""
+    try:
+        total = sum(map(_SECOND, stream))
+    except (TypeError, KeyError, IndexError):
+        return None
+    return total if type(total) is int else None
+
+
+def _chunks_one_by_one(
+    stream: Sequence[Any], where: str, limits: ManifestLimits | None, seen: _Seen
+) -> tuple[tuple[str, int], ...]:
+    """A shard's ``chunks``, entry by entry: the first fault raises, saying where."""
     chunks: list[tuple[str, int]] = []
     for c_index, entry in enumerate(stream):
         cw = f"{where}.chunks[{c_index}]"
@@ -191,20 +281,122 @@ def check_shard(
         if seen.sizes.setdefault(cid, size) != size:
             raise SchemaError(f"chunk {cid} is listed with two different sizes")
         chunks.append((cid, size))
-    raw_items = doc.get("items")
-    if not isinstance(raw_items, list | tuple):
-        raise SchemaError(f"{where}.items must be a list")
-    stream_len = sum(size for _, size in chunks)
-    items = tuple(
-        check_item(raw, f"{where}.items[{i}]", limits, stream_len)
-        for i, raw in enumerate(raw_items)
+    return tuple(chunks)
+
+
+def _ints_in_range(values: Sequence[Any], maximum: int = MAX_INT) -> bool:
+    """Every value an ``int`` (not a ``bool``, nor a subclass) in ``[0, maximum]``."""
+    return not values or (
+        set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= maximum
     )
-    return ShardFields(rank, tuple(chunks), items)
 
 
-def check_schema(doc: object, limits: ManifestLimits | None = None) -> ManifestFields:
+def _chunks_at_once(
+    stream: Sequence[Any], limits: ManifestLimits | None, seen: _Seen
+) -> tuple[tuple[tuple[str, int], ...], int] | None:
+    """A shard's ``chunks`` checked in whole-list passes, with the stream's length; None
+    when one fails (then ``_chunks_one_by_one`` says where). ``seen`` is changed only when
+    all pass."""
+    if not stream:
+        return (), 0
+    if not set(map(type, stream)) <= {list, tuple} or set(map(len, stream)) != {2}:
+        return None
+    ids, sizes = list(map(_FIRST, stream)), list(map(_SECOND, stream))
+    if set(map(type, ids)) != {str} or set(map(len, ids)) != {_CHUNK_ID_LEN}:
+        return None
+    joined = "".join(ids)
+    # 64 characters each, all ASCII: no byte left once the hex digits are deleted
+    if not joined.isascii() or joined.encode("ascii").translate(None, _HEX_DIGITS):
+        return None
+    cap = MAX_INT if limits is None else min(MAX_INT, limits.max_chunk_size)
+    if not _ints_in_range(sizes, cap):
+        return None
+    mine = dict(zip(ids, sizes, strict=True))
+    if len(mine) != len(ids) and len(set(zip(ids, sizes, strict=True))) != len(mine):
+        return None  # an id repeated in the stream with another size
+    # ids of earlier shards again (dedup across ranks): rare, and each must keep its size
+    if not seen.sizes.keys().isdisjoint(mine) and any(
+        seen.sizes.get(cid, size) != size for cid, size in mine.items()
+    ):
+        return None
+    seen.sizes.update(mine)  # first-seen order kept: known ids keep their place
+    return tuple(zip(ids, sizes, strict=True)), sum(sizes)
+
+
+def _items_at_once(
+    raw_items: Sequence[Any],
+    limits: ManifestLimits | None,
+    stream_len: int,
+    item_type: type[ItemFields],
+) -> tuple[ItemFields, ...] | None:
+    """A shard's ``items`` checked field by field over all of them (``check_item``'s
+    checks, column-wise), or None when one fails (then ``check_item`` says where)."""
+    if not raw_items:
+        return ()
+    if set(map(type, raw_items)) != {dict}:
+        return None
+    try:
+        columns = tuple(zip(*map(_ITEM_FIELDS, raw_items), strict=True))
+    except KeyError:
+        return None
+    keys, dtypes, gshapes, offsets, shapes, starts, lengths = columns
+    for names in (keys, dtypes):
+        if set(map(type, names)) != {str} or not all(names):
+            return None
+    for lists in (gshapes, offsets, shapes):
+        if not set(map(type, lists)) <= {list, tuple}:
+            return None
+    ndims = list(map(len, gshapes))
+    if ndims != list(map(len, offsets)) or ndims != list(map(len, shapes)):
+        return None
+    if limits is not None and max(ndims) > limits.max_dims:
+        return None
+    flat_g, flat_o, flat_s = (list(chain.from_iterable(c)) for c in (gshapes, offsets, shapes))
+    if not (_ints_in_range(flat_g) and _ints_in_range(flat_o) and _ints_in_range(flat_s)):
+        return None
+    if not all(map(le, map(add, flat_o, flat_s), flat_g)):
+        return None  # a box reaches past its global shape
+    if not (_ints_in_range(starts) and _ints_in_range(lengths)):
+        return None
+    if max(map(add, starts, lengths)) > stream_len:
+        return None
+    itemsizes = {dtype: _numeric_itemsize(dtype) for dtype in set(dtypes)}
+    expected = [
+        n if itemsizes[dtype] is None else math.prod(shape) * (itemsizes[dtype] or 0)
+        for dtype, shape, n in zip(dtypes, shapes, lengths, strict=True)
+    ]
+    if expected != list(lengths):
+        return None
+    return tuple(
+        map(
+            item_type,
+            keys,
+            dtypes,
+            map(tuple, gshapes),
+            map(tuple, offsets),
+            map(tuple, shapes),
+            starts,
+            lengths,
+        )
+    )
+
+
+def check_schema(
+    doc: object,
+    limits: ManifestLimits | None = None,
+    *,
+    item_type: type[ItemFields] = ItemFields,
+    chunks_on_read: bool = False,
+) -> ManifestFields:
     """A decoded manifest document, checked shard by shard and item by item; with the
-    server's ``limits``, also against those. ``SchemaError`` says what is wrong."""
+    server's ``limits``, also against those. ``SchemaError`` says what is wrong. Its
+    items are made ``item_type`` (a subclass of ``ItemFields`` with the same fields).
+
+    ``chunks_on_read``: each shard's chunk list is only summed, for its items' bounds, and
+    left in ``ShardFields.unchecked_chunks`` for ``check_chunks`` when the shard is read
+    (a restoring rank reads a few shards of many); an id listed by two shards with two
+    sizes is then not looked for (the node refused that at commit; a reader's fetches
+    follow the sizes of the shards it reads, each checked on its own)."""
     if not isinstance(doc, Mapping):
         raise SchemaError("the manifest must be a map")
     if limits is not None and set(doc) - FIELDS:
@@ -226,6 +418,7 @@ def check_schema(doc: object, limits: ManifestLimits | None = None) -> ManifestF
         raise SchemaError("shards must be a non-empty list")
     seen = _Seen()
     shards = tuple(
-        check_shard(raw, f"shards[{i}]", limits, seen) for i, raw in enumerate(raw_shards)
+        check_shard(raw, f"shards[{i}]", limits, seen, item_type, chunks_on_read)
+        for i, raw in enumerate(raw_shards)
     )
     return ManifestFields(float(created), meta, shards, seen.sizes)

@@ -40,4 +40,14 @@ def test_quick_run_reports_every_mode_against_a_memcpy(tmp_path: Path) -> None:
         median = statistics.median(figures["stalls_s"])
         assert math.isclose(doc["ratios"][mode], median / doc["memcpy_s"])
         assert (figures["budget"] is not None) == mode.endswith("budget")
+        # a stall is its save() call plus what the next step's hook held it (lazy only)
+        for stall, call, held in zip(
+            figures["stalls_s"], figures["calls_s"], figures["held_s"], strict=True
+        ):
+            assert 0 < call <= stall and math.isclose(call + held, stall)
+            assert held >= 0 and (held == 0 or mode.startswith("lazy"))
+        calls = zip(figures["in_loop_s"], figures["calls_s"], strict=True)
+        assert all(0 < inside <= call for inside, call in calls)  # the rest: thread hops
+        # each lazy copy's end is seen, after its call began
+        assert len(figures["copy_s"]) == (2 if mode.startswith("lazy") else 0)
     assert doc["modes"]["lazy, budget"]["budget"] == doc["size"] // 4

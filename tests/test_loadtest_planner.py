@@ -93,6 +93,8 @@ def test_quick_run_plans_every_target_byte_exactly_beside_dcp(tmp_path: Path) ->
     assert m["bytes_saved"] == model_bytes(QUICK_MODEL, 2)  # replicated norms stay in streams
     assert m["parse_median_s"] == statistics.median(m["parse_s"]) > 0
     assert m["parse_peak_bytes"] >= m["parsed_bytes"] > 0
+    assert len(m["decode_cpu_s"]) == len(m["on_read_cpu_s"]) == doc["repeat"]
+    assert m["decode_cpu_median_s"] > 0 and m["on_read_cpu_median_s"] > 0
     assert [t["layout"] for t in doc["targets"]] == ["TP=4 x PP=2 x DP=2", "TP=2 x PP=4 x DP=2"]
     for target in doc["targets"]:
         par = Parallel(target["tp"], target["pp"], target["dp"])
@@ -124,6 +126,11 @@ def test_quick_run_plans_every_target_byte_exactly_beside_dcp(tmp_path: Path) ->
         ratios = [r["storaged"]["plan_cpu_s"] / r["dcp"]["plan_cpu_s"] for r in ranks]
         assert math.isclose(s["ratio_median"], statistics.median(ratios))
         assert s["meets_target"] == (max(cpu) < doc["target_s"])
+        # what a restore pays before its first fetch: decode, check (chunks on read), plan
+        started = [r["storaged"]["start_cpu_median_s"] for r in ranks]
+        assert all(len(r["storaged"]["start_cpu_s"]) == doc["repeat"] for r in ranks)
+        assert s["start_cpu_max_s"] == max(started) > 0
+        assert s["start_meets_target"] == (max(started) < doc["target_s"])
         assert s["every_plan_exact"] is True
     # the 4 -> 2 x TP layout cuts the row-parallel boxes across their rows: staged tiles
     resharded = doc["targets"][0]["ranks"]

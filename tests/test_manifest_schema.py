@@ -10,12 +10,15 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from storaged import manifest_schema
 from storaged.client.layout import InvalidManifest, Manifest
 from storaged.errors import BadInput
 from storaged.ids import chunk_id_of
 from storaged.manifest import check_manifest
-from storaged.manifest_schema import ManifestLimits, SchemaError, check_schema
+from storaged.manifest_schema import ManifestLimits, SchemaError, check_chunks, check_schema
 
 CHUNK = chunk_id_of(b"x")
 
@@ -101,3 +104,99 @@ def test_the_server_limits_come_on_top_of_the_schema() -> None:
         check_schema(doc)  # the schema alone lets it through: the client reads it
         with pytest.raises(SchemaError, match=re.escape(words)):
             check_schema(doc, ManifestLimits(max_chunk_size=2**20))
+
+
+# A valid id (hex), an id of the wrong form, and values of the wrong type for each field:
+# what a bad or hostile manifest may hold anywhere.
+_ODD_VALUES: list[Any] = [
+    -1, 0, 1, 2**62, 2**62 + 1, True, 1.5, "", "w", "a" * 64, "A" * 64, "é" * 64, CHUNK,
+    [], [1], [CHUNK, 64], (CHUNK, 64), [CHUNK, 64, 1], {}, {"key": "w"}, None,
+]  # fmt: skip
+
+
+def _paths(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a document a value sits (map values and list entries)."""
+    found = [path]
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            found += _paths(value, (*path, key))
+    elif isinstance(doc, list):
+        for index, value in enumerate(doc):
+            found += _paths(value, (*path, index))
+    return found
+
+
+LIMITS = ManifestLimits(max_chunk_size=2**20, max_dims=2)
+
+
+def _verdict(doc: Any) -> Any:
+    try:
+        fields = check_schema(doc, LIMITS)
+    except SchemaError as exc:
+        return str(exc)
+    return fields
+
+
+def _verdict_on_read(doc: Any) -> Any:
+    """``check_schema(chunks_on_read=True)``, then every shard's chunks as a reader checks
+    them: the shards' fields as the full check gives them, or a message."""
+    try:
+        fields = check_schema(doc, LIMITS, chunks_on_read=True)
+        return [
+            (s.rank, s.items, check_chunks(s.unchecked_chunks, f"shards[{i}]", LIMITS))
+            if s.unchecked_chunks is not None
+            else (s.rank, s.items, s.chunks)
+            for i, s in enumerate(fields.shards)
+        ]
+    except SchemaError as exc:
+        return str(exc)
+
+
+def _a_document_with_repeats() -> dict[str, Any]:
+    doc = _good()
+    other = chunk_id_of(b"y")
+    doc["shards"][0]["chunks"] = [[CHUNK, 32], [other, 16], [CHUNK, 32]]  # 80 bytes
+    second = copy.deepcopy(doc["shards"][0])
+    second["rank"] = 1
+    second["chunks"] = [[other, 16], [chunk_id_of(b"z"), 64]]
+    doc["shards"].append(second)
+    return doc
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_whole_list_checks_and_the_entry_by_entry_check_agree(data: st.DataObject) -> None:
+    """A shard is checked in whole-list passes first and entry by entry when one fails: the
+    verdict (the fields, or the message) is the entry-by-entry check's, whatever is broken."""
+    doc = _a_document_with_repeats()
+    for _ in range(data.draw(st.integers(0, 2))):
+        path = data.draw(st.sampled_from(_paths(doc)[1:]))
+        parent = doc
+        for step in path[:-1]:
+            parent = parent[step]
+        parent[path[-1]] = copy.deepcopy(data.draw(st.sampled_from(_ODD_VALUES)))
+    fast = _verdict(doc)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest_schema, "_chunks_at_once", lambda *_: None)
+        patch.setattr(manifest_schema, "_items_at_once", lambda *_: None)
+        slow = _verdict(doc)
+    assert fast == slow
+    if not isinstance(fast, str):
+        assert list(fast.chunks.items()) == list(slow.chunks.items())  # first-seen order
+    # Chunks checked when read: the same shards, or refused all the same (but for an id
+    # two shards list with two sizes, which is not looked for there)
+    on_read = _verdict_on_read(doc)
+    if isinstance(fast, str):
+        assert isinstance(on_read, str) or "listed with two different sizes" in fast
+    else:
+        assert on_read == [(s.rank, s.items, s.chunks) for s in fast.shards]
+
+
+def test_an_id_repeated_within_and_across_shards_keeps_its_one_size() -> None:
+    fields = check_schema(_a_document_with_repeats())
+    assert list(fields.chunks.values()) == [32, 16, 64]
+    assert fields.shards[0].chunks[2] == (CHUNK, 32)
+    broken = _a_document_with_repeats()
+    broken["shards"][1]["chunks"][0][1] = 17
+    with pytest.raises(SchemaError, match="listed with two different sizes"):
+        check_schema(broken)

@@ -345,6 +345,59 @@ def test_rates_from_the_save_benchmark(tmp_path: Path) -> None:
     assert load_rates(tmp_path, k=8, n=12).encode_gbps == 0.54
 
 
+def _fabric_doc() -> dict[str, Any]:
+    """What ``loadtest.fabric`` writes, trimmed to what the model reads: 1,000 MB saved by
+    c0; the nodes sent 2,100 MB and received 3,150 MB; the ack at 0.5 of the client's cap;
+    restores by 1 and 4 readers at 0.9 and 0.75 of theirs."""
+    links = {f"n{i}": [525.0, 787.5] for i in range(4)} | {"c0": [1000.0, 0.5]}
+    return {
+        "benchmark": "fabric",
+        "caps": {"node": "500mbit", "client": "500mbit", "node_bytes_per_s": 62.5e6},
+        "nodes": 4,
+        "ack": {"bytes": 1e9, "ratio": 0.5, "links_mb": links, "node_copies_per_client_byte": 2.1},
+        "restores": [{"readers": 1, "ratio": 0.9}, {"readers": 4, "ratio": 0.75}],
+    }
+
+
+def test_the_fabric_run_sets_the_link_figures(tmp_path: Path) -> None:
+    """A fabric run's ratios replace the whole-NIC assumption: the ack's NIC demand grows by
+    the bytes each copy costs on the links over the share of the link the ack reaches, the
+    restores' by one over their links' efficiency; the CPU and disk demands stay."""
+    a = Assumptions(model_bytes=1000e9, nic_gbps=10, cores=4, nvme_drives=2)
+    assumed = project(10, a, Rates())  # 100 GB per node, 2 remote copies
+    (tmp_path / "fabric.json").write_text(json.dumps(_fabric_doc()))
+    r = load_rates(tmp_path)
+    assert (r.ack_link_share, r.ack_egress_copies, r.restore_link_efficiency) == (0.5, 2.1, 0.75)
+    assert r.ack_ingress_copies == pytest.approx(3.15)
+    assert r.sources["restore_link_efficiency"] == "measured: fabric.json restores[readers=4].ratio"
+    assert r.sources["ack_link_share"].startswith("measured: fabric.json ack.ratio (500mbit")
+    measured = project(10, a, r)
+    # sent: 2.1 / 2 per copy; received: 3.15 / 3 per copy (the same per node here): sent binds
+    assert measured["ack"].demands["NIC"] == pytest.approx(2 * 100 * 1.05 / (10 * 0.5))
+    assert measured["ack"].demands["CPU"] == assumed["ack"].demands["CPU"]
+    for name in ("restore_ram", "restore_nvme", "restore_cold"):
+        assert measured[name].demands["NIC"] == pytest.approx(100 / (10 * 0.75))
+        assert measured[name].demands["CPU"] == assumed[name].demands["CPU"]
+    # A receive side costlier per copy than the send side binds instead.
+    doc = _fabric_doc()
+    doc["ack"]["links_mb"] |= {f"n{i}": [525.0, 900.0] for i in range(4)}  # 3.6 per byte
+    (tmp_path / "fabric.json").write_text(json.dumps(doc))
+    received = project(10, a, load_rates(tmp_path))
+    assert received["ack"].demands["NIC"] == pytest.approx(2 * 100 * 1.2 / (10 * 0.5))
+    # Without the file, the assumed figures, which give the formulas' NIC demands.
+    (tmp_path / "fabric.json").unlink()
+    defaulted = load_rates(tmp_path)
+    assert "fabric.json missing" in defaulted.sources["ack_link_share"]
+    assert project(10, a, defaulted)["ack"].demands["NIC"] == pytest.approx(2 * 100 / 10)
+
+
+def test_a_fabric_run_with_too_few_nodes_keeps_the_assumption(tmp_path: Path) -> None:
+    (tmp_path / "fabric.json").write_text(json.dumps(_fabric_doc() | {"nodes": 2}))
+    r = load_rates(tmp_path)
+    assert r.ack_link_share == 1.0
+    assert "fabric.json unreadable (ValueError: 2 nodes" in r.sources["ack_link_share"]
+
+
 def test_unreadable_results_keep_the_defaults(tmp_path: Path) -> None:
     (tmp_path / "ack.json").write_text("{not json")
     (tmp_path / "nvme.json").write_text(json.dumps({"writes": {}}))

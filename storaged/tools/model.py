@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
-#: The ack load test runs the default replication: its CPU per acked GB covers 3 copies.
+#: The ack and fabric load tests run the default replication: their CPU per acked GB and
+#: their bytes on the links per byte saved cover 3 copies.
 MEASURED_REPLICATION = 3
 #: The load tests' result files the rates are read from, by kind (``<kind>.json``).
-RESULT_KINDS = ("ack", "save", "restore", "nvme")
+RESULT_KINDS = ("ack", "save", "restore", "nvme", "fabric")
 
 #: zfec through storaged's codec wrapper, GB/s on one core, 8 MiB chunks: encode, decode
 #: from the k primary fragments, decode with fragment 0 missing (docs/BENCHMARKS.md, Codec).
@@ -108,7 +109,9 @@ class Rates:
     """Per-node rates measured on this machine, each with where it came from.
 
     CPU figures are per core (CPU seconds per GB, or GB/s on one core); disk figures are
-    per drive; ``memcpy_gbps`` is one thread.
+    per drive; ``memcpy_gbps`` is one thread; link figures are ratios to a link's cap or
+    bytes on the links per byte saved (``loadtest.fabric``: nodes on capped links), which
+    the model applies to the assumed NIC.
     """
 
     #: CPU seconds of all storaged nodes per acknowledged GB (3 copies in RAM, ids checked).
@@ -128,6 +131,18 @@ class Rates:
     nvme_write_gbps: float = 0.77
     #: Reading files back with a cold page cache, one drive.
     nvme_read_gbps: float = 0.62
+    #: A restore's useful bytes per second over its links' caps, every holder's link
+    #: serving (placement, hedged reads, headers): the NIC phases of restores divide by it.
+    restore_link_efficiency: float = 1.0
+    #: The ack's bytes saved per second over the writer's link cap (its latency and CPU:
+    #: the writer's link is not full): the ack's NIC demand divides by it.
+    ack_link_share: float = 1.0
+    #: Bytes an entry node sends per byte saved at replication 3 (its fan-out of 2 copies,
+    #: framing and resends included): per copy sent, half of it.
+    ack_egress_copies: float = 2.0
+    #: Bytes the nodes receive per byte saved at replication 3 (3 copies, the client's
+    #: hop included): per copy received, a third of it.
+    ack_ingress_copies: float = 3.0
     #: Rate name -> "measured: <file and field>" or "default: <why and provenance>".
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -155,6 +170,10 @@ DEFAULT_PROVENANCE = {
     "decode_gbps": "zfec wrapper decode from primaries, docs/BENCHMARKS.md (Codec)",
     "nvme_write_gbps": "loadtest.nvme --quick, tier x4 best",
     "nvme_read_gbps": "loadtest.nvme --quick, raw read with a cold page cache, best",
+    "restore_link_efficiency": "assumed: restores fill the NIC",
+    "ack_link_share": "assumed: the ack fills the writer's NIC",
+    "ack_egress_copies": "assumed: replication - 1 = 2 copies, nothing more",
+    "ack_ingress_copies": "assumed: replication = 3 copies, nothing more",
 }
 
 
@@ -244,6 +263,25 @@ def _nvme(doc: Any) -> list[tuple[float, str]]:
     return [(write, "writes[tier x4].best_gbps"), (read, "reads[cold][raw].best_gbps")]
 
 
+def _fabric(doc: Any) -> list[tuple[float, str]]:
+    """The ack's share of the writer's link and its bytes on the links per byte saved; the
+    restore with the most readers' useful rate over the caps (``loadtest.fabric``)."""
+    if doc.get("nodes", 0) < MEASURED_REPLICATION:
+        raise ValueError(f"{doc.get('nodes')} nodes: too few for {MEASURED_REPLICATION} copies")
+    ack = doc["ack"]
+    saved_mb = _number(ack["bytes"]) / 1e6
+    received = sum(_number(mb[1]) for link, mb in ack["links_mb"].items() if link[0] == "n")
+    restores = [r for r in doc["restores"] if isinstance(r, dict)]
+    widest = max(restores, key=lambda r: int(r["readers"]))
+    caps = f"{doc['caps']['node']} links, client {doc['caps']['client']}"
+    return [
+        (_number(ack["ratio"]), f"ack.ratio ({caps})"),
+        (_number(ack["node_copies_per_client_byte"]), "ack.node_copies_per_client_byte"),
+        (received / saved_mb, "ack.links_mb: MB the nodes received / MB saved"),
+        (_number(widest["ratio"]), f"restores[readers={widest['readers']}].ratio"),
+    ]
+
+
 def _save_disk_write(doc: Any) -> list[tuple[float, str]]:
     rows = [r for r in doc["baselines"]["disk_write"] if isinstance(r, dict)]
     row = _best_row(rows, "gbps")
@@ -322,6 +360,8 @@ def load_rates(
     if "nvme_write_gbps" not in values:
         first_of(["nvme_write_gbps"], ("save", _save_disk_write))
     first_of(["encode_gbps"], ("save", _save_encode(k, n)))
+    links = ["ack_link_share", "ack_egress_copies", "ack_ingress_copies"]
+    first_of([*links, "restore_link_efficiency"], ("fabric", _fabric))
 
     if (k, n) in ZFEC_RATES:
         encode, decode, _ = ZFEC_RATES[(k, n)]
@@ -452,11 +492,16 @@ def _save_phases(n: _PerNode, a: Assumptions, r: Rates) -> tuple[Phase, Phase, P
             "PCIe": held / n.h2d,
         }
     )
+    # Link bytes per copy sent and received (the fabric run's, per copy), and the share of
+    # the link the ack reaches.
+    sent = r.ack_egress_copies / (MEASURED_REPLICATION - 1)
+    received = r.ack_ingress_copies / MEASURED_REPLICATION
     ack = phase(
         {
-            # A writer sends every remote copy of its bytes; full duplex, so the receive
-            # side (remote_copies x unique) never exceeds it.
-            "NIC": n.remote_copies * held / nic,
+            # A writer sends every remote copy of its bytes and receives its share of the
+            # others'; full duplex: the busier direction counts.
+            "NIC": max(n.remote_copies * held * sent, n.remote_copies * n.unique * received)
+            / (nic * r.ack_link_share),
             "CPU": (
                 r.ack_node_cpu_s_per_gb / MEASURED_REPLICATION * n.in_ram
                 + r.ack_client_cpu_s_per_gb * held
@@ -480,7 +525,8 @@ def _save_phases(n: _PerNode, a: Assumptions, r: Rates) -> tuple[Phase, Phase, P
 
 def _restore_phases(n: _PerNode, a: Assumptions, r: Rates) -> dict[str, Phase]:
     """A restore from each tier."""
-    held, nic, cpu = n.held, n.nic, n.cpu
+    held, cpu = n.held, n.cpu
+    nic = n.nic * r.restore_link_efficiency  # useful bytes per second of the links
     cold_read = held * (a.n / a.k if a.hedged_cold_reads else 1.0)
     return {
         "restore_ram": phase(

@@ -8,7 +8,9 @@ array on N ranks (uneven splits along random axes) and restoring it on M ranks
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 from typing import Any
 
 import msgpack
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from storaged.client import layout
 from storaged.client.checkpoint import Shard, StagedShard, stage_shard
 from storaged.client.layout import (
     FORMAT,
@@ -24,6 +27,7 @@ from storaged.client.layout import (
     Box,
     DtypeMismatch,
     InvalidManifest,
+    Item,
     KeyNotSaved,
     Manifest,
     RegionNotCovered,
@@ -380,6 +384,43 @@ def test_manifest_rejects_bad_documents() -> None:
         Manifest.from_wire([good])
 
 
+def test_a_restore_checks_the_chunk_lists_of_the_shards_it_reads() -> None:
+    """``chunks_on_read``: everything but the shards' chunk lists is checked at once; a
+    shard's list when a plan first reads it, refused then with the full check's words."""
+    g = np.arange(32, dtype=np.float32).reshape(4, 8)
+    halves = [Shard(g[2 * r : 2 * r + 2], (4, 8), (2 * r, 0)) for r in (0, 1)]
+    doc, _ = commit_local([stage_shard(r, {"w": half}, 48) for r, half in enumerate(halves)])
+    first, second = (Request("w", (4, 8), Box(h.offsets, h.array.shape), g.dtype) for h in halves)
+    broken = copy.deepcopy(doc)
+    broken["shards"][1]["chunks"][0][0] = "zz"
+    with pytest.raises(InvalidManifest) as whole:
+        Manifest.from_wire(broken)
+    assert str(whole.value) == "shards[1].chunks[0]: 'zz' is not a chunk id"
+    manifest = Manifest.from_wire(broken, chunks_on_read=True)
+    plan = plan_restore(manifest, [first])
+    assert plan.chunk_sizes == dict(doc["shards"][0]["chunks"])  # shard 0's alone
+    with pytest.raises(InvalidManifest) as on_read:
+        plan_restore(manifest, [second])
+    assert str(on_read.value) == str(whole.value)
+    # An item outside its stream is refused at once, as without it.
+    short = copy.deepcopy(doc)
+    short["shards"][1]["chunks"].pop()
+    with pytest.raises(InvalidManifest, match="lie outside its rank's stream"):
+        Manifest.from_wire(short, chunks_on_read=True)
+    # An id two shards list with two sizes: refused when a plan reads both.
+    twice = copy.deepcopy(doc)
+    twice["shards"][1]["chunks"][0][0] = doc["shards"][0]["chunks"][1][0]  # 48 and 16 bytes
+    manifest = Manifest.from_wire(twice, chunks_on_read=True)
+    plan_restore(manifest, [first])
+    with pytest.raises(InvalidManifest, match="listed with two different sizes"):
+        plan_restore(manifest, [first, second])
+    # Unbroken, both ways give the same manifest, also copied or pickled before any read.
+    assert Manifest.from_wire(doc, chunks_on_read=True).to_wire() == doc
+    fresh = Manifest.from_wire(doc, chunks_on_read=True)
+    assert pickle.loads(pickle.dumps(fresh)).to_wire() == doc
+    assert copy.deepcopy(Manifest.from_wire(doc, chunks_on_read=True)).to_wire() == doc
+
+
 def test_overlapping_boxes_are_refused() -> None:
     g = np.zeros((4, 4), np.float32)
     staged = [
@@ -456,6 +497,30 @@ def test_tiling_fault_matches_a_brute_force_cell_count(case: tuple[Shape, list[B
         assert isinstance(fault, ShardOverlap)
         holders = [(r, b) for r, b in ranked if _holds(b, element)]
         assert list(fault.boxes) == holders and len(holders) == counts[element]
+
+
+@settings(max_examples=400, deadline=None)
+@given(box_sets(), st.booleans())
+def test_the_glance_at_a_common_layout_agrees_with_the_full_tiling_check(
+    case: tuple[Shape, list[Box]], complete: bool
+) -> None:
+    """A key's boxes that differ along one dimension are judged by a sort; whatever the
+    boxes, the verdict (none, or the error and its message) is the full check's."""
+    shape, boxes = case
+    items = tuple(Item("k", "uint8", shape, box.offsets, box.shape, 0, box.size) for box in boxes)
+    shards = [ShardEntry(rank, (), (item,)) for rank, item in enumerate(items)]
+
+    def verdict() -> tuple[type, str] | None:
+        try:
+            layout._check_keys(shards, complete=complete)
+        except InvalidManifest as exc:
+            return type(exc), str(exc)
+        return None
+
+    fast = verdict()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout, "_tiled_at_a_glance", lambda *_: False)
+        assert verdict() == fast
 
 
 def _holds(box: Box, element: Shape) -> bool:
