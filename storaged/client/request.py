@@ -138,13 +138,20 @@ def header_lines(headers: Mapping[str, str]) -> str:
     return "".join(lines)
 
 
+#: documents at least this long are decoded in a thread (a 1 MiB msgpack map takes a few ms)
+_DECODE_IN_THREAD: Final = 1 << 20
+
+
 async def decoded(resp: aiohttp.ClientResponse) -> Any:
     """The API document a response carries; ``NotStoraged`` when another server answered,
     ``ProtocolError`` for a malformed one."""
     raw = await resp.read()
     content_type = resp.headers.get("Content-Type")
     try:
-        return decode_body(raw, content_type)
+        if len(raw) < _DECODE_IN_THREAD:
+            return decode_body(raw, content_type)
+        # a large manifest (a 405B model's: tens of ms of msgpack) is decoded off the loop
+        return await asyncio.to_thread(decode_body, raw, content_type)
     except ValueError as exc:
         if not is_api_content_type(content_type):
             # a web page, etcd's plain text: another server answers at this URL

@@ -588,3 +588,25 @@ async def test_client_needs_urls_and_hides_its_token() -> None:
         _ = client.cluster
     with pytest.raises(ValueError):
         Client([])
+
+
+async def test_large_and_small_manifests_decode_whole(inproc_cluster: InprocCluster) -> None:
+    """A manifest of more than ``_DECODE_IN_THREAD`` bytes (metadata of 1.5 MiB: decoded in
+    a thread) and a small one (decoded on the loop) come back equal to what was committed."""
+    from storaged.client.request import _DECODE_IN_THREAD
+    from tests.service.http import manifest_for
+
+    data = b"decoded off the loop"
+    async with client_for(inproc_cluster) as client:
+        cid = await client.put_chunk(data)
+        assert cid == chunk_id_of(data)
+        for name, meta in (
+            ("large/manifest", {f"key-{i:06d}": "v" * 64 for i in range(20_000)}),
+            ("small/manifest", {"step": 1}),
+        ):
+            manifest = {**manifest_for([data]), "meta": meta}
+            await client.commit(name, manifest)
+            if name.startswith("large"):
+                assert len(msgpack.packb(manifest)) > _DECODE_IN_THREAD
+            got = await client.get_manifest(name)
+            assert got["meta"] == meta and got["shards"] == manifest["shards"]
