@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from erasure import Codec
-    from storaged.client.degraded import Decoded
+    from storaged.client.degraded import Decoded, FragmentBuffers
 
 # The client's one logger, as before these modules were split out of client.py.
 log = logging.getLogger("storaged.client.client")
@@ -442,6 +442,10 @@ class DirectSource(HttpSource):
 
 # --------------------------------------------------------------------------- cold decode
 
+#: Bytes of fragment receive buffers a client keeps for reuse: 8 fragments of a 16 MiB
+#: chunk at k=4, many more at the default 8 MiB.
+FRAGMENT_BUFFER_BYTES = 32 << 20
+
 
 class ColdDecodeSource:
     """A cold chunk decoded here from fragments fetched from their holders (extension
@@ -472,10 +476,22 @@ class ColdDecodeSource:
             collections.OrderedDict()
         )
         self._decoded_bytes = 0
+        #: receive buffers of fragments, reused from decode to decode (made on first use)
+        self._buffers: FragmentBuffers | None = None
 
     def clear(self) -> None:
         self._decodes.clear()
         self._decoded_bytes = 0
+        if self._buffers is not None:
+            self._buffers.clear()
+
+    def buffers(self) -> FragmentBuffers:
+        """The pool fragments are received into: a few chunks' worth of fragments."""
+        if self._buffers is None:
+            from storaged.client.degraded import FragmentBuffers
+
+            self._buffers = FragmentBuffers(FRAGMENT_BUFFER_BYTES)
+        return self._buffers
 
     async def read(self, read: ChunkRead) -> memoryview | None:
         sources = self.fragment_sources(read.holders)
@@ -615,7 +631,9 @@ class ColdDecodeSource:
         async def fetch(index: int) -> memoryview:
             return await self._get_fragment(chunk_id, index, sources[index])
 
-        decoded = await decode_cold(chunk_id, codec, sources, fetch, self.decode_slots, out)
+        decoded = await decode_cold(
+            chunk_id, codec, sources, fetch, self.decode_slots, out, self.buffers()
+        )
         stats = self.requests.stats
         stats.chunks_decoded += 1
         stats.fragments_downloaded += decoded.fetched
@@ -624,8 +642,9 @@ class ColdDecodeSource:
 
     async def _get_fragment(self, chunk_id: str, index: int, nodes: Sequence[str]) -> memoryview:
         """Fragment ``index`` of a chunk, whole and unchecked (the codec checks it), from one
-        of ``nodes`` (extension E12); ``FragmentNotFound``/``ConnectionFailed`` when none
-        gives it after a try or two each (another index will do as well)."""
+        of ``nodes`` (extension E12), in a buffer of ``buffers()``; ``FragmentNotFound`` or
+        ``ConnectionFailed`` when none gives it after a try or two each (another index will
+        do as well)."""
         from erasure import HEADER_SIZE
 
         path = f"/v1/chunks/{chunk_id}/fragments/{index}"
@@ -639,11 +658,15 @@ class ColdDecodeSource:
                 raise ProtocolError(message=f"fragment answer of {length} bytes (max {limit})")
             return length
 
+        buffers = self.buffers()
+
+        # Each attempt (a hedge too) receives into a buffer of its own.
         async def handle(resp: aiohttp.ClientResponse) -> memoryview:
-            return await read_body(resp, None, sized(resp.content_length), 0)
+            size = sized(resp.content_length)
+            return await read_body(resp, buffers.take(size), size, 0)
 
         def plan_body(head: ResponseHead) -> BodyPlan:
-            return BodyPlan(memoryview(bytearray(sized(head.content_length))), 0)
+            return BodyPlan(buffers.take(sized(head.content_length)), 0)
 
         direct = self.links.direct
 
