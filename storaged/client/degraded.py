@@ -66,6 +66,8 @@ class FragmentBuffers:
         #: ids of the buffers in ``_free``: one given back twice is kept once
         self._kept_ids: set[int] = set()
         self._kept = 0
+        #: buffers made so far (the rest of the takes reused one)
+        self.made = 0
 
     def take(self, size: int) -> memoryview:
         """A writable view of exactly ``size`` bytes (contents: whatever it held last)."""
@@ -76,6 +78,7 @@ class FragmentBuffers:
             self._kept -= size
         else:
             buffer = _FragmentBuffer(size)
+            self.made += 1
         return memoryview(buffer)
 
     def give_back(self, views: Iterable[memoryview]) -> None:

@@ -25,6 +25,7 @@ import builtins
 import collections
 import functools
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -442,9 +443,11 @@ class DirectSource(HttpSource):
 
 # --------------------------------------------------------------------------- cold decode
 
-#: Bytes of fragment receive buffers a client keeps for reuse: 8 fragments of a 16 MiB
-#: chunk at k=4, many more at the default 8 MiB.
-FRAGMENT_BUFFER_BYTES = 32 << 20
+#: Cold chunks a client fetches fragments for and decodes at once, per core: one decoding
+#: while the next one's fragments arrive. Without a bound, fragments were fetched far ahead
+#: of the decodes (169 fragment buffers, 338 MiB, held at once in a 1 GiB restore on 2
+#: cores), each in fresh memory.
+COLD_CHUNKS_PER_CORE = 2
 
 
 class ColdDecodeSource:
@@ -455,7 +458,11 @@ class ColdDecodeSource:
     be stale, and a node can still rebuild the chunk.
 
     Whole chunks decoded for a range stay, ``cache_bytes`` of them newest first, for the
-    further ranges a restore reads out of them."""
+    further ranges a restore reads out of them.
+
+    At most ``COLD_CHUNKS_PER_CORE`` chunks a core are fetched and decoded at once (the
+    others wait before asking for any fragment), and their fragments are received into
+    buffers reused from chunk to chunk (``FragmentBuffers``): as many as those chunks take."""
 
     def __init__(
         self,
@@ -468,6 +475,8 @@ class ColdDecodeSource:
         self.requests, self.bandwidth, self.links = requests, bandwidth, links
         self.decode_slots = decode_slots
         self.cache_bytes = cache_bytes
+        self.chunks_at_once = COLD_CHUNKS_PER_CORE * max(1, os.cpu_count() or 1)
+        self._chunk_slots = asyncio.Semaphore(self.chunks_at_once)
         #: the cluster's erasure codec, made on first use (None: not yet, or none here)
         self._codec: Codec | None = None
         #: cold chunks decoded here, oldest first (a future while the decode runs, shared by
@@ -486,11 +495,16 @@ class ColdDecodeSource:
             self._buffers.clear()
 
     def buffers(self) -> FragmentBuffers:
-        """The pool fragments are received into: a few chunks' worth of fragments."""
+        """The pool fragments are received into: the fragments of the chunks decoded at once,
+        and one chunk's more (a failed fragment's replacement, a hedge)."""
         if self._buffers is None:
+            from erasure import HEADER_SIZE
             from storaged.client.degraded import FragmentBuffers
 
-            self._buffers = FragmentBuffers(FRAGMENT_BUFFER_BYTES)
+            cluster = self.requests.known_cluster()
+            k = cluster.erasure.k if cluster.erasure is not None else 1
+            per_chunk = cluster.max_chunk_size + k * (HEADER_SIZE + 1)
+            self._buffers = FragmentBuffers((self.chunks_at_once + 1) * per_chunk)
         return self._buffers
 
     async def read(self, read: ChunkRead) -> memoryview | None:
@@ -631,9 +645,10 @@ class ColdDecodeSource:
         async def fetch(index: int) -> memoryview:
             return await self._get_fragment(chunk_id, index, sources[index])
 
-        decoded = await decode_cold(
-            chunk_id, codec, sources, fetch, self.decode_slots, out, self.buffers()
-        )
+        async with self._chunk_slots:
+            decoded = await decode_cold(
+                chunk_id, codec, sources, fetch, self.decode_slots, out, self.buffers()
+            )
         stats = self.requests.stats
         stats.chunks_decoded += 1
         stats.fragments_downloaded += decoded.fetched

@@ -7,7 +7,9 @@ the fragments are damaged or removed in the nodes' data directories as on a proc
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -18,11 +20,12 @@ from storaged.client import (
     ByteRange,
     ChunkNotFound,
     Client,
+    degraded,
     restore_checkpoint,
     save_checkpoint,
 )
 from storaged.client.client import Holder
-from storaged.client.degraded import FragmentBuffers, decode_cold, fetch_order
+from storaged.client.degraded import Decoded, FragmentBuffers, decode_cold, fetch_order
 from storaged.client.errors import FragmentNotFound, NotEnoughFragments, StoragedError
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
@@ -127,6 +130,43 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
             )
             assert bytes(part) == bytes(out[start : start + 10])
         assert client.stats.chunks_decoded == 2  # no cache: each range decodes
+
+
+async def test_a_cold_restore_holds_the_fragments_of_a_few_chunks_at_once(
+    inproc_cluster: InprocCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client made on "one core": two chunks fetched and decoded at once. Its restore of
+    # 8 cold chunks (32 fragments) receives them into the buffers of those two chunks,
+    # reused: fragments are not fetched far ahead of the decodes, each into fresh memory.
+    cluster = inproc_cluster
+    g = _state(5)
+    async with client_for(cluster) as client:
+        plan = await _save_cold(client, "degraded/few", g)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "cpu_count", lambda: 1)
+        client = client_for(cluster, shm=False)  # every chunk through the decode here
+    at_once = [0, 0]  # now, most
+
+    async def counted(*args: Any, **kwargs: Any) -> Decoded:
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        try:
+            await asyncio.sleep(0.01)  # a slow decode: the restore has 8 chunks to start
+            return await decode_cold(*args, **kwargs)
+        finally:
+            at_once[0] -= 1
+
+    monkeypatch.setattr(degraded, "decode_cold", counted)
+    async with client:
+        dst = np.zeros_like(g)
+        await restore_checkpoint(client, "degraded/few", {"g": dst}, holders=plan)
+        assert dst.tobytes() == g.tobytes()
+        cold = client._reads.cold
+        assert cold.chunks_at_once == 2 and client.stats.chunks_decoded == len(plan) == 8
+        assert at_once[1] == 2
+        n = client.cluster.erasure.n if client.cluster.erasure else 0
+        assert client.stats.fragments_downloaded >= 32
+        assert cold.buffers().made <= (cold.chunks_at_once + 1) * n < 32
 
 
 async def test_fewer_than_k_fragments_is_a_clear_error(inproc: InprocFactory) -> None:
