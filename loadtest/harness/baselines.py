@@ -88,7 +88,8 @@ def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
 
     GB/s of chunk bytes, one thread: encode, and decode with fragment 0 missing (a real
     reconstruction, what a degraded cold read does); and that raw decode on every core of
-    the machine at once (``decode_raw_all_cores_gbps``, ``cores`` threads).
+    the machine at once (``decode_raw_all_cores_gbps``, ``cores`` threads, best of three times
+    as many rounds).
     """
     raw = raw_zfec_ops(data, k, n)
     wrapped = wrapper_ops(make_codec("zfec", k, n), data)
@@ -105,7 +106,8 @@ def codec_rates(data: bytes, k: int, n: int, rounds: int = 5) -> dict[str, Any]:
             out[f"{label}_{side}_gbps"] = round(len(data) / best / GB, 4)
     cores = os.cpu_count() or 1
     out["cores"] = cores
-    out["decode_raw_all_cores_gbps"] = raw_decode_on_threads(data, k, n, cores, rounds)
+    # Three times the rounds: a round needs every core free at once, rarer on a shared machine.
+    out["decode_raw_all_cores_gbps"] = raw_decode_on_threads(data, k, n, cores, 3 * rounds)
     return out
 
 
