@@ -444,9 +444,9 @@ class DirectSource(HttpSource):
 # --------------------------------------------------------------------------- cold decode
 
 #: Cold chunks a client fetches fragments for and decodes at once, per core: one decoding
-#: while the next one's fragments arrive. Without a bound, fragments were fetched far ahead
-#: of the decodes (169 fragment buffers, 338 MiB, held at once in a 1 GiB restore on 2
-#: cores), each in fresh memory.
+#: while the next one's fragments arrive (1 and 3 measured the same). Without a bound,
+#: fragments were fetched far ahead of the decodes (171-198 fragment buffers, 342-396 MiB,
+#: alive at once in a 1 GiB restore on 2 cores), each in fresh memory.
 COLD_CHUNKS_PER_CORE = 2
 
 
