@@ -134,6 +134,16 @@ class Codec(abc.ABC):
         copies the joined result; a codec that can write its blocks in place overrides it."""
         out[:] = self._decode_payloads(fragments, length)
 
+    def _decode_payloads_hashed_into(
+        self, fragments: Sequence[Fragment], length: int, out: memoryview
+    ) -> str:
+        """``_decode_payloads_into``, and the chunk id of the bytes it left in ``out`` (the
+        BLAKE3 of all of them). This default hashes ``out`` once written; a codec that writes
+        block by block overrides it to hash each block as soon as it is written, while its
+        bytes are still in cache."""
+        self._decode_payloads_into(fragments, length, out)
+        return chunk_id_of(out)
+
     def _expected_payload_size(self, length: int) -> int | None:
         """The payload size this codec makes for a chunk of ``length`` bytes, if known."""
         return None
@@ -353,13 +363,16 @@ class Codec(abc.ABC):
             try:
                 if out is None:
                     data = self._decode_payloads([good[i] for i in subset], length)
+                    digest = chunk_id_of(data) if len(data) == length else None
                 else:
                     data = out[:length]
-                    self._decode_payloads_into([good[i] for i in subset], length, data)
+                    fragments = [good[i] for i in subset]
+                    # the hash of what ``out`` holds, taken as it was written
+                    digest = self._decode_payloads_hashed_into(fragments, length, data)
             except Exception as exc:  # the codec's own complaint: treat like a wrong hash
                 failures.append(f"fragments {list(subset)}: {type(exc).__name__}: {exc}")
                 return None
-            if len(data) == length and chunk_id_of(data) == chunk_id:
+            if digest == chunk_id:
                 return data
             failures.append(f"fragments {list(subset)}: decoded bytes do not hash to the id")
             return None

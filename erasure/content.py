@@ -22,8 +22,14 @@ def is_chunk_id(value: object) -> bool:
     return isinstance(value, str) and CHUNK_ID_RE.fullmatch(value) is not None
 
 
+def chunk_hasher() -> blake3.blake3:
+    """A BLAKE3 hasher whose ``hexdigest()`` is the chunk id of what it was given, fed in
+    pieces (``update`` releases the GIL for large inputs)."""
+    return blake3.blake3(max_threads=1)
+
+
 def chunk_id_of(data: BytesLike) -> str:
     """Lowercase hex BLAKE3-256 of ``data``. Releases the GIL for large inputs."""
-    hasher = blake3.blake3(max_threads=1)
+    hasher = chunk_hasher()
     hasher.update(data)
     return hasher.hexdigest()

@@ -130,6 +130,13 @@ def test_restore_quick_reports_every_tier_and_level(tmp_path: Path) -> None:
                                  "cold": "codec"}[r["tier"]]  # fmt: skip
         for key in ("gbps_x_baseline", "gbps_x_raw_loopback", "gbps_x_dcp_load"):
             assert r["ratios"][key] is not None and r["ratios"][key] > 0, (key, r["ratios"])
+        # cold rows: against raw decode on every core as well; the others have no such ratio
+        all_cores = r["ratios"]["gbps_x_codec_all_cores"]
+        assert (
+            (all_cores is not None and all_cores > 0) if r["tier"] == "cold" else all_cores is None
+        )
+        if r["tier"] == "cold":  # the decode's CPU per GB is its time per GB
+            assert r["ratios"]["client_cpu_x_baseline"] > 0
         if r["tier"] != "cold":  # the codec baseline has a rate only
             for key in ("ttfb_x_baseline", "p50_x_baseline", "p99_x_baseline",
                         "client_cpu_x_baseline"):  # fmt: skip
@@ -144,9 +151,14 @@ def test_restore_quick_reports_every_tier_and_level(tmp_path: Path) -> None:
         assert all(b["gbps"] > 0 for b in base[kind])
         assert all(b.get("verified", True) is not False for b in base[kind])
     assert base["codec"]["decode_raw_gbps"] > 0 and base["codec"]["k"] == 4
+    assert base["codec"]["decode_raw_all_cores_gbps"] > 0
+    assert base["codec"]["cores"] == os.cpu_count()
 
     head, rows = _table_rows(markdown, "tier")
-    assert head[:6] == ["tier", "c", "baseline", "GB/s (x base)", "x raw loopback", "x DCP load"]
+    assert head[:7] == ["tier", "c", "baseline", "GB/s (x base)", "x raw loopback", "x DCP load",
+                        "x raw decode, all cores"]  # fmt: skip
+    # only the cold rows have a figure against the decode on every core
+    assert [row[6] != "-" for row in rows] == [False] * 4 + [True] * 2
     assert "busiest node share" in head
     assert [(row[0], row[1]) for row in rows] == [
         ("memory", "1"), ("memory", "2"), ("nvme", "1"), ("nvme", "2"), ("cold", "1"),

@@ -13,12 +13,17 @@ BLAKE3 against the chunk id; a fragment that fails is dropped and another index 
 its place. Primary fragments (index < k) are asked for first: zfec is systematic, so a
 decode from the ``k`` primaries is a copy, and each parity fragment used instead costs one
 block of coding.
+
+Fragment buffers (``FragmentBuffers``): each fragment is received into a buffer taken from a
+small pool and given back once its chunk is decoded, not into fresh memory; a fresh buffer
+per fragment cost its zero fill and its page faults on every receive (measured:
+docs/BENCHMARKS.md, "Degraded restores at codec speed").
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from erasure import Codec, CorruptFragment, ErasureError, InvalidParameters, parse_fragment
@@ -38,6 +43,61 @@ class Decoded:
     fetched: int
     #: fragments not used: refused or unreachable holders, failed checks
     skipped: int
+
+
+class _FragmentBuffer(bytearray):
+    """A receive buffer ``FragmentBuffers`` made: only these are taken back."""
+
+    __slots__ = ()
+
+
+class FragmentBuffers:
+    """Receive buffers for fragments, kept for reuse up to ``limit`` bytes, by exact size.
+
+    ``take(size)`` hands out a buffer nobody else holds; ``give_back`` takes back buffers
+    whose every reader is done (a decode that returned, never one still running in a
+    thread). A buffer not given back (a hedge that lost, a cancelled decode) is dropped
+    with its last reference. Used from one event loop: not thread-safe.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: dict[int, list[_FragmentBuffer]] = {}
+        #: ids of the buffers in ``_free``: one given back twice is kept once
+        self._kept_ids: set[int] = set()
+        self._kept = 0
+        #: buffers made so far (the rest of the takes reused one)
+        self.made = 0
+
+    def take(self, size: int) -> memoryview:
+        """A writable view of exactly ``size`` bytes (contents: whatever it held last)."""
+        free = self._free.get(size)
+        if free:
+            buffer = free.pop()
+            self._kept_ids.discard(id(buffer))
+            self._kept -= size
+        else:
+            buffer = _FragmentBuffer(size)
+            self.made += 1
+        return memoryview(buffer)
+
+    def give_back(self, views: Iterable[memoryview]) -> None:
+        """Keep the buffers under ``views`` for the next ``take`` (within ``limit``); views of
+        other buffers are ignored."""
+        for view in views:
+            buffer = view.obj
+            if type(buffer) is not _FragmentBuffer or id(buffer) in self._kept_ids:
+                continue
+            size = len(buffer)
+            if self._kept + size <= self.limit:
+                self._free.setdefault(size, []).append(buffer)
+                self._kept_ids.add(id(buffer))
+                self._kept += size
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._kept_ids.clear()
+        self._kept = 0
 
 
 def fetch_order(sources: Mapping[int, Sequence[str]], k: int) -> list[int]:
@@ -73,6 +133,7 @@ async def decode_cold(
     fetch: FetchFragment,
     decode_slots: asyncio.Semaphore,
     out: memoryview | None = None,
+    buffers: FragmentBuffers | None = None,
 ) -> Decoded:
     """Fetch ``k`` good fragments of ``chunk_id`` (more if some fail) and decode them.
 
@@ -80,7 +141,9 @@ async def decode_cold(
     ``StoragedError`` for a fragment it cannot get; that index is skipped. ``out``: decode
     into it (``Codec.decode_into``; ``InvalidParameters``, a ``ValueError``, when the chunk
     does not fit). Raises ``NotEnoughFragments`` when the indexes run out before a decode
-    succeeds.
+    succeeds. ``buffers``: the pool ``fetch`` takes its receive buffers from; the fragments
+    fetched go back to it once the decode has returned (not when it is cancelled: its
+    thread may still read them).
     """
     k = codec.k
     pending = fetch_order(sources, k)
@@ -129,7 +192,11 @@ async def decode_cold(
                 if not pending:
                     break
                 continue
+        if buffers is not None:
+            buffers.give_back(got.values())
         return Decoded(data, fetched, skipped)
+    if buffers is not None:
+        buffers.give_back(got.values())  # every decode of them has returned
     # With k or more left, each passed its own checks yet no k of them decode to the id.
     raise NotEnoughFragments(
         f"chunk {chunk_id}: {len(got)} fragment(s) passed their checks, {k} good ones needed;"

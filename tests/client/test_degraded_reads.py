@@ -7,22 +7,25 @@ the fragments are damaged or removed in the nodes' data directories as on a proc
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
 import pytest
 
-from erasure import make_codec
+from erasure import build_fragment, make_codec, parse_fragment
 from storaged.client import (
     ByteRange,
     ChunkNotFound,
     Client,
+    degraded,
     restore_checkpoint,
     save_checkpoint,
 )
 from storaged.client.client import Holder
-from storaged.client.degraded import decode_cold, fetch_order
+from storaged.client.degraded import Decoded, FragmentBuffers, decode_cold, fetch_order
 from storaged.client.errors import FragmentNotFound, NotEnoughFragments, StoragedError
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
@@ -129,6 +132,43 @@ async def test_cold_restore_decodes_on_the_client_skipping_a_corrupt_fragment_an
         assert client.stats.chunks_decoded == 2  # no cache: each range decodes
 
 
+async def test_a_cold_restore_holds_the_fragments_of_a_few_chunks_at_once(
+    inproc_cluster: InprocCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client made on "one core": two chunks fetched and decoded at once. Its restore of
+    # 8 cold chunks (32 fragments) receives them into the buffers of those two chunks,
+    # reused: fragments are not fetched far ahead of the decodes, each into fresh memory.
+    cluster = inproc_cluster
+    g = _state(5)
+    async with client_for(cluster) as client:
+        plan = await _save_cold(client, "degraded/few", g)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "cpu_count", lambda: 1)
+        client = client_for(cluster, shm=False)  # every chunk through the decode here
+    at_once = [0, 0]  # now, most
+
+    async def counted(*args: Any, **kwargs: Any) -> Decoded:
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        try:
+            await asyncio.sleep(0.01)  # a slow decode: the restore has 8 chunks to start
+            return await decode_cold(*args, **kwargs)
+        finally:
+            at_once[0] -= 1
+
+    monkeypatch.setattr(degraded, "decode_cold", counted)
+    async with client:
+        dst = np.zeros_like(g)
+        await restore_checkpoint(client, "degraded/few", {"g": dst}, holders=plan)
+        assert dst.tobytes() == g.tobytes()
+        cold = client._reads.cold
+        assert cold.chunks_at_once == 2 and client.stats.chunks_decoded == len(plan) == 8
+        assert at_once[1] == 2
+        n = client.cluster.erasure.n if client.cluster.erasure else 0
+        assert client.stats.fragments_downloaded >= 32
+        assert cold.buffers().made <= (cold.chunks_at_once + 1) * n < 32
+
+
 async def test_fewer_than_k_fragments_is_a_clear_error(inproc: InprocFactory) -> None:
     cluster = await start_with_shm(inproc, 4, **CLIENT_SETTINGS, repair_interval=3600.0)
     g = _state(2)
@@ -192,6 +232,108 @@ async def test_decode_cold_gives_up_when_the_indexes_run_out() -> None:
         )
     assert (caught.value.available, caught.value.needed) == (3, 4)
     assert isinstance(caught.value, StoragedError)
+
+
+def _forged(raw: memoryview) -> memoryview:
+    """``raw`` with one payload byte changed and its CRC-32C recomputed: it passes its own
+    checks, and only the chunk's BLAKE3 can tell."""
+    frag = parse_fragment(raw)
+    payload = bytearray(frag.payload)
+    payload[len(payload) // 2] ^= 0x40
+    forged = build_fragment(
+        codec=frag.codec, k=frag.k, n=frag.n, index=frag.index, length=frag.length,
+        chunk_id=frag.chunk_id, payload=payload,
+    )  # fmt: skip
+    return memoryview(forged.to_bytes())
+
+
+async def test_several_decodes_in_flight_each_refuse_their_corrupt_fragment() -> None:
+    # Six chunks decoded at once on two decode slots, receive buffers shared through one
+    # pool: each chunk has a primary failing its CRC and another forged (good CRC, wrong
+    # bytes); every decode drops the first, sees through the second, returns its own bytes.
+    pool = FragmentBuffers(64 << 20)
+    slots = asyncio.Semaphore(2)
+    chunks = [np.random.default_rng(10 + i).bytes(300_000 + 1000 * i) for i in range(6)]
+
+    async def one(i: int, data: bytes) -> bytes:
+        cid, frags = _fragments(data)
+        damaged = bytearray(frags[i % 4])
+        damaged[len(damaged) // 2] ^= 0x01
+        served = {**frags, i % 4: memoryview(damaged), (i + 1) % 4: _forged(frags[(i + 1) % 4])}
+
+        async def fetch(index: int) -> memoryview:
+            await asyncio.sleep(0.001 * index)  # interleave the chunks' receives
+            view = pool.take(len(served[index]))
+            view[:] = served[index]
+            return view
+
+        decoded = await decode_cold(
+            cid, make_codec("zfec", 4, 6), {j: ["n0"] for j in frags}, fetch, slots, None, pool
+        )
+        assert decoded.skipped == 1  # the CRC failure; the forged one was outvoted
+        return bytes(decoded.data)
+
+    results = await asyncio.gather(*(one(i, d) for i, d in enumerate(chunks)))
+    assert results == chunks
+
+
+async def test_a_decode_into_the_destination_leaves_no_wrong_byte_there() -> None:
+    # A forged primary is decoded into ``out`` first (its wrong bytes land there), fails the
+    # chunk's BLAKE3, and the subset that hashes right is decoded over it: what the caller
+    # gets back, and every byte of ``out`` up to the chunk's length, is the chunk.
+    data = np.random.default_rng(20).bytes(200_003)
+    cid, frags = _fragments(data)
+    served = {**frags, 0: _forged(frags[0])}
+
+    async def fetch(index: int) -> memoryview:
+        return served[index]
+
+    out = bytearray(b"\xaa" * (len(data) + 64))
+    decoded = await decode_cold(
+        cid, make_codec("zfec", 4, 6), {i: ["n0"] for i in frags}, fetch, asyncio.Semaphore(1),
+        memoryview(out),
+    )  # fmt: skip
+    assert isinstance(decoded.data, memoryview) and decoded.data.obj is out
+    assert bytes(decoded.data) == data == bytes(out[: len(data)])
+    assert bytes(out[len(data) :]) == b"\xaa" * 64  # nothing written past the chunk
+    assert decoded.fetched == 5  # the forged one could only be outvoted with a spare
+
+
+async def test_fragment_buffers_come_back_after_a_decode_and_not_after_a_cancel() -> None:
+    data = np.random.default_rng(30).bytes(100_000)
+    cid, frags = _fragments(data)
+    codec = make_codec("zfec", 4, 6)
+    pool = FragmentBuffers(1 << 20)
+    handed: list[memoryview] = []
+
+    async def fetch(index: int) -> memoryview:
+        view = pool.take(len(frags[index]))
+        view[:] = frags[index]
+        handed.append(view)
+        return view
+
+    sources = {i: ["n0"] for i in frags}
+    decoded = await decode_cold(cid, codec, sources, fetch, asyncio.Semaphore(1), None, pool)
+    assert decoded.data == data
+    first = {id(v.obj) for v in handed}
+    handed.clear()
+    # The next decode receives into the same four buffers: no fresh memory per fragment.
+    assert (await decode_cold(cid, codec, sources, fetch, asyncio.Semaphore(1), None, pool)).data
+    assert {id(v.obj) for v in handed} == first
+    # A decode cancelled while its fragments may still be read keeps them out of the pool.
+    handed.clear()
+    held = asyncio.Semaphore(0)  # the decode waits for a slot that never frees
+    task = asyncio.create_task(decode_cold(cid, codec, sources, fetch, held, None, pool))
+    while len(handed) < 4:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not {id(v.obj) for v in handed} & {id(pool.take(len(frags[0])).obj) for _ in range(4)}
+    # Buffers the pool did not make are never taken in (a caller's own bytes).
+    foreign = memoryview(bytearray(len(frags[0])))
+    pool.give_back([foreign])
+    assert pool.take(len(frags[0])).obj is not foreign.obj
 
 
 def test_fetch_order_asks_for_primaries_first() -> None:
