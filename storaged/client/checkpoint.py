@@ -1330,6 +1330,14 @@ def _copy_letting_go(pair: list[np.ndarray[Any, Any]]) -> None:
     np.copyto(dest, source)
 
 
+def _chunk_sizes(manifest: Manifest, plan: RestorePlan) -> Mapping[str, int]:
+    """The sizes of the chunks of the shards the plan reads (a plan made elsewhere may not
+    say: then every shard's)."""
+    if plan.chunk_sizes is not None:
+        return plan.chunk_sizes
+    return {chunk: size for shard in manifest.shards for chunk, size in shard.chunks}
+
+
 async def execute_restore(
     store: CheckpointStore,
     manifest: Manifest,
@@ -1343,10 +1351,7 @@ async def execute_restore(
 
     Returns the decoded msgpack values by request index.
     """
-    # the shards the plan reads (a plan made elsewhere may not say: then every shard's)
-    sizes = plan.chunk_sizes
-    if sizes is None:
-        sizes = {chunk: size for shard in manifest.shards for chunk, size in shard.chunks}
+    sizes = _chunk_sizes(manifest, plan)
     targets: list[memoryview | None] = [
         _flat_bytes(a) if a is not None and a.flags.c_contiguous else None for a in arrays
     ]
