@@ -115,18 +115,24 @@ def _thread_state(native_id: int | None) -> tuple[str, float]:
 
 def _in_loop_machinery(frame: types.FrameType) -> bool:
     """Whether the loop thread stands in asyncio's own code (polling, dispatching), or
-    waits for a worker thread the default executor starts to be scheduled (``Thread.start``
-    waits until the new thread runs: on a starved machine that took over 0.5 s)."""
+    waits for a thread asyncio or the default executor starts to be scheduled (a worker, or
+    the child watcher of a subprocess: ``Thread.start`` waits until the new thread runs, and
+    on a starved machine that took over 0.5 s)."""
     filename = frame.f_code.co_filename
     if filename.startswith(_ASYNCIO_DIR) or filename.endswith("selectors.py"):
         return True
     outer: types.FrameType | None = frame
     while outer is not None:
         code = outer.f_code
-        if code.co_name == "_adjust_thread_count" and code.co_filename.endswith(
-            os.path.join("concurrent", "futures", "thread.py")
-        ):
-            return True
+        if code.co_name == "start" and code.co_filename.endswith("threading.py"):
+            # a Thread.start that asyncio (its child watcher's thread, for a subprocess) or
+            # the default executor (a worker) asked for
+            caller = outer.f_back
+            where = caller.f_code.co_filename if caller is not None else ""
+            if where.startswith(_ASYNCIO_DIR) or where.endswith(
+                os.path.join("concurrent", "futures", "thread.py")
+            ):
+                return True
         outer = outer.f_back
     return False
 

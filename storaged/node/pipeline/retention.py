@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from storaged.errors import NotFound
+from storaged.errors import NotFound, Unavailable
 from storaged.peer import PeerError
 from storaged.placement import Placement
 from storaged.retention import NEWEST, NO_POLICY, Committed, Decision, Policy, PolicyError, decide
@@ -247,6 +247,12 @@ class Retention:
                 await self.delete(name)
             except NotFound:
                 continue  # deleted meanwhile (an rm, another leader)
+            except Unavailable as exc:
+                # the catalogue out of reach (etcd cut off, a leader change): what is left
+                # waits for the next pass, decided again then. A line, not a traceback.
+                log.warning("retention: deleting %s: %s (the rest waits for the next pass)",
+                            name, exc)  # fmt: skip
+                break
             deleted.append(name)
             log.info("retention: deleted %s", name)
         return tuple(deleted)
