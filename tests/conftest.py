@@ -16,7 +16,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
@@ -113,6 +113,13 @@ def _thread_state(native_id: int | None) -> tuple[str, float]:
     return fields[0], (int(fields[11]) + int(fields[12])) / _TICK
 
 
+#: (function, file) of the machinery that starts a thread from the loop and waits for it
+#: to run: the default executor adding a worker, asyncio's child watcher for a subprocess
+_STARTS_A_THREAD: Final = frozenset(
+    {("_adjust_thread_count", "thread.py"), ("add_child_handler", "unix_events.py")}
+)
+
+
 def _in_loop_machinery(frame: types.FrameType) -> bool:
     """Whether the loop thread stands in asyncio's own code (polling, dispatching), or
     waits for a thread asyncio or the default executor starts to be scheduled (a worker, or
@@ -124,15 +131,8 @@ def _in_loop_machinery(frame: types.FrameType) -> bool:
     outer: types.FrameType | None = frame
     while outer is not None:
         code = outer.f_code
-        if code.co_name == "start" and code.co_filename.endswith("threading.py"):
-            # a Thread.start that asyncio (its child watcher's thread, for a subprocess) or
-            # the default executor (a worker) asked for
-            caller = outer.f_back
-            where = caller.f_code.co_filename if caller is not None else ""
-            if where.startswith(_ASYNCIO_DIR) or where.endswith(
-                os.path.join("concurrent", "futures", "thread.py")
-            ):
-                return True
+        if (code.co_name, os.path.basename(code.co_filename)) in _STARTS_A_THREAD:
+            return True
         outer = outer.f_back
     return False
 

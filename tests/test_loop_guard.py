@@ -8,6 +8,7 @@ in ``threading`` (a lock taken in the loop, say) still counts.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import types
@@ -40,3 +41,26 @@ def test_an_executor_starting_a_worker_is_loop_machinery(monkeypatch: pytest.Mon
     monkeypatch.undo()
     assert own and not _in_loop_machinery(own[0])
     assert not _in_loop_machinery(sys._getframe())
+
+
+def test_a_child_watcher_starting_its_thread_is_loop_machinery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A subprocess started from the loop: asyncio's child watcher starts a thread to wait
+    for it, and the loop waits for that thread to run (soak run 39's teardown, at load 15)."""
+    frames: list[types.FrameType] = []
+    start = threading.Thread.start
+
+    def recording_start(self: threading.Thread) -> None:
+        frames.append(sys._getframe())
+        start(self)
+
+    async def run_true() -> int:
+        proc = await asyncio.create_subprocess_exec("true")
+        return await proc.wait()
+
+    monkeypatch.setattr(threading.Thread, "start", recording_start)
+    assert asyncio.run(run_true()) == 0
+    monkeypatch.undo()
+    assert frames, "no thread was started for the subprocess"
+    assert any(_in_loop_machinery(f) for f in frames)

@@ -10,6 +10,7 @@ import asyncio
 import os
 from typing import Any
 
+from storaged.errors import unavailable
 from storaged.manifest import check_manifest
 from storaged.node import Node
 from storaged.node.pipeline.retention import ReadHolds
@@ -79,3 +80,36 @@ async def test_a_read_hold_lasts_its_time() -> None:
     assert holds.names() == ["job/step-2"]
     await asyncio.sleep(0.35)
     assert holds.names() == []
+
+
+async def test_a_catalogue_out_of_reach_ends_the_deletes_until_the_next_pass(
+    inproc: InprocFactory, caplog: Any
+) -> None:
+    """A delete the catalogue cannot make now (etcd cut off, a leader change: the rm path's
+    503 ``coordinator_unavailable``) ends that pass's deletes with a warning line, not a
+    traceback out of the pass; the next pass decides again and deletes the rest."""
+    cluster = await inproc.start(4, **SETTINGS)
+    leader = cluster.node(0)
+    for s in range(1, 5):
+        await _commit(leader, f"job/step-{s}")
+    rm = leader.retention.delete
+    out_of_reach = {"job/step-2"}
+
+    async def delete(name: str) -> None:
+        if name in out_of_reach:
+            raise unavailable("coordinator_unavailable", "etcd failed read: leader changed")
+        await rm(name)
+
+    leader.retention.delete = delete
+    report = await leader.retention.retention_pass()
+    assert report is not None
+    assert report.decision.delete == ("job/step-1", "job/step-2", "job/step-3")
+    assert report.deleted == ("job/step-1",)  # step-3 waits: the pass stopped at step-2
+    assert "deleting job/step-2" in caplog.text and "next pass" in caplog.text
+    names = [r.name for r in await leader.list_checkpoints("job/")]
+    assert names == ["job/step-2", "job/step-3", "job/step-4"]
+
+    out_of_reach.clear()  # etcd back
+    report = await leader.retention.retention_pass()
+    assert report is not None and report.deleted == ("job/step-2", "job/step-3")
+    assert [r.name for r in await leader.list_checkpoints("job/")] == ["job/step-4"]
