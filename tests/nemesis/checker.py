@@ -10,6 +10,7 @@ fragment's own checksum) once per file.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
 import random
 import time
@@ -414,6 +415,14 @@ def retention_may_delete(history: History, policy: Policy) -> set[str]:
     def order(name: str) -> tuple[int, bool]:
         return sequence_of(name) or 0, "/race-" in name
 
+    # Per job, the orders sorted, all and those of commits not acknowledged: "later" is then
+    # two binary searches a checkpoint (the run has thousands: a pair-wise count held the
+    # nemesis's loop for seconds).
+    orders = {job: sorted(order(r.name) for r in records) for job, records in jobs.items()}
+    unacked = {
+        job: sorted(order(r.name) for r in records if r.outcome != "acked")
+        for job, records in jobs.items()
+    }
     for record in history.checkpoints.values():
         rule = policy.rule_for(record.name)
         if not record.live or rule is None:
@@ -422,15 +431,11 @@ def retention_may_delete(history: History, policy: Policy) -> set[str]:
         if rule.keep_every and seq is not None and seq % rule.keep_every == 0:
             assert rule.keep_every_for is None, "the nemesis's every-Nth clause has no end"
             continue
-        later = sum(
-            1
-            for other in jobs[job_of(record.name)]
-            if other is not record
-            and (
-                order(other.name) > order(record.name)
-                or other.outcome != "acked"  # may have landed after this one
-            )
-        )
+        job, mine = job_of(record.name), order(record.name)
+        # others whose step comes later, and others not acknowledged (they may have landed
+        # after this one) whose step does not: the record itself is acknowledged (live)
+        later = len(orders[job]) - bisect.bisect_right(orders[job], mine)
+        later += bisect.bisect_right(unacked[job], mine)
         if later >= max(rule.keep_last, 1):
             deletable.add(record.name)
     return deletable
