@@ -190,7 +190,7 @@ def summarize_cluster(
         base = "raw put" if step == "archive" else "raw get"
         rows[step] = {
             "seconds": round(took, 6),
-            "gbps": round(gbps, 3),
+            "gbps": round(gbps, 6),
             "baseline": base,
             "ratio": ratio(gbps, modes[base]["best_gbps"]),
         }
@@ -202,8 +202,8 @@ def summarize(times: dict[str, list[float]], total: int) -> dict[str, Any]:
     for mode, seconds in times.items():
         row: dict[str, Any] = {
             "seconds": [round(s, 6) for s in seconds],
-            "best_gbps": round(total / min(seconds) / 1e9, 3),
-            "median_gbps": round(total / statistics.median(seconds) / 1e9, 3),
+            "best_gbps": round(total / min(seconds) / 1e9, 6),
+            "median_gbps": round(total / statistics.median(seconds) / 1e9, 6),
         }
         base = BASELINE.get(mode)
         if base is not None:
