@@ -34,6 +34,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -406,3 +407,21 @@ class SwiftS3Server:
         if self._outside is not None:
             shutil.rmtree(self._outside, ignore_errors=True)
             self._outside = None
+
+
+def swift_for_tests() -> Iterator[SwiftS3Server]:
+    """A Swift for a test module's fixture (it takes 10-45 s to start on the test machine):
+    the module is skipped, saying why, where Swift cannot run; stopped and removed after."""
+    import pytest
+
+    why = swift_missing()
+    if why is not None:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="storaged-swift-"))
+    server = SwiftS3Server(root)
+    try:
+        server.start_blocking(timeout=120)
+        yield server
+    finally:
+        server.close_blocking()
+        shutil.rmtree(root, ignore_errors=True)

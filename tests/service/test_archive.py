@@ -15,10 +15,8 @@ import contextlib
 import hashlib
 import io
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,8 +34,9 @@ from storaged.ids import chunk_id_of
 from storaged.node.archive import CannotOpenArchive, ReadThroughCache
 from storaged.tools.local_cluster import LocalCluster
 from storaged.wire import STATES
+from tests.client.test_client_checkpoint import model
 from tests.conftest import TOKEN, ClusterFactory
-from tests.s3server import SwiftS3Server, swift_missing
+from tests.s3server import SwiftS3Server, swift_for_tests
 from tests.service.inproc import InprocFactory
 from tiers.archive import ArchiveTier, S3Options
 
@@ -52,18 +51,8 @@ CHUNK = 16 << 10
 
 @pytest.fixture(scope="module")
 def swift() -> Iterator[SwiftS3Server]:
-    """One Swift for the module (it takes 10-45 s to start on the test machine)."""
-    why = swift_missing()
-    if why is not None:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="storaged-swift-"))
-    server = SwiftS3Server(root)
-    try:
-        server.start_blocking(timeout=120)
-        yield server
-    finally:
-        server.close_blocking()
-        shutil.rmtree(root, ignore_errors=True)
+    """One Swift for the module."""
+    yield from swift_for_tests()
 
 
 def s3_env(server: SwiftS3Server) -> dict[str, str]:
@@ -78,15 +67,6 @@ def s3_table(server: SwiftS3Server, tag: Path) -> dict[str, str]:
         "url": f"s3://{server.bucket}/{prefix}",
         "endpoint": server.endpoint,
         "region": server.region,
-    }
-
-
-def model(seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
-    rng = np.random.default_rng(seed)
-    return {
-        "emb": rng.standard_normal((300, 64)).astype(np.float32),
-        "w": rng.standard_normal((64, 48)).astype(np.float64),
-        "b": np.arange(48, dtype=np.int16),
     }
 
 

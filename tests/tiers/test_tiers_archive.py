@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import pytest
 from obstore.store import S3Store
 
 from storaged.ids import CHECKPOINT_NAME_RE, chunk_id_of
-from tests.s3server import SwiftS3Server, swift_missing
+from tests.s3server import SwiftS3Server, swift_for_tests
 from tests.tiers.tier_conformance import KiB, MiB, TierTests, all_keys
 from tiers.archive import (
     MANIFEST_NAME_RE,
@@ -41,18 +39,8 @@ SHORT = ArchiveTimeouts(connect=1.0, request=2.0, retries=1, retry_window=2.0)
 
 @pytest.fixture(scope="module")
 def swift() -> Iterator[SwiftS3Server]:
-    """One Swift for the module (it takes 10-45 s to start on the test machine)."""
-    why = swift_missing()
-    if why is not None:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="storaged-swift-"))
-    server = SwiftS3Server(root)
-    try:
-        server.start_blocking(timeout=120)
-        yield server
-    finally:
-        server.close_blocking()
-        shutil.rmtree(root, ignore_errors=True)
+    """One Swift for the module."""
+    yield from swift_for_tests()
 
 
 def s3_options(server: SwiftS3Server, secret: str | None = None) -> S3Options:
