@@ -30,6 +30,7 @@ from storaged.client import Client
 from storaged.client.checkpoint import restore_checkpoint, save_checkpoint
 from storaged.client.errors import CheckpointNotFound, Conflict
 from storaged.config import ConfigError, config_from_document
+from storaged.errors import InsufficientStorage
 from storaged.ids import chunk_id_of
 from storaged.node.archive import CannotOpenArchive, ReadThroughCache
 from storaged.tools.local_cluster import LocalCluster
@@ -265,6 +266,25 @@ async def test_archiving_again_finishes_what_a_dead_node_left(
     done = await cluster.node(2).archive.archive("half/step-1")
     assert (done.chunks, done.put) == (len(ids), len(ids) - len(ids) // 2)
     assert await cluster.node(3).archive.archived("half/step-1")
+
+
+async def test_an_archive_out_of_room_is_507_and_lists_nothing(
+    inproc: InprocFactory, tmp_path: Path
+) -> None:
+    """An archive whose quota (``archive_capacity``) cannot take the checkpoint: archiving
+    raises 507 ``archive_full``, and the checkpoint is not listed there (no manifest)."""
+    archive = (tmp_path / "archive").as_uri()
+    cluster = await inproc.start(4, archive=archive, archive_capacity=64 << 10)
+    await save(cluster.urls, TOKEN, "full/step-1", model(4))  # a few hundred KiB
+    with pytest.raises(InsufficientStorage) as refused:
+        await cluster.node(1).archive.archive("full/step-1")
+    assert refused.value.code == "archive_full"
+    assert not await cluster.node(2).archive.archived("full/step-1")
+    tier = await ArchiveTier.open(archive, 1 << 30)
+    try:
+        assert await tier.list_manifests() == []
+    finally:
+        await tier.close()
 
 
 # --------------------------------------------------------------------------- a fresh cluster
