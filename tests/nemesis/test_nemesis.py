@@ -146,8 +146,8 @@ def nemesis_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterMaker]:
                 env={"PYTHONASYNCIODEBUG": ""},
                 small_disk=random.Random(f"{seed}/small-disk").randrange(NODES),
                 domains=domains(slots),
-                # The embedded runs archive some checkpoints (workload.py, step 7)
-                archive=(root / f"archive{len(made)}").as_uri() if etcd is None else "",
+                # Both modes archive some checkpoints (workload.py, step 7)
+                archive=(root / f"archive{len(made)}").as_uri(),
                 coordinator=etcd.fresh_prefix("nemesis") if etcd is not None else "",
             )
             made.append(cluster)
@@ -290,8 +290,7 @@ async def test_nemesis_ci(
     seed = CI_SEED if replay is None else int(replay)
     cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, CI.spares)
     report, history = await run_nemesis(cluster, seed, CI, nemesis_etcd)
-    if cluster.archive:  # the embedded run archives (and checks) some checkpoints
-        assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
+    assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
     _conclude(report, history, capsys)
 
 
@@ -310,6 +309,7 @@ async def test_nemesis_etcd_ci(
     await asyncio.to_thread(etcd_rig.restore_blocking)
     cluster = await asyncio.to_thread(nemesis_cluster, seed, etcd_rig, ETCD_CI.spares)
     report, history = await run_nemesis(cluster, seed, ETCD_CI, etcd_rig)
+    assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
     _conclude(report, history, capsys)
 
 
