@@ -52,7 +52,7 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -225,6 +225,28 @@ class ArchiveTier(Tier):
                 if held.size == view.nbytes:
                     return  # held (content-addressed: the same bytes), by us or another writer
             await self._upload(key, view)
+
+    async def put_missing(self, key: str, produce: Callable[[], Awaitable[BytesLike]]) -> bool:
+        """Put ``chunks/<key>`` unless the store holds an object under it now: one HEAD,
+        and ``produce()`` (the bytes, checked against ``key`` as ``put`` checks them) only
+        when the object is missing. True when it uploaded. For a caller whose bytes are dear
+        to come by (an archiver reading them from the cluster): ``put`` wants them first.
+        An object found is taken as held whatever its size (the store writes objects whole;
+        one changed behind the tier's back fails ``get``'s check and is quarantined)."""
+        self._check_open()
+        check_chunk_id(key)
+        async with self._locks.hold(key):
+            try:
+                await self.stat(key)
+                return False
+            except ChunkNotFound:
+                pass
+            view = memoryview(await produce()).cast("B")
+            digest = await chunk_id_of_async(view)
+            if digest != key:
+                raise CorruptChunk(key, f"BLAKE3 of the bytes is {digest}")
+            await self._upload(key, view)
+            return True
 
     async def _upload(self, key: str, view: memoryview) -> None:
         """Reserve room, PUT ``chunks/<key>`` (the store takes the buffer as it is), fsync

@@ -42,6 +42,7 @@ from storaged.config import Config, ConfigError
 from storaged.coord.manifest_store import CatalogRecord
 from storaged.errors import Conflict, InsufficientStorage, NotFound, StoragedError, unavailable
 from storaged.manifest import check_manifest
+from storaged.wire import BytesLike
 from tiers import ByteRange, ChunkNotFound, CorruptChunk, TierError, TierFull
 from tiers.archive import ArchiveDenied, ArchiveTier, ManifestNotFound, S3Options
 from tiers.keylocks import KeyLocks
@@ -164,24 +165,10 @@ class Archive:
         async def worker() -> None:
             # The workers share one iterator: each takes the next chunk when it is free.
             for chunk_id in pending:
-                with _mapped(tier):
-                    try:
-                        await tier.stat(chunk_id)
-                        continue  # archived already (by this checkpoint or another)
-                    except ChunkNotFound:
-                        pass
-                try:
-                    data, _ = await self.read_chunk(chunk_id)
-                except ChunkNotFound:
-                    raise unavailable(
-                        "chunks_unavailable",
-                        f"chunk {chunk_id} of {name} cannot be read from any node now",
-                        retry_after=5.0,
-                    ) from None
-                with _mapped(tier):
-                    await tier.put(chunk_id, data)
-                put[0] += 1
-                put[1] += len(data)
+                size = await self._archive_chunk(tier, name, chunk_id)
+                if size is not None:
+                    put[0] += 1
+                    put[1] += size
 
         workers = [asyncio.ensure_future(worker()) for _ in range(ARCHIVE_CONCURRENCY)]
         try:
@@ -195,6 +182,36 @@ class Archive:
             await tier.put_manifest(name, record.manifest)
         log.info("archived %s: %d chunk(s), %d put (%d bytes)", name, len(ids), *put)
         return Archived(name, len(ids), put[0], put[1])
+
+    async def _archive_chunk(self, tier: ArchiveTier, name: str, chunk_id: str) -> int | None:
+        """Put chunk ``chunk_id`` of ``name`` into the archive unless it holds it (archived
+        already, by this checkpoint or another): one HEAD, and a read from the cluster only
+        when the archive lacks it. The bytes put, None when it held them."""
+        got: list[BytesLike] = []
+
+        async def read() -> BytesLike:
+            got.append(await self._read_whole(name, chunk_id))
+            return got[0]
+
+        with _mapped(tier):
+            if not await tier.put_missing(chunk_id, read):
+                return None
+        return memoryview(got[0]).nbytes
+
+    async def _read_whole(self, name: str, chunk_id: str) -> BytesLike:
+        """Chunk ``chunk_id`` of ``name`` through the read path (any tier, any node), for the
+        archive; 503 ``chunks_unavailable`` when no node can give it now (not the archive's
+        error: the caller maps only the archive's)."""
+        try:
+            data, _ = await self.read_chunk(chunk_id)
+        except TierError as exc:
+            why = "cannot be read from any node now"
+            if not isinstance(exc, ChunkNotFound):
+                why = f"cannot be read now: {exc}"
+            raise unavailable(
+                "chunks_unavailable", f"chunk {chunk_id} of {name} {why}", retry_after=5.0
+            ) from None
+        return data
 
     async def archived(self, name: str) -> bool:
         """Whether checkpoint ``name``'s manifest is in the archive (False with no archive).

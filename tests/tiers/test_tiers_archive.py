@@ -185,6 +185,56 @@ async def test_a_put_that_does_not_match_its_id_stores_nothing(
     assert await raw_paths(raw_store(swift, tmp_path), "") == []
 
 
+async def test_put_missing_produces_the_bytes_only_for_an_object_the_store_lacks(
+    swift: SwiftS3Server, s3_tier: ArchiveTier, tmp_path: Path, rng: random.Random
+) -> None:
+    key, value = chunk(rng, 200 * KiB)
+    asked: list[str] = []
+
+    async def produce() -> bytes:
+        asked.append(key)
+        return value
+
+    assert await s3_tier.put_missing(key, produce) is True
+    assert asked == [key] and s3_tier.usage().count == 1
+    raw = raw_store(swift, tmp_path)
+    assert bytes(await (await obstore.get_async(raw, f"chunks/{key}")).bytes_async()) == value
+    assert await s3_tier.put_missing(key, produce) is False  # held: no second read
+    assert asked == [key]
+    await obstore.delete_async(raw, f"chunks/{key}")  # gone behind the tier's back
+    assert await s3_tier.put_missing(key, produce) is True  # the store is asked, not memory
+    assert asked == [key, key]
+    assert bytes(await (await obstore.get_async(raw, f"chunks/{key}")).bytes_async()) == value
+
+
+async def test_put_missing_of_bytes_that_do_not_match_stores_nothing(
+    swift: SwiftS3Server, s3_tier: ArchiveTier, tmp_path: Path, rng: random.Random
+) -> None:
+    key, value = chunk(rng, 64 * KiB)
+
+    async def produce() -> bytes:
+        return value[::-1]
+
+    with pytest.raises(CorruptChunk) as info:
+        await s3_tier.put_missing(key, produce)
+    assert info.value.key == key
+    assert await raw_paths(raw_store(swift, tmp_path), "") == []
+    assert s3_tier.usage().count == 0
+
+
+async def test_put_missing_passes_the_producers_error_and_stores_nothing(
+    swift: SwiftS3Server, s3_tier: ArchiveTier, tmp_path: Path, rng: random.Random
+) -> None:
+    key, _ = chunk(rng, 1 * KiB)
+
+    async def produce() -> bytes:
+        raise LookupError("no node holds it")
+
+    with pytest.raises(LookupError):
+        await s3_tier.put_missing(key, produce)
+    assert await raw_paths(raw_store(swift, tmp_path), "") == []
+
+
 # --- objects changed behind the tier's back ----------------------------------------------
 
 
