@@ -252,7 +252,9 @@ async def run_nemesis(
     return report, history
 
 
-def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[str]) -> None:
+def _conclude(
+    report: Report, history: History, capsys: pytest.CaptureFixture[str], etcd: object | None
+) -> None:
     kinds = {k[6:]: n for k, n in sorted(history.counts.items()) if k.startswith("fault ")}
     skipped = {k: n for k, n in sorted(history.counts.items()) if k.endswith(" skipped")}
     with capsys.disabled():
@@ -264,7 +266,9 @@ def _conclude(report: Report, history: History, capsys: pytest.CaptureFixture[st
                 f"{history.counts['archived_after_delete']} read back after their delete"
             )
         print(f"nemesis faults by kind: {kinds}" + (f" ({skipped})" if skipped else ""))
-    log = Path(tempfile.gettempdir()) / f"storaged-nemesis-seed{history.seed}.log"
+    # Named by mode too: the two CI runs share seed 1 and run at once on two workers.
+    mode = "embedded" if etcd is None else "etcd"
+    log = Path(tempfile.gettempdir()) / f"storaged-nemesis-{mode}-seed{history.seed}.log"
     dump(history, log)
     if history.violations:
         listed = "\n".join(
@@ -291,7 +295,7 @@ async def test_nemesis_ci(
     cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, CI.spares)
     report, history = await run_nemesis(cluster, seed, CI, nemesis_etcd)
     assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
-    _conclude(report, history, capsys)
+    _conclude(report, history, capsys, nemesis_etcd)
 
 
 @pytest.mark.timeout(420)
@@ -310,7 +314,7 @@ async def test_nemesis_etcd_ci(
     cluster = await asyncio.to_thread(nemesis_cluster, seed, etcd_rig, ETCD_CI.spares)
     report, history = await run_nemesis(cluster, seed, ETCD_CI, etcd_rig)
     assert history.counts["archive_asked"] > 0, "no checkpoint was archived"
-    _conclude(report, history, capsys)
+    _conclude(report, history, capsys, etcd_rig)
 
 
 async def test_nemesis_soak(
@@ -334,4 +338,4 @@ async def test_nemesis_soak(
     )
     cluster = await asyncio.to_thread(nemesis_cluster, seed, nemesis_etcd, shape.spares)
     report, history = await run_nemesis(cluster, seed, shape, nemesis_etcd)
-    _conclude(report, history, capsys)
+    _conclude(report, history, capsys, nemesis_etcd)
