@@ -96,6 +96,8 @@ class ErrorCode(enum.StrEnum):
     LENGTH_REQUIRED = "length_required"
     TOO_LARGE = "too_large"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    # a body slower than the node allows (408): retry
+    BODY_TOO_SLOW = "body_too_slow"
     # who may ask (401, 403)
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"

@@ -44,6 +44,13 @@ class Truncated(BadRequest):
     default_code = ErrorCode.TRUNCATED
 
 
+class BodyTooSlow(StoragedError):
+    """A PUT body arrived slower than the node allows (its ``body_min_rate``): nothing was
+    stored. Retried (HTTP 408): a congested link may carry the next try faster."""
+
+    default_code = ErrorCode.BODY_TOO_SLOW
+
+
 class BadName(BadRequest):
     default_code = ErrorCode.BAD_NAME
 
@@ -212,6 +219,7 @@ _BY_CODE: dict[str, type[StoragedError]] = {
         BadChunkId,
         ChecksumMismatch,
         Truncated,
+        BodyTooSlow,
         BadName,
         BadManifest,
         BadRange,
@@ -240,6 +248,7 @@ _BY_STATUS: dict[int, type[StoragedError]] = {
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,
+    408: BodyTooSlow,
     409: Conflict,
     411: LengthRequired,
     413: TooLarge,
@@ -340,7 +349,8 @@ def foreign_answer(status: int, content_type: str | None) -> str:
 
 
 def is_retryable(error: BaseException) -> bool:
-    """True for failures worth retrying after a pause: 502/503/504 and lost connections."""
+    """True for failures worth retrying after a pause: 502/503/504, 408 (a body the node
+    found too slow) and lost connections."""
     if isinstance(error, ConnectionFailed):
         return True
-    return isinstance(error, StoragedError) and error.status in (502, 503, 504)
+    return isinstance(error, StoragedError) and error.status in (408, 502, 503, 504)

@@ -298,7 +298,8 @@ async def _body_pieces(
     """The body as the transport delivers it. Each wait for bytes is bounded by
     ``stall_timeout``, and all of them together by ``budget`` seconds: a body that
     trickles in just under the stall timeout would otherwise hold its RAM reservation
-    (on every replica holder) for as long as it likes. Past the budget: 400 truncated.
+    (on every replica holder) for as long as it likes. Past the budget: 408 body_too_slow
+    (a client may send it again: on a congested link the next try may fare better).
     Only the waits for the client count, not the time the consumer (peers) takes."""
     remaining = size
     loop = asyncio.get_running_loop()
@@ -331,10 +332,10 @@ async def _body_pieces(
         log.info("PUT body too slow (%d of %d bytes in %.1f s): abandoned",
                  size - remaining, size, budget)  # fmt: skip
         raise ApiError(
-            400,
-            "truncated",
+            408,
+            "body_too_slow",
             f"body too slow: {size - remaining} of {size} bytes in {budget:.1f} s "
-            "(the node's body_min_rate); nothing was stored",
+            "(the node's body_min_rate); nothing was stored: send it again",
         ) from None
 
 

@@ -125,6 +125,16 @@ def test_what_is_retryable() -> None:
     assert not is_retryable(error_from_response(500, b""))
     assert not is_retryable(error_from_response(404, b""))
     assert not is_retryable(ValueError())
+    # A body the node found too slow (E4): nothing was stored; a congested link may carry
+    # the next try faster. A truncated body (the client's own fault) is not retried.
+    slow = error_from_response(
+        408,
+        b'{"error": "body_too_slow", "message": "body too slow: 1 of 2 bytes in 5.0 s"}',
+        "application/json",
+    )
+    assert type(slow).__name__ == "BodyTooSlow" and slow.code == "body_too_slow"
+    assert is_retryable(slow) and is_retryable(error_from_response(408, b""))
+    assert not is_retryable(error_from_response(400, b'{"error": "truncated"}', "application/json"))
 
 
 # --------------------------------------------------------------------------- retry policy

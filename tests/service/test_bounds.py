@@ -145,9 +145,9 @@ async def test_trickling_put_is_cut_off_and_its_ram_released(
 
     await _until(reserved, "the PUT's RAM reservations")
     answer, sent = await trickle
-    assert answer.startswith(b"HTTP/1.1 400"), (answer[:300], sent)
+    assert answer.startswith(b"HTTP/1.1 408"), (answer[:300], sent)
     body = json.loads(answer.partition(b"\r\n\r\n")[2])
-    assert body["error"] == "truncated" and "too slow" in body["message"]
+    assert body["error"] == "body_too_slow" and "too slow" in body["message"]
     assert sent < len(data)
 
     async def released() -> bool:
