@@ -19,7 +19,12 @@ Deadlines:
   times slower than the reads before it, and never before ``read_floor``.
 
 A hedge costs one more request of the same size (the bytes of a chunk read twice, the
-first copy dropped), at most ``max_hedges`` per logical request. Writes are never
+first copy dropped), at most ``max_hedges`` per logical request. So a read past its deadline
+whose bytes are still arriving (a byte within the last ``read_floor`` seconds) is not hedged
+yet, until ``PROGRESS_CAP`` times its deadline: on a saturated link every read is slow
+together and a hedge only takes bandwidth from the others (on 500 mbit links, 16 reads in
+flight, hedges were 35 % of what the reader's link carried; docs/BENCHMARKS.md "On capped
+links"). A hung node sends nothing and is hedged at its deadline as before. Writes are never
 hedged: a PUT or a commit sent twice is not the same as once.
 
 Every figure can be set through ``Client(deadlines=Deadlines(...))`` or, for the
@@ -28,6 +33,7 @@ defaults a ``Client`` takes (the CLI's), the ``STORAGED_*`` variables ``from_env
 
 from __future__ import annotations
 
+import contextvars
 import os
 import time
 from collections.abc import Mapping
@@ -43,6 +49,9 @@ ENV: Final = {
     "STORAGED_MAX_HEDGES": "max_hedges",
     "STORAGED_SLOW_FOR": "slow_for",
 }
+
+#: a read whose bytes still arrive is hedged at this many times its deadline at the latest
+PROGRESS_CAP: Final = 4.0
 
 # Reads smaller than this say more about latency than bandwidth: not measured.
 _MIN_SAMPLE: Final = 256 * 1024
@@ -127,6 +136,36 @@ class Bandwidth:
         d = self._deadlines
         rate = self.measured or d.bandwidth_prior
         return d.read_floor + max(0, nbytes) / (d.read_share * rate)
+
+
+class Progress:
+    """When an attempt last received bytes of its answer (``Requests.call`` gives each
+    attempt one; the body readers ``note`` it)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        #: ``time.monotonic()`` of the last bytes received; None before any
+        self.last: float | None = None
+
+    def note(self) -> None:
+        self.last = time.monotonic()
+
+
+# Set in each attempt's own task (``Requests.call``): the attempt's ``Progress``.
+_PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar(
+    "progress", default=None
+)
+
+
+def attempt_progress() -> Progress | None:
+    """In an attempt of ``Requests.call``: its ``Progress``, for a body reader to note."""
+    return _PROGRESS.get()
+
+
+def set_attempt_progress(progress: Progress) -> None:
+    """``Requests.call``, in an attempt's own task."""
+    _PROGRESS.set(progress)
 
 
 class SlowNodes:

@@ -28,10 +28,12 @@ neither side asked to close it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from storaged.client.deadlines import Progress, attempt_progress
 from storaged.client.errors import ProtocolError
 from storaged.transport import HEAD, HOLD, BodyProtocol, IdlePool
 
@@ -147,6 +149,7 @@ class _GetConnection(BodyProtocol):
         self._head: ResponseHead | None = None
         self._tail = 0  # body bytes past the destination: dropped by closing
         self._last_rx = 0.0
+        self._progress: Progress | None = None  # the attempt's, while a request runs
         self._stall: asyncio.TimerHandle | None = None
         self.idle_timer: asyncio.TimerHandle | None = None
         self.on_lost: Callable[[_GetConnection], None] | None = None
@@ -155,6 +158,8 @@ class _GetConnection(BodyProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_rx = self._loop.time()
+        if self._progress is not None:
+            self._progress.last = time.monotonic()
         super().buffer_updated(nbytes)
 
     def eof_received(self) -> bool | None:
@@ -205,6 +210,7 @@ class _GetConnection(BodyProtocol):
         self._planner = planner
         self._head = None
         self._reusable = False
+        self._progress = attempt_progress()
         self._mode = HEAD
         self._sbeg = self._send = self._scanned = self._rx = 0
         self._last_rx = self._loop.time()
@@ -219,6 +225,7 @@ class _GetConnection(BodyProtocol):
         finally:
             self._waiter = None
             self._planner = None
+            self._progress = None
 
     def abort(self) -> None:
         """Drop the connection at once; a pending request fails with ``ConnectionResetError``."""

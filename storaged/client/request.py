@@ -27,7 +27,13 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgpack
 
-from storaged.client.deadlines import Deadlines, SlowNodes
+from storaged.client.deadlines import (
+    PROGRESS_CAP,
+    Deadlines,
+    Progress,
+    SlowNodes,
+    set_attempt_progress,
+)
 from storaged.client.direct import NotHandled
 from storaged.client.documents import ClientStats, ClusterInfo
 from storaged.client.errors import (
@@ -69,6 +75,8 @@ class _Attempt:
     owns_out: bool
     #: started while another attempt still ran (a hedge or a failover beside a laggard)
     hedge: bool
+    #: when its answer's bytes last arrived (noted by the body readers)
+    progress: Progress
 
 
 # Set in each attempt's own task: False when another attempt of the same request may be
@@ -467,7 +475,8 @@ class Requests:
         answer goes through ``accept`` (which raises a ``StoragedError`` to refuse it)
         before it is taken. An attempt that started while another still runs sees
         ``owns_out()`` False: it must not write into a buffer the other may be writing.
-        ``observe`` gets the answer taken and the seconds its attempt took.
+        ``observe`` gets the answer taken and the seconds its attempt took (a hedge that
+        won: since the first attempt started).
         """
         session = self.session
         if session is None:
@@ -533,6 +542,8 @@ class _Request(Generic[T]):
         self.deadline, self.accept, self.observe = deadline, accept, observe
         self.max_hedges = requests.deadlines.max_hedges if deadline is not None else 0
         self.attempts = 0
+        #: when the first attempt started (its request slot taken)
+        self.first_started = self.started
         self.position = 0
         self.lost_in_a_row = 0
         self.refused_in_a_row = 0
@@ -567,7 +578,10 @@ class _Request(Generic[T]):
                     self.running, timeout=self._hedge_timeout(), return_when=asyncio.FIRST_COMPLETED
                 )
                 if not done:
-                    self._hedge()
+                    # Unless bytes that arrived meanwhile put it off (a timer may wake a
+                    # hair early: under a millisecond left counts as due).
+                    if (self._hedge_timeout() or 0.0) < 1e-3:
+                        self._hedge()
                     continue
                 finished = next(iter(done))  # the others that are done come next round
                 this = self.running.pop(finished)
@@ -610,14 +624,18 @@ class _Request(Generic[T]):
         try:
             node = self._next_node()
             owns = not any(a.owns_out for a in self.running.values())
-            task = asyncio.ensure_future(self._attempt(node, owns))
+            progress = Progress()
+            task = asyncio.ensure_future(self._attempt(node, owns, progress))
         except BaseException:
             if slot:
                 slots.release()
             raise
         if slot:
             task.add_done_callback(lambda _: slots.release())
-        self.running[task] = _Attempt(node, time.monotonic(), owns, not slot)
+        now = time.monotonic()
+        self.running[task] = _Attempt(node, now, owns, not slot, progress)
+        if not self.attempts:
+            self.first_started = now
         self.attempts += 1
         if self.background:
             self.requests.stats.background_requests += 1
@@ -641,8 +659,9 @@ class _Request(Generic[T]):
             self.position += 1
         return order[self.position % len(order)]
 
-    async def _attempt(self, node: str, owns: bool) -> T:
+    async def _attempt(self, node: str, owns: bool, progress: Progress) -> T:
         _OWNS_OUT.set(owns)  # this task's context only
+        set_attempt_progress(progress)
         send, inflight = self.send, self.requests.inflight
         extra = self.requests.extra_headers
         inflight[node] = inflight.get(node, 0) + 1
@@ -679,7 +698,14 @@ class _Request(Generic[T]):
         ):
             return None
         newest = max(a.started for a in self.running.values())
-        return max(0.0, newest + self.deadline - time.monotonic())
+        due = newest + self.deadline
+        arrived = [a.progress.last for a in self.running.values() if a.progress.last]
+        if arrived:
+            # Bytes still arriving: no hedge while they do (within read_floor), up to
+            # PROGRESS_CAP deadlines (module docstring of storaged.client.deadlines).
+            still = max(arrived) + self.requests.deadlines.read_floor
+            due = max(due, min(still, newest + PROGRESS_CAP * self.deadline))
+        return max(0.0, due - time.monotonic())
 
     def _hedge(self) -> None:
         """No answer within the deadline: mark the late nodes slow, ask the next one too."""
@@ -706,7 +732,12 @@ class _Request(Generic[T]):
         if self.hedges and this.hedge:
             self.requests.stats.hedge_wins += not self.background
         if self.observe is not None:
-            self.observe(result, time.monotonic() - this.started)
+            # A hedge that wins ran for less time than the read took: timed from its own
+            # start, the reads measured would look faster than they are and the deadlines
+            # would tighten at each win, hedging more (on a saturated link, most reads).
+            # So a raced answer is timed from the request's first attempt.
+            since = self.first_started if this.hedge else this.started
+            self.observe(result, time.monotonic() - since)
         return result
 
     def _fail(self, error: StoragedError) -> None:

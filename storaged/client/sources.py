@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import aiohttp
 
-from storaged.client.deadlines import Bandwidth
+from storaged.client.deadlines import Bandwidth, attempt_progress
 from storaged.client.direct import BodyPlan, DirectGets, NotHandled, ResponseHead
 from storaged.client.documents import ClientStats, Holder
 from storaged.client.errors import (
@@ -267,10 +267,13 @@ async def read_body(
         raise ValueError(f"output buffer of {len(out)} bytes < {expected} to read")
     pos = 0
     stream = resp.content
+    progress = attempt_progress()  # bytes arriving put a hedge off (client/deadlines.py)
     while True:
         piece = await stream.readany()
         if not piece:
             break
+        if progress is not None:
+            progress.note()
         if skip:
             dropped = min(skip, len(piece))
             skip -= dropped
