@@ -376,13 +376,20 @@ def _stage_laid_out(
                 copy = np.empty(d.nbytes, dtype=np.uint8)
                 _copy_item(d, copy)
                 segments.append((start, copy.data))
+    return StagedShard(layout.rank, layout.items, cut_segments(segments, layout.chunks))
+
+
+def cut_segments(
+    segments: Sequence[tuple[int, memoryview]], cuts: Iterable[tuple[int, int]]
+) -> tuple[memoryview, ...]:
+    """The chunks ``cuts`` (offset, size in the stream) as views of ``segments`` (offset,
+    bytes; in stream order), none of them straddling two (``pack_stream`` lays out so)."""
     starts = [offset for offset, _ in segments]
     chunks = []
-    for offset, size in layout.chunks:
-        index = bisect.bisect_right(starts, offset) - 1
-        seg_start, seg = segments[index]
+    for offset, size in cuts:
+        seg_start, seg = segments[bisect.bisect_right(starts, offset) - 1]
         chunks.append(seg[offset - seg_start : offset - seg_start + size])
-    return StagedShard(layout.rank, layout.items, tuple(chunks))
+    return tuple(chunks)
 
 
 def _copy_range(item: _SaveItem, lo: int, hi: int, into: np.ndarray[Any, Any]) -> None:
