@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import msgpack
@@ -376,13 +376,20 @@ def _stage_laid_out(
                 copy = np.empty(d.nbytes, dtype=np.uint8)
                 _copy_item(d, copy)
                 segments.append((start, copy.data))
+    return StagedShard(layout.rank, layout.items, cut_segments(segments, layout.chunks))
+
+
+def cut_segments(
+    segments: Sequence[tuple[int, memoryview]], cuts: Iterable[tuple[int, int]]
+) -> tuple[memoryview, ...]:
+    """The chunks ``cuts`` (offset, size in the stream) as views of ``segments`` (offset,
+    bytes; in stream order), none of them straddling two (``pack_stream`` lays out so)."""
     starts = [offset for offset, _ in segments]
     chunks = []
-    for offset, size in layout.chunks:
-        index = bisect.bisect_right(starts, offset) - 1
-        seg_start, seg = segments[index]
+    for offset, size in cuts:
+        seg_start, seg = segments[bisect.bisect_right(starts, offset) - 1]
         chunks.append(seg[offset - seg_start : offset - seg_start + size])
-    return StagedShard(layout.rank, layout.items, tuple(chunks))
+    return tuple(chunks)
 
 
 def _copy_range(item: _SaveItem, lo: int, hi: int, into: np.ndarray[Any, Any]) -> None:
@@ -660,28 +667,23 @@ class _StagingGate:
             raise asyncio.CancelledError
 
 
+@dataclass(eq=False, repr=False)
 class SaveHandle:
     """A save in progress, returned by ``AsyncSaver.save`` once the state is staged (or,
     with ``lazy=True``, once its copy has begun: ``staged`` says when it is done)."""
 
-    def __init__(
-        self,
-        store: CheckpointStore,
-        name: str,
-        staged_bytes: int,
-        stall: float,
-        commit: bool,
-        gate: _StagingGate | None = None,
-    ) -> None:
-        self.name = name
-        #: Bytes copied (or, lazily, to be copied) into staging buffers.
-        self.staged_bytes = staged_bytes
-        #: Seconds ``save`` took (waiting for a free staging buffer included).
-        self.stall_seconds = stall
-        self._store = store
-        self._commit = commit
-        self._gate = gate
-        self._result: asyncio.Future[SaveResult] = asyncio.get_running_loop().create_future()
+    _store: CheckpointStore
+    name: str
+    #: Bytes copied (or, lazily, to be copied) into staging buffers.
+    staged_bytes: int
+    #: Seconds ``save`` took (waiting for a free staging buffer included).
+    stall_seconds: float
+    _commit: bool
+    _gate: _StagingGate | None = None
+    _result: asyncio.Future[SaveResult] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._result = asyncio.get_running_loop().create_future()
         self._result.add_done_callback(self._log_unseen_failure)
 
     def _log_unseen_failure(self, future: asyncio.Future[SaveResult]) -> None:

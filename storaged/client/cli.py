@@ -27,6 +27,7 @@ needs whole tensors). Progress bars (on stderr, when it is a terminal, or with
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -86,25 +87,33 @@ def _json_option() -> argparse.ArgumentParser:
     return common
 
 
+#: ``sub.add_parser`` with the options every command of a group takes (``parents``)
+AddCommand = Callable[..., argparse.ArgumentParser]
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client commands to the ``storaged`` command's subparsers."""
     conn = _connection_options()
     progress = progress_options()
     as_json = _json_option()
 
-    _add_cluster_commands(sub, [conn, as_json])
-    _add_change_commands(sub, [conn, as_json])
-    _add_file_commands(sub, [conn, progress, as_json])
+    _add_cluster_commands(functools.partial(sub.add_parser, parents=[conn, as_json]))
+    _add_change_commands(functools.partial(sub.add_parser, parents=[conn, as_json]))
+    _add_file_commands(functools.partial(sub.add_parser, parents=[conn, progress, as_json]))
 
 
-def _add_cluster_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: list[argparse.ArgumentParser],
-) -> None:
+def _admin_token_option(p: argparse.ArgumentParser, use: str = "") -> None:
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("STORAGED_ADMIN_TOKEN") or None,
+        help=f"admin bearer token{use} (default $STORAGED_ADMIN_TOKEN)",
+    )
+
+
+def _add_cluster_commands(add: AddCommand) -> None:
     """ls, status, archive and nodes: what the cluster holds, and its nodes."""
-    p = sub.add_parser(
+    p = add(
         "ls",
-        parents=parents,
         help="list committed checkpoints: size, bytes shared with others, where they are now",
     )
     p.add_argument("prefix", nargs="?", default="", help="only names starting with this")
@@ -116,9 +125,8 @@ def _add_cluster_commands(
     )
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser(
+    p = add(
         "status",
-        parents=parents,
         help="durability of a checkpoint: levels reached, and where its copies are now",
     )
     p.add_argument("name")
@@ -131,9 +139,8 @@ def _add_cluster_commands(
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait may take")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser(
+    p = add(
         "archive",
-        parents=parents,
         help="copy a committed checkpoint to the cluster's archive (its chunks, then its "
         "manifest); a fresh cluster pointed at the archive lists and restores it",
     )
@@ -142,24 +149,19 @@ def _add_cluster_commands(
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait may take")
     p.set_defaults(func=cmd_archive)
 
-    p = sub.add_parser(
+    p = add(
         "nodes",
         aliases=["cluster"],
-        parents=parents,
         help="the cluster's nodes: alive or down, space and chunks per tier, backlogs "
         "(exit status 3 when a node is down)",
     )
     p.set_defaults(func=cmd_nodes)
 
 
-def _add_change_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: list[argparse.ArgumentParser],
-) -> None:
+def _add_change_commands(add: AddCommand) -> None:
     """drain, rm and retention: what changes what the cluster holds."""
-    p = sub.add_parser(
+    p = add(
         "drain",
-        parents=parents,
         help="mark a node draining (no new placements; what it holds is copied elsewhere) "
         "and say when it can leave with nothing under-replicated",
     )
@@ -168,42 +170,30 @@ def _add_change_commands(
     p.add_argument("--cancel", action="store_true", help="mark the node active again")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait may take")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
-    p.add_argument(
-        "--admin-token",
-        default=os.environ.get("STORAGED_ADMIN_TOKEN") or None,
-        help="admin bearer token (default $STORAGED_ADMIN_TOKEN)",
-    )
+    _admin_token_option(p)
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("rm", parents=parents, help="delete checkpoints")
+    p = add("rm", help="delete checkpoints")
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--prefix", help="delete every checkpoint whose name starts with this")
     p.set_defaults(func=cmd_rm)
 
-    p = sub.add_parser(
+    p = add(
         "retention",
-        parents=parents,
         help="show the retention policy in force, or store one (etcd coordination)",
     )
     p.add_argument("action", choices=("show", "set"))
     p.add_argument(
         "file", nargs="?", metavar="FILE", help="for set: a TOML file of [[retention]] tables"
     )
-    p.add_argument(
-        "--admin-token",
-        default=os.environ.get("STORAGED_ADMIN_TOKEN") or None,
-        help="admin bearer token, for set (default $STORAGED_ADMIN_TOKEN)",
-    )
+    _admin_token_option(p, ", for set")
     p.set_defaults(func=cmd_retention)
 
 
-def _add_file_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    parents: list[argparse.ArgumentParser],
-) -> None:
+def _add_file_commands(add: AddCommand) -> None:
     """save and restore: a checkpoint from a file, and back."""
     kinds = "safetensors (file or directory of shards), npz, torch (.pt, pytorch_model.bin) or raw"
-    p = sub.add_parser("save", parents=parents, help=f"save a {kinds} file as a checkpoint")
+    p = add("save", help=f"save a {kinds} file as a checkpoint")
     p.add_argument("file", help="the file; - reads raw bytes from stdin")
     p.add_argument("name")
     p.add_argument("--format", choices=FORMATS, help="when the extension does not say it")
@@ -225,9 +215,8 @@ def _add_file_commands(
     )
     p.set_defaults(func=cmd_save)
 
-    p = sub.add_parser(
+    p = add(
         "restore",
-        parents=parents,
         help=f"restore a checkpoint into a {kinds} file",
     )
     p.add_argument("name")

@@ -90,7 +90,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from storaged.client.checkpoint import StagedShard, execute_restore
+from storaged.client.checkpoint import StagedShard, cut_segments, execute_restore
 from storaged.client.client import Client, ClientStats, CommitResult, RestorePlanDoc, run_all
 from storaged.client.errors import CheckpointNotFound, Exists
 from storaged.client.layout import (
@@ -326,12 +326,7 @@ def _stage(rank: int, sources: Sequence[_Source], chunk_size: int) -> StagedShar
             segments.append((start, source.data))
         elif size:
             packed[start : start + size] = np.frombuffer(source.data, dtype=np.uint8)
-    starts = [offset for offset, _ in segments]
-    chunks = []
-    for offset, size in layout.chunks:
-        seg_start, segment = segments[bisect.bisect_right(starts, offset) - 1]
-        chunks.append(segment[offset - seg_start : offset - seg_start + size])
-    return StagedShard(rank, items, tuple(chunks))
+    return StagedShard(rank, items, cut_segments(segments, layout.chunks))
 
 
 async def _read_stream(

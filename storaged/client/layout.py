@@ -838,28 +838,22 @@ def plan_restore(
     )
 
 
+@dataclass(eq=False)
 class _Planner:
     """What ``plan_restore`` gathers, request by request: direct pieces (merged into
     fetches at the end), staged tiles, value buffers, and the bytes the requests need."""
 
-    def __init__(
-        self,
-        manifest: Manifest,
-        dtype_map: Mapping[str, Any] | None,
-        coalesce_gap: int,
-        max_tile: int,
-    ) -> None:
-        self.manifest = manifest
-        self.dtype_map = dtype_map
-        self.coalesce_gap = coalesce_gap
-        self.max_tile = max_tile
-        # Only the shards a request reads: a rank of a large job reads a few of many.
-        self.chunk_offsets: dict[int, list[int]] = {}
-        self.chunk_sizes: dict[str, int] = {}
-        self.pieces: list[_Piece] = []
-        self.staged: list[StagedCopy] = []
-        self.values: list[ValueRead] = []
-        self.needed = 0
+    manifest: Manifest
+    dtype_map: Mapping[str, Any] | None
+    coalesce_gap: int
+    max_tile: int
+    # Only the shards a request reads: a rank of a large job reads a few of many.
+    chunk_offsets: dict[int, list[int]] = field(default_factory=dict, init=False)
+    chunk_sizes: dict[str, int] = field(default_factory=dict, init=False)
+    pieces: list[_Piece] = field(default_factory=list, init=False)
+    staged: list[StagedCopy] = field(default_factory=list, init=False)
+    values: list[ValueRead] = field(default_factory=list, init=False)
+    needed: int = field(default=0, init=False)
 
     def value(self, req_index: int, req: Request, saved: list[tuple[int, Item]]) -> None:
         """A value (``VALUE_DTYPES``): its bytes go whole to a value buffer."""

@@ -53,6 +53,7 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -112,50 +113,42 @@ def unpack_ids(blob: bytes) -> list[str]:
     raise ValueError("unknown chunk-id part format")
 
 
+@dataclass(eq=False, repr=False)
 class EtcdCatalogue(Catalogue):
     """``name -> record`` in etcd; the node's data plane holds manifests too big for it."""
 
-    def __init__(
-        self,
-        node: DataPlane | None,
-        session: EtcdSession,
-        *,
-        inline_manifest: int = 512 * 2**10,
-        inline_refs: int = 512 * 2**10,
-        tombstone_ttl: float = 24 * 3600.0,
-        compact_interval: float = 300.0,
-    ) -> None:
-        self.node = node
-        self.s = session
-        self.inline_manifest = inline_manifest
-        self.inline_refs = inline_refs
-        self.tombstone_ttl = tombstone_ttl
-        self.compact_interval = compact_interval
-        #: when the last compaction ran (monotonic), None before the first: monotonic time
-        #: counts from an arbitrary point (boot, on Linux), so a 0.0 here held back every
-        #: compaction for a freshly booted machine's first ``compact_interval`` seconds
-        self._last_compaction: float | None = None
-        #: the etcd revision of the last orphan scan: parts created after it are too young
-        self._orphan_horizon = 0
-        #: names whose live record a read found without all its chunk-id parts
-        self._damaged: set[str] = set()
+    node: DataPlane | None
+    session: EtcdSession
+    _: KW_ONLY
+    inline_manifest: int = 512 * 2**10
+    inline_refs: int = 512 * 2**10
+    tombstone_ttl: float = 24 * 3600.0
+    compact_interval: float = 300.0
+    #: when the last compaction ran (monotonic), None before the first: monotonic time
+    #: counts from an arbitrary point (boot, on Linux), so a 0.0 here held back every
+    #: compaction for a freshly booted machine's first ``compact_interval`` seconds
+    _last_compaction: float | None = field(default=None, init=False)
+    #: the etcd revision of the last orphan scan: parts created after it are too young
+    _orphan_horizon: int = field(default=0, init=False)
+    #: names whose live record a read found without all its chunk-id parts
+    _damaged: set[str] = field(default_factory=set, init=False)
 
     # ---- keys --------------------------------------------------------------------------
     def _ckpt(self, name: str = "") -> str:
-        return self.s.key("ckpt", name)
+        return self.session.key("ckpt", name)
 
     def _manifest(self, name: str, digest: str | None = None) -> str:
-        return self.s.key("manifest", f"{name}#{_tag(digest)}")
+        return self.session.key("manifest", f"{name}#{_tag(digest)}")
 
     def _refs(self, name: str, digest: str | None = None, part: int | None = None) -> str:
         tail = "" if part is None else f"#{part:06d}"
-        return self.s.key("refs", f"{name}#{_tag(digest)}{tail}")
+        return self.session.key("refs", f"{name}#{_tag(digest)}{tail}")
 
     # ---- commit ------------------------------------------------------------------------
     async def commit(self, record: CatalogRecord) -> bool:
         if record.manifest is None:
             raise ValueError("a commit needs the manifest")
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         summary: dict[str, Any] = {
             "format": _FORMAT,
             "name": record.name,
@@ -191,7 +184,7 @@ class EtcdCatalogue(Catalogue):
                 compares += [
                     KVService.txn_compare_create_revision(k, 0, result=_GREATER) for k in part_keys
                 ]
-            reply = await self.s.call(
+            reply = await self.session.call(
                 f"commit of {record.name!r}",
                 kv.txn(compares, ops, [KVService.txn_op_get(key)]),
             )
@@ -210,9 +203,9 @@ class EtcdCatalogue(Catalogue):
         raise CommitConflict(f"checkpoint {record.name!r} keeps changing: committed concurrently")
 
     async def _put_parts(self, keys: list[str], parts: list[bytes]) -> None:
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         for k, p in zip(keys, parts, strict=True):
-            await self.s.call("a chunk-id part", kv.put(k, p))
+            await self.session.call("a chunk-id part", kv.put(k, p))
 
     async def _store_manifest_chunks(self, manifest: bytes) -> list[list[Any]]:
         """Put the manifest on the data plane as chunks of at most ``max_chunk_size``;
@@ -235,17 +228,17 @@ class EtcdCatalogue(Catalogue):
 
     # ---- reads ---------------------------------------------------------------------------
     async def find(self, name: str) -> CatalogRecord | None:
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         prefix = self._refs(name)
-        reply = await self.s.call(
+        reply = await self.session.call(
             f"read of {name!r}",
             kv.txn(
                 [],
                 [
                     KVService.txn_op_get(self._ckpt(name)),
-                    KVService.txn_op_get(prefix, range_end=self.s.range_end(prefix)),
+                    KVService.txn_op_get(prefix, range_end=self.session.range_end(prefix)),
                     KVService.txn_op_get(
-                        self._manifest(name), range_end=self.s.range_end(self._manifest(name))
+                        self._manifest(name), range_end=self.session.range_end(self._manifest(name))
                     ),
                 ],
             ),
@@ -285,11 +278,11 @@ class EtcdCatalogue(Catalogue):
         self, prefix: str, revision: int = 0, *, keys_only: bool = False
     ) -> AsyncIterator[tuple[Any, int]]:
         """(key-value, revision) over ``prefix`` in key order, every page at one revision."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         start: bytes = prefix.encode()
-        end = self.s.range_end(prefix)
+        end = self.session.range_end(prefix)
         while True:
-            reply = await self.s.call(
+            reply = await self.session.call(
                 f"range over {prefix!r}",
                 kv.get(start, end, revision=revision, limit=_PAGE, keys_only=keys_only),
             )
@@ -315,7 +308,7 @@ class EtcdCatalogue(Catalogue):
         done. Only the record first read is deleted: one a new commit put under the name
         meanwhile is never touched. ``CoordinatorUnavailable`` when etcd does not answer
         (also after ``_LOST_READS`` reads following a lost answer)."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         key = self._ckpt(name)
         token = secrets.token_hex(16)
         #: the mod_revision of the live record this call deletes (the first one read)
@@ -343,15 +336,15 @@ class EtcdCatalogue(Catalogue):
             summary.pop("manifest_chunks", None)
             refs, manifests = self._refs(name), self._manifest(name)
             try:
-                reply = await self.s.call(
+                reply = await self.session.call(
                     f"delete of {name!r}",
                     kv.txn(
                         [compare_mod_revision(key, target)],
                         [
                             KVService.txn_op_put(key, _pack(summary)),
-                            KVService.txn_op_delete(refs, range_end=self.s.range_end(refs)),
+                            KVService.txn_op_delete(refs, range_end=self.session.range_end(refs)),
                             KVService.txn_op_delete(
-                                manifests, range_end=self.s.range_end(manifests)
+                                manifests, range_end=self.session.range_end(manifests)
                             ),
                         ],
                     ),
@@ -367,10 +360,10 @@ class EtcdCatalogue(Catalogue):
 
     async def _read_record(self, name: str, key: str, *, retries: int) -> Any:
         """``key``'s range answer, read up to ``retries`` times while etcd does not answer."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         for attempt in range(retries):
             try:
-                return await self.s.call(f"read of {name!r}", kv.get(key))
+                return await self.session.call(f"read of {name!r}", kv.get(key))
             except CoordinatorUnavailable:
                 if attempt == retries - 1:
                     raise
@@ -400,9 +393,9 @@ class EtcdCatalogue(Catalogue):
                 extra.update(str(c[0]) for c in summary.get("manifest_chunks") or ())
         seen: dict[tuple[str, str], int] = {}
         if revision:
-            async for item, _ in self._pages(self.s.key("refs", ""), revision):
+            async for item, _ in self._pages(self.session.key("refs", ""), revision):
                 name, tag, _part = _key(item).rsplit("#", 2)
-                entry = live.get((name.removeprefix(self.s.key("refs", "")), tag))
+                entry = live.get((name.removeprefix(self.session.key("refs", "")), tag))
                 if entry is None:
                     continue  # a losing commit's parts, or a tombstone's leftovers
                 entry[0].chunks.extend(unpack_ids(item.value))
@@ -424,7 +417,7 @@ class EtcdCatalogue(Catalogue):
         return References(frozenset(chunks), records, taken_at, complete=True)
 
     def policy_store(self) -> EtcdPolicyStore:
-        return EtcdPolicyStore(self.s)
+        return EtcdPolicyStore(self.session)
 
     async def repair(self) -> int:
         """Rewrites the missing chunk-id parts of the records a read of this catalogue found
@@ -461,17 +454,17 @@ class EtcdCatalogue(Catalogue):
         ``references()`` go on refusing the record (fail safe). Raises
         ``CoordinatorUnavailable`` when etcd, or a manifest on the data plane, is out of
         reach (a later pass tries again)."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         key = self._ckpt(name)
         refs, manifests = self._refs(name), self._manifest(name)
-        reply = await self.s.call(
+        reply = await self.session.call(
             f"read of {name!r}",
             kv.txn(
                 [],
                 [
                     KVService.txn_op_get(key),
-                    KVService.txn_op_get(refs, range_end=self.s.range_end(refs)),
-                    KVService.txn_op_get(manifests, range_end=self.s.range_end(manifests)),
+                    KVService.txn_op_get(refs, range_end=self.session.range_end(refs)),
+                    KVService.txn_op_get(manifests, range_end=self.session.range_end(manifests)),
                 ],
             ),
         )
@@ -493,7 +486,7 @@ class EtcdCatalogue(Catalogue):
         for part_key, part in zip(mine, parts, strict=True):
             if stored.get(part_key) == part:
                 continue
-            put = await self.s.call(
+            put = await self.session.call(
                 f"repair of {name!r}",
                 kv.txn(
                     [compare_mod_revision(key, revision)], [KVService.txn_op_put(part_key, part)]
@@ -553,14 +546,14 @@ class EtcdCatalogue(Catalogue):
         A part goes only in a transaction that also checks its name's record unchanged
         since the scan (absent then: still absent), so a commit that lands between the
         scan and the delete keeps every part it names (see the module docstring)."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         owned: set[tuple[str, str]] = set()
         #: each name's record (live or tombstone) at the scan's revision: its mod_revision
         versions: dict[str, int] = {}
         ckpts = self._ckpt()
         # The revision first: with no record at all, the pages would not tell it.
-        counted = await self.s.call(
-            "record count", kv.get(ckpts, self.s.range_end(ckpts), count_only=True)
+        counted = await self.session.call(
+            "record count", kv.get(ckpts, self.session.range_end(ckpts), count_only=True)
         )
         revision = int(counted.header.revision)
         async for item, _ in self._pages(ckpts, revision):
@@ -572,7 +565,7 @@ class EtcdCatalogue(Catalogue):
         removed = 0
         if not horizon:
             return 0
-        refs = self.s.key("refs", "")
+        refs = self.session.key("refs", "")
         async for item, _ in self._pages(refs, revision, keys_only=True):
             name, tag, _part = _key(item).removeprefix(refs).rsplit("#", 2)
             if (name, tag) in owned or item.create_revision > horizon:
@@ -583,7 +576,7 @@ class EtcdCatalogue(Catalogue):
                 if seen is None
                 else compare_mod_revision(self._ckpt(name), seen)
             )
-            reply = await self.s.call(
+            reply = await self.session.call(
                 "orphan compaction",
                 kv.txn(
                     [compare_mod_revision(item.key, item.mod_revision), unchanged],
@@ -598,7 +591,7 @@ class EtcdCatalogue(Catalogue):
     async def compact_tombstones(self, older_than: float) -> int:
         """Remove tombstones deleted more than ``older_than`` s ago; each only if unchanged
         since it was read (a commit may have reused the name)."""
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         cutoff = time.time() - older_than
         removed = 0
         async for item, _ in self._pages(self._ckpt()):
@@ -606,7 +599,7 @@ class EtcdCatalogue(Catalogue):
             deleted = summary.get("deleted")
             if deleted is None or deleted > cutoff:
                 continue
-            reply = await self.s.call(
+            reply = await self.session.call(
                 "tombstone compaction",
                 kv.txn(
                     [compare_mod_revision(item.key, item.mod_revision)],
@@ -681,20 +674,20 @@ class EtcdPolicyStore(PolicyStore):
     origin = "etcd"
 
     def __init__(self, session: EtcdSession) -> None:
-        self.s = session
+        self.session = session
         self.key = session.key("retention")
 
     async def load(self) -> Policy | None:
-        kv = await self.s.kv()
-        reply = await self.s.call("read of the retention policy", kv.get(self.key))
+        kv = await self.session.kv()
+        reply = await self.session.call("read of the retention policy", kv.get(self.key))
         kvs = list(reply.kvs)
         if not kvs:
             return None
         return policy_of(bytes(kvs[0].value))
 
     async def save(self, policy: Policy) -> None:
-        kv = await self.s.kv()
+        kv = await self.session.kv()
         if not policy:
-            await self.s.call("delete of the retention policy", kv.delete(self.key))
+            await self.session.call("delete of the retention policy", kv.delete(self.key))
             return
-        await self.s.call("write of the retention policy", kv.put(self.key, document(policy)))
+        await self.session.call("write of the retention policy", kv.put(self.key, document(policy)))

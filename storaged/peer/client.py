@@ -14,8 +14,8 @@ import asyncio
 import hmac
 import logging
 import os
-import ssl as ssl_module
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +29,7 @@ from storaged.peer.wire import (
     SERVER_LABEL,
     Addr,
     Header,
+    PeerEnd,
     PeerError,
     PeerUnavailable,
     Reply,
@@ -299,7 +300,8 @@ class PutStream:
         self.abort()
 
 
-class PeerClient:
+@dataclass(eq=False, repr=False)
+class PeerClient(PeerEnd):
     """Connections to peers, pooled per address (at most ``pool_size`` idle ones each).
 
     Every connection is authenticated before use. An idle pooled connection is
@@ -307,33 +309,15 @@ class PeerClient:
     so a request rarely meets a connection the peer is just closing.
     """
 
-    def __init__(
-        self,
-        node_id: str,
-        secret: bytes,
-        *,
-        ssl: ssl_module.SSLContext | None = None,
-        connect_timeout: float = 5,
-        io_timeout: float = 30,
-        pool_size: int = 8,
-        pool_idle_timeout: float = 20,
-        write_buffer: int = 1 << 20,
-        max_reply_body: int = 1 << 30,
-    ) -> None:
-        if not secret:
-            raise ValueError("the cluster secret must not be empty")
-        self.node_id = node_id
-        self._secret = secret
-        self._ssl = ssl
-        self.connect_timeout = connect_timeout
-        self.io_timeout = io_timeout
-        self.pool_size = pool_size
-        self.pool_idle_timeout = pool_idle_timeout
-        self._write_buffer = write_buffer
-        self._max_reply_body = max_reply_body
-        self._idle: IdlePool[_ClientConn] = IdlePool()
-        self._conns: set[_ClientConn] = set()
-        self._closed = False
+    _: KW_ONLY
+    connect_timeout: float = 5
+    pool_size: int = 8
+    pool_idle_timeout: float = 20
+    write_buffer: int = 1 << 20
+    max_reply_body: int = 1 << 30
+    _idle: IdlePool[_ClientConn] = field(default_factory=IdlePool, init=False)
+    _conns: set[_ClientConn] = field(default_factory=set, init=False)
+    _closed: bool = field(default=False, init=False)
 
     async def open_put(
         self,
@@ -451,11 +435,11 @@ class PeerClient:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _ClientConn(addr, self._write_buffer, self._max_reply_body),
+                    lambda: _ClientConn(addr, self.write_buffer, self.max_reply_body),
                     host,
                     port,
-                    ssl=self._ssl,
-                    server_hostname=host if self._ssl is not None else None,
+                    ssl=self.ssl,
+                    server_hostname=host if self.ssl is not None else None,
                 )
                 conn.on_lost = self._forget
                 self._conns.add(conn)
@@ -489,13 +473,13 @@ class PeerClient:
         sn, server, proof = challenge.get("nonce"), challenge.get("node"), challenge.get("proof")
         if not (isinstance(sn, bytes) and isinstance(server, str) and isinstance(proof, bytes)):
             raise PeerUnavailable("protocol_error", f"peer {fmt(conn.addr)}: bad challenge")
-        expected = handshake_proof(self._secret, SERVER_LABEL, cn, sn, self.node_id, server)
+        expected = handshake_proof(self.secret, SERVER_LABEL, cn, sn, self.node_id, server)
         if not hmac.compare_digest(proof, expected):
             raise PeerError(
                 "forbidden", f"peer {fmt(conn.addr)} ({server!r}) failed to prove the secret"
             )
         waiter = conn.expect_reply()
-        mine = handshake_proof(self._secret, CLIENT_LABEL, cn, sn, self.node_id, server)
+        mine = handshake_proof(self.secret, CLIENT_LABEL, cn, sn, self.node_id, server)
         conn.send({"op": "auth", "proof": mine})
         verdict, _ = await waiter
         if verdict.get("ok") is not True:

@@ -16,7 +16,7 @@ import asyncio
 import hmac
 import logging
 import os
-import ssl as ssl_module
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from storaged.peer.framing import FramedProtocol
@@ -31,6 +31,7 @@ from storaged.peer.wire import (
     PROTOCOL_VERSION,
     SERVER_LABEL,
     Header,
+    PeerEnd,
     PeerError,
     byte_view,
     encode_frame,
@@ -56,7 +57,8 @@ def _failed(exc: Exception, what: str) -> Header:
     return error_header("internal", repr(exc))
 
 
-class PeerServer:
+@dataclass(eq=False, repr=False)
+class PeerServer(PeerEnd):
     """Accepts authenticated peer connections and serves them with a ``PeerHandler``.
 
     Timeouts: ``auth_timeout`` from connect to a completed handshake;
@@ -72,45 +74,31 @@ class PeerServer:
     ``max_connections`` in all: one over it is refused (``busy``) and closed at once.
     """
 
-    def __init__(
-        self,
-        node_id: str,
-        secret: bytes,
-        handler: PeerHandler[Any],
-        *,
-        ssl: ssl_module.SSLContext | None = None,
-        idle_timeout: float = 60,
-        io_timeout: float = 30,
-        auth_timeout: float = 5,
-        max_call_body: int = 256 << 20,
-        max_handshakes: int = 64,
-        max_connections: int = 4096,
-    ) -> None:
-        if not secret:
-            raise ValueError("the cluster secret must not be empty")
-        self.node_id = node_id
-        self._secret = secret
-        self.handler = handler
-        self._ssl = ssl
-        self.idle_timeout = idle_timeout
-        self.io_timeout = io_timeout
-        self.auth_timeout = auth_timeout
-        self.max_call_body = max_call_body
-        self.max_handshakes = max_handshakes
-        self.max_connections = max_connections
+    handler: PeerHandler[Any]
+    _: KW_ONLY
+    idle_timeout: float = 60
+    auth_timeout: float = 5
+    max_call_body: int = 256 << 20
+    max_handshakes: int = 64
+    max_connections: int = 4096
+    _tick: float = field(init=False)
+    _server: asyncio.Server | None = field(default=None, init=False)
+    _conns: set[_ServerConn] = field(default_factory=set, init=False)
+    # Connections not yet authenticated, oldest first (a dict keeps insertion order).
+    _handshaking: dict[_ServerConn, None] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         # Timers tick at a quarter of the shortest timeout: a stall is noticed
         # between 1x and 1.25x its timeout.
-        self._tick = min(max(min(idle_timeout, io_timeout, auth_timeout) / 4, 0.02), 5.0)
-        self._server: asyncio.Server | None = None
-        self._conns: set[_ServerConn] = set()
-        # Connections not yet authenticated, oldest first (a dict keeps insertion order).
-        self._handshaking: dict[_ServerConn, None] = {}
+        shortest = min(self.idle_timeout, self.io_timeout, self.auth_timeout)
+        self._tick = min(max(shortest / 4, 0.02), 5.0)
 
     async def start(self, host: str, port: int) -> None:
         """Listen on (host, port); port 0 picks a free port, see ``port``."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _ServerConn(self), host, port, ssl=self._ssl, reuse_address=True
+            lambda: _ServerConn(self), host, port, ssl=self.ssl, reuse_address=True
         )
 
     @property
@@ -336,7 +324,7 @@ class _ServerConn(FramedProtocol):
             self._client_nonce, self._client_node = nonce, node
             self._server_nonce = os.urandom(NONCE_LEN)
             proof = handshake_proof(
-                server._secret, SERVER_LABEL, nonce, self._server_nonce, node, server.node_id
+                server.secret, SERVER_LABEL, nonce, self._server_nonce, node, server.node_id
             )
             self._send_frame(
                 {
@@ -350,7 +338,7 @@ class _ServerConn(FramedProtocol):
         elif op == "auth" and self._client_nonce is not None:
             given = header.get("proof")
             expected = handshake_proof(
-                server._secret,
+                server.secret,
                 CLIENT_LABEL,
                 self._client_nonce,
                 self._server_nonce,

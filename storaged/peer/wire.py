@@ -57,8 +57,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ssl as ssl_module
 import struct
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Final
 
 import msgpack
@@ -139,6 +141,23 @@ class PeerUnavailable(PeerError):
     ``closed`` (this client was closed). The request's outcome on the peer is
     unknown, except that a put is never stored from a partial body.
     """
+
+
+@dataclass(eq=False, repr=False)
+class PeerEnd:
+    """What either end of the protocol is made with: this node's id, the cluster secret
+    both ends prove in the handshake (never empty), TLS, and ``io_timeout``, the seconds a
+    frame may stall part-way (sent or received)."""
+
+    node_id: str
+    secret: bytes
+    _: KW_ONLY
+    ssl: ssl_module.SSLContext | None = None
+    io_timeout: float = 30
+
+    def __post_init__(self) -> None:
+        if not self.secret:
+            raise ValueError("the cluster secret must not be empty")
 
 
 def handshake_proof(
