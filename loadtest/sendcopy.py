@@ -44,15 +44,20 @@ import json
 import mmap
 import os
 import platform
+import re
 import resource
+import shutil
+import signal
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -326,6 +331,62 @@ async def copy_check(nbytes: int = CHECK_BYTES) -> dict[str, int]:
     }
 
 
+# -- where the sender's CPU goes (perf) ---------------------------------------------------------
+
+#: (category, leaf symbols): the copies a send can make, first match wins
+COPY_SYMBOLS = (
+    ("kernel copy from the caller's pages into socket buffers",
+     re.compile(r"^(_copy_from_iter|copy_user_\w+|rep_movs_alternative|copy_from_user\w*)$")),
+    ("user-space copies (memcpy, memmove)", re.compile(r"^__(memmove|memcpy)\w*$")),
+)  # fmt: skip
+_PERF_LINE = re.compile(r"^\s*([\d.]+)%\s+\[([k.])\]\s+(\S.*?)\s*$")
+
+
+def summarize_perf_report(text: str, top: int = 8) -> dict[str, Any]:
+    """From ``perf report --stdio --no-children --sort sym``: each ``COPY_SYMBOLS`` category's
+    share of the samples (0..1), the rest as "other", and the ``top`` symbols."""
+    shares: dict[str, float] = {name: 0.0 for name, _ in COPY_SYMBOLS}
+    shares["other"] = 0.0
+    symbols: list[tuple[str, float]] = []
+    for line in text.splitlines():
+        m = _PERF_LINE.match(line)
+        if m is None:
+            continue
+        share, sym = float(m.group(1)) / 100, m.group(3)
+        symbols.append((f"[{m.group(2)}] {sym}", share))
+        name = next((n for n, rx in COPY_SYMBOLS if rx.match(sym)), "other")
+        shares[name] += share
+    return {
+        "shares": {k: round(v, 4) for k, v in shares.items()},
+        "top": [[sym, round(share, 4)] for sym, share in symbols[:top]],
+    }
+
+
+def perf_transfer(transfer: Callable[[], object], path: Path) -> dict[str, Any] | None:
+    """``transfer()`` with ``perf record`` (cpu-clock, 1999 Hz) on this process: the sender
+    alone, all its threads. None when perf is missing or fails."""
+    perf = shutil.which("perf")
+    if perf is None:
+        return None
+    rec = subprocess.Popen(
+        [perf, "record", "-F", "1999", "-p", str(os.getpid()), "-o", str(path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        time.sleep(1.5)  # perf attaches; the wait itself samples nothing (idle)
+        transfer()
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.wait(60)
+    report = subprocess.run(
+        [perf, "report", "-i", str(path), "--stdio", "--no-children", "--sort", "sym"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if rec.returncode not in (0, -signal.SIGINT) or report.returncode != 0:
+        return None
+    return summarize_perf_report(report.stdout)
+
+
 # -- the rounds -----------------------------------------------------------------------------------
 
 
@@ -386,9 +447,11 @@ def run(
     high: int,
     rounds: int,
     progress: Callable[[str], None] = lambda _: None,
-) -> tuple[dict[str, dict[str, int]], list[dict[str, dict[str, float]]]]:
+    perf_dir: Path | None = None,
+) -> tuple[dict[str, dict[str, int]], list[dict[str, dict[str, float]]], dict[str, Any]]:
     """The copy checks, then ``rounds`` rounds of every mode (plus one warm-up transfer
-    each, not kept); returns (checks by loop, the rounds' figures by mode)."""
+    each, not kept), then with ``perf_dir`` one more transfer of each mode under perf;
+    returns (checks by loop, the rounds' figures by mode, the profiles by mode)."""
     runners = {
         "uvloop": asyncio.Runner(loop_factory=lambda: new_loop("uvloop")),
         "asyncio": asyncio.Runner(loop_factory=lambda: new_loop("asyncio")),
@@ -422,10 +485,16 @@ def run(
                 + ", ".join(f"{m} {figures[m]['send_cpu_s_per_gb']:.3f}" for m in modes)
                 + " sender CPU s/GB"
             )
+        profiles: dict[str, Any] = {}
+        if perf_dir is not None:
+            for m in modes:
+                profiles[m] = perf_transfer(
+                    partial(transfer, m, nbytes), perf_dir / f"sendcopy-{m}.perf.data"
+                )
         for proto in sources.values():
             if proto.transport is not None:
                 proto.transport.close()
-        return checks, results
+        return checks, results, profiles
     finally:
         for s in socks.values():
             s.close()
@@ -472,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-buffer-kib", type=int, default=1024, help="loops' high-water mark")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="then one more transfer of each mode under perf record: the copies' share",
+    )
     parser.add_argument("--quick", action="store_true", help="32 MiB transfers, 3 rounds")
     parser.add_argument("--out", type=Path, default=RESULTS / "sendcopy.json")
     args = parser.parse_args(argv)
@@ -489,9 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     proc, port = spawn_server(serve_receiver)
     try:
-        checks, rounds = run(port, modes, chunk, args.chunks, nbytes, piece,
-                             args.write_buffer_kib << 10, args.rounds,
-                             lambda line: print(line, flush=True))  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        checks, rounds, profiles = run(port, modes, chunk, args.chunks, nbytes, piece,
+                                       args.write_buffer_kib << 10, args.rounds,
+                                       lambda line: print(line, flush=True),
+                                       args.out.parent if args.perf else None)  # fmt: skip
     finally:
         stop_server(proc)
     summary = summarize(rounds, modes)
@@ -502,6 +578,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.slice_kib} KiB slices; median (min-max) of {args.rounds} rounds; "
           f"x send: median of each round's ratio")  # fmt: skip
     print(_table(summary, modes))
+    for mode, profile in profiles.items():
+        if profile is None:
+            print(f"# perf, {mode}: no profile (perf missing or refused)")
+            continue
+        shares = profile["shares"].items()
+        print(f"# perf, {mode}, the sender's samples: "
+              + ", ".join(f"{share * 100:.1f} % {name}" for name, share in shares))  # fmt: skip
     result = {
         "command": command,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -513,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         "copy_check": checks,
         "rounds": rounds,
         "summary": summary,
+        "perf": profiles,
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"# results: {args.out}")
     return 0

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.sendcopy import FIGURES, MODES, RATIOS, copy_check, summarize
+from loadtest.sendcopy import (
+    FIGURES,
+    MODES,
+    RATIOS,
+    copy_check,
+    summarize,
+    summarize_perf_report,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,6 +59,7 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
     assert settings["chunk_bytes"] == 2 << 20 and settings["transfer_bytes"] == 8 << 20
     assert settings["slice_bytes"] == 512 << 10 and settings["rounds"] == 2
     assert settings["modes"] == list(MODES) and settings["baseline"] == "send"
+    assert doc["perf"] == {}  # not asked for
     assert len(doc["machine"]["loadavg_before"]) == 3
 
     rounds = doc["rounds"]
@@ -136,3 +144,29 @@ def test_copy_check_sees_the_standard_loops_copy() -> None:
     assert check["received"] == 8 << 20
     assert check["deferred"] > 0  # else the check shows nothing
     assert check["copied"] == check["deferred"]
+
+
+PERF_REPORT = """# Samples: 6K of event 'cpu-clock:ppp'
+#
+# Overhead  Symbol
+# ........  ......
+#
+    30.00%  [k] _copy_from_iter
+    20.00%  [.] __memmove_avx512_unaligned_erms
+     5.50%  [k] rep_movs_alternative
+     4.50%  [.] _PyEval_EvalFrameDefault
+    40.00%  [k] tcp_sendmsg_locked
+not a line of the table
+"""
+
+
+def test_perf_report_sorts_the_senders_samples_into_copies() -> None:
+    summary = summarize_perf_report(PERF_REPORT, top=2)
+    assert summary["shares"] == {
+        "kernel copy from the caller's pages into socket buffers": 0.355,
+        "user-space copies (memcpy, memmove)": 0.2,
+        "other": 0.445,
+    }
+    assert summary["top"] == [["[k] _copy_from_iter", 0.3],
+                              ["[.] __memmove_avx512_unaligned_erms", 0.2]]  # fmt: skip
+    assert summarize_perf_report("")["shares"]["other"] == 0.0
