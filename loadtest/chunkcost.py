@@ -11,9 +11,12 @@ size of ``--sizes`` MiB:
   thread) and its ``release``, then the unmapping;
 - ``pooled``: the same from a warm pool (a free buffer of that class mapped before the
   batch, then reused);
-- ``shared``: a co-located chunk's segment: ``lease_shared`` (``memfd_create``,
-  ``ftruncate``, ``posix_fallocate``, seals, in a thread), ``seal_shared`` (the write
-  seal, a read-only ``MAP_POPULATE`` mapping, in a thread), ``release``;
+- ``lease``: a co-located chunk's segment leased and given back unsealed:
+  ``lease_shared`` (``memfd_create``, ``ftruncate``, ``posix_fallocate``, seals, in a
+  thread), ``release_shared`` (the memfd closed, its pages freed);
+- ``shared``: a co-located chunk's segment through its whole life on the node:
+  ``lease_shared`` as above, ``seal_shared`` (the write seal, a read-only ``MAP_POPULATE``
+  mapping, in a thread), ``release`` (unmapped, closed, its pages freed);
 - ``hop``: ``asyncio.to_thread`` of nothing: the thread hop alone;
 - ``blake3``, ``crc32c``: ``chunk_id_of_async`` and ``crc32c_of_async`` of a chunk (the
   id check and the replica's check, each a hop and a pass);
@@ -61,7 +64,7 @@ MiB = 1 << 20
 HOST = "127.0.0.1"
 SECRET = b"loadtest-chunkcost-secret"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("map", "pooled", "shared", "hop", "blake3", "crc32c", "peer")
+PARTS = ("map", "pooled", "lease", "shared", "hop", "blake3", "crc32c", "peer")
 #: the size the issue asks about
 AT_MIB = 8
 #: what a fixed cost may be of the per-byte cost at the size reported
@@ -127,7 +130,8 @@ class Parts:
 
     def op(self, part: str) -> Callable[[int], Awaitable[object]]:
         ops: dict[str, Callable[[int], Awaitable[object]]] = {
-            "map": self.map, "pooled": self.pooled, "shared": self.share, "hop": self.hop,
+            "map": self.map, "pooled": self.pooled, "lease": self.lease,
+            "shared": self.share, "hop": self.hop,
             "blake3": self.blake3, "crc32c": self.crc32c, "peer": self.peer,
         }  # fmt: skip
         return ops[part]
@@ -138,6 +142,9 @@ class Parts:
 
     async def pooled(self, size: int) -> None:
         self.pool.release(await self.pool.allocate(size))
+
+    async def lease(self, size: int) -> None:
+        self.shared.release_shared(await self.shared.lease_shared(size))
 
     async def share(self, size: int) -> None:
         seg = await self.shared.lease_shared(size)
