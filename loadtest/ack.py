@@ -304,6 +304,9 @@ class ClusterSpec:
     chunk: int
     background: bool
     loop: str
+    #: the nodes map part of their RAM ahead as 8 MiB buffers (``prefault_fraction``); a
+    #: sweep turns it off, since it favours 8 MiB chunks over the others
+    prefault: bool = True
 
 
 #: with a warm pool, GC frees the (never committed) chunks this long after their ack
@@ -317,6 +320,8 @@ def start_cluster(spec: ClusterSpec, root: Path, *, warm_pool: bool = False) -> 
                   "cold_capacity": "256GiB"},
         "log_level": "WARNING",
     }  # fmt: skip
+    if not spec.prefault:
+        settings["prefault_fraction"] = 0.0
     if not spec.background:
         settings["drain_workers"] = 0
         settings["encode_workers"] = 0
@@ -514,7 +519,9 @@ def run_sweep(
 ) -> list[dict[str, dict[str, float]]]:  # fmt: skip
     """``repeat`` rounds of one storaged run per chunk size of ``sizes`` (each dividing
     ``corpus.chunk``; the same bytes every time, freshly stamped), the sizes' order rotated
-    each round; per round {size in MiB: ``sweep_figures``}."""
+    each round; per round {size in MiB: ``sweep_figures``}. The nodes map no RAM ahead
+    (a node's pre-faulted buffers are 8 MiB ones: other sizes would map theirs in the
+    window and unmap those), so every size pays for its buffers alike."""
     tags = iter(range(1, 1 << 30))
     rounds: list[dict[str, dict[str, float]]] = []
     for rnd in range(repeat):
@@ -522,7 +529,8 @@ def run_sweep(
         row: dict[str, dict[str, float]] = {}
         for chunk in [*sizes[k:], *sizes[:k]]:
             part = corpus.split(chunk)
-            sized = ClusterSpec(spec.nodes, spec.memory, chunk, spec.background, spec.loop)
+            sized = ClusterSpec(spec.nodes, spec.memory, chunk, spec.background, spec.loop,
+                                prefault=False)  # fmt: skip
             m = run_storaged(sized, part.uploads(next(tags)),
                              part.uploads(next(tags), concurrency), concurrency,
                              max_seconds, idle_seconds=SWEEP_IDLE_SECONDS)  # fmt: skip
