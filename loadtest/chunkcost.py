@@ -17,6 +17,10 @@ size of ``--sizes`` MiB:
 - ``shared``: a co-located chunk's segment through its whole life on the node:
   ``lease_shared`` as above, ``seal_shared`` (the write seal, a read-only ``MAP_POPULATE``
   mapping, in a thread), ``release`` (unmapped, closed, its pages freed);
+- ``populated``, ``lazy``: how a sealed segment is mapped, alone (no tier, no thread):
+  a segment as ``lease_shared`` makes it, sealed, mapped read-only with ``MAP_POPULATE``
+  (as ``seal_shared`` does) or without it, one byte of every page read (as the first
+  reader of the mapping would fault them in), unmapped and closed;
 - ``hop``: ``asyncio.to_thread`` of nothing: the thread hop alone;
 - ``blake3``, ``crc32c``: ``chunk_id_of_async`` and ``crc32c_of_async`` of a chunk (the
   id check and the replica's check, each a hop and a pass);
@@ -42,8 +46,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import gc
 import json
+import mmap
 import os
 import platform
 import resource
@@ -58,13 +64,22 @@ import blake3
 from loadtest.harness.machine import new_loop
 from storaged.ids import chunk_id_of_async, crc32c_of_async
 from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
-from tiers.memory import Allocation, MemoryTier
+from tiers.memory import (
+    _SEALS,
+    PAGE,
+    SHARED_POPULATED,
+    Allocation,
+    MemoryTier,
+    _new_memfd,
+    size_class,
+)
 
 MiB = 1 << 20
 HOST = "127.0.0.1"
 SECRET = b"loadtest-chunkcost-secret"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("map", "pooled", "lease", "shared", "hop", "blake3", "crc32c", "peer")
+PARTS = ("map", "pooled", "lease", "shared", "populated", "lazy", "hop", "blake3", "crc32c",
+         "peer")  # fmt: skip
 #: the size the issue asks about
 AT_MIB = 8
 #: what a fixed cost may be of the per-byte cost at the size reported
@@ -131,7 +146,8 @@ class Parts:
     def op(self, part: str) -> Callable[[int], Awaitable[object]]:
         ops: dict[str, Callable[[int], Awaitable[object]]] = {
             "map": self.map, "pooled": self.pooled, "lease": self.lease,
-            "shared": self.share, "hop": self.hop,
+            "shared": self.share, "populated": self.populated, "lazy": self.lazy,
+            "hop": self.hop,
             "blake3": self.blake3, "crc32c": self.crc32c, "peer": self.peer,
         }  # fmt: skip
         return ops[part]
@@ -149,6 +165,12 @@ class Parts:
     async def share(self, size: int) -> None:
         seg = await self.shared.lease_shared(size)
         self.shared.release(await self.shared.seal_shared(seg, size))
+
+    async def populated(self, size: int) -> None:
+        _map_sealed(size, SHARED_POPULATED)
+
+    async def lazy(self, size: int) -> None:
+        _map_sealed(size, mmap.MAP_SHARED)
 
     async def hop(self, size: int) -> None:
         await asyncio.to_thread(int)
@@ -174,6 +196,16 @@ async def _settle() -> None:
     await asyncio.sleep(0)
     gc.collect()
     await asyncio.to_thread(int)
+
+
+def _map_sealed(size: int, flags: int) -> None:
+    fd = _new_memfd(size_class(size))
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        with mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ) as mem:
+            bytes(memoryview(mem)[::PAGE])  # every page read once
+    finally:
+        os.close(fd)
 
 
 def batch_ops(size: int, batch_bytes: int, lo: int = 16, hi: int = 512) -> int:
