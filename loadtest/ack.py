@@ -42,6 +42,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -102,6 +103,15 @@ class Corpus:
             for i in range(count)
         ]
 
+    def split(self, chunk: int) -> Corpus:
+        """The same bytes as chunks of ``chunk`` bytes, which must divide this corpus' chunk
+        (views, no copy: a sweep over chunk sizes holds its data once)."""
+        if chunk <= STAMP.size or self.chunk % chunk:
+            raise ValueError(f"{chunk} bytes does not divide the corpus' {self.chunk}-byte chunks")
+        out = Corpus(chunk, 0)
+        out.data = [view[i : i + chunk] for view in self.data for i in range(0, self.chunk, chunk)]
+        return out
+
     def uploads(self, tag: int, count: int | None = None) -> list[Upload]:
         out = []
         for i, view in enumerate(self.data[:count]):
@@ -151,6 +161,9 @@ class Measure:
     latencies: list[float] = field(default_factory=list, repr=False)
     #: server processes sharing server_cpu
     servers: int = 1
+    #: what the servers spend idle (heartbeats, timers) per second, measured before the
+    #: warm-up (0.0 when not measured): a sweep takes it off, times the window's seconds
+    server_idle_rate: float = 0.0
 
     def cpu_bound_gbps(self, cores: int) -> float:
         """GB/s if CPU were the only limit on ``cores`` otherwise idle cores.
@@ -250,8 +263,15 @@ async def timed_uploads(
     max_seconds: float,
     prepare: Callable[[aiohttp.ClientSession], Awaitable[None]] | None = None,
     started: Callable[[], None] | None = None,
+    idle_seconds: float = 0.0,
 ) -> Measure:
-    """Warm up, ``prepare``, then time ``uploads``; ``started`` is called just before."""
+    """Warm up, ``prepare``, then time ``uploads``; ``started`` is called just before. With
+    ``idle_seconds``, the servers' CPU rate while idle is measured first, that long."""
+    idle_rate = 0.0
+    if idle_seconds > 0:
+        idle0 = sum(proc_cpu_seconds(p) for p in server_pids)
+        await asyncio.sleep(idle_seconds)
+        idle_rate = (sum(proc_cpu_seconds(p) for p in server_pids) - idle0) / idle_seconds
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     async with aiohttp.ClientSession(connector=connector, headers=auth) as session:
@@ -271,7 +291,7 @@ async def timed_uploads(
     # Every upload has the same size: the acked bytes are the count of acks times it.
     nbytes = len(latencies) * uploads[0].size
     return Measure(config, kind, concurrency, len(latencies), nbytes, seconds, user + system,
-                   client, system, latencies, len(server_pids))  # fmt: skip
+                   client, system, latencies, len(server_pids), idle_rate)  # fmt: skip
 
 
 # -- storaged -------------------------------------------------------------------------------------
@@ -284,6 +304,9 @@ class ClusterSpec:
     chunk: int
     background: bool
     loop: str
+    #: the nodes map part of their RAM ahead as 8 MiB buffers (``prefault_fraction``); a
+    #: sweep turns it off, since it favours 8 MiB chunks over the others
+    prefault: bool = True
 
 
 #: with a warm pool, GC frees the (never committed) chunks this long after their ack
@@ -297,6 +320,8 @@ def start_cluster(spec: ClusterSpec, root: Path, *, warm_pool: bool = False) -> 
                   "cold_capacity": "256GiB"},
         "log_level": "WARNING",
     }  # fmt: skip
+    if not spec.prefault:
+        settings["prefault_fraction"] = 0.0
     if not spec.background:
         settings["drain_workers"] = 0
         settings["encode_workers"] = 0
@@ -389,6 +414,7 @@ def run_storaged(
     *,
     fill: Sequence[Upload] = (),
     profilers: Sequence[Profiler] = (),
+    idle_seconds: float = 0.0,
 ) -> Measure:
     """One timed round on a fresh cluster.
 
@@ -396,7 +422,7 @@ def run_storaged(
     seconds after their ack; ``fill`` is uploaded untimed and the round starts once every
     memory tier is empty again, so its buffers come from the pool instead of fresh pages:
     the state of a long-running node after its first checkpoints. ``profilers`` run during
-    the timed uploads.
+    the timed uploads; ``idle_seconds``: see ``timed_uploads``.
     """
     root = Path(tempfile.mkdtemp(prefix="storaged-ack-"))
     cluster: LocalCluster | None = None
@@ -421,7 +447,7 @@ def run_storaged(
         try:
             return _run(
                 timed_uploads("storaged", config, uploads, warmup, url_of, concurrency, pids,
-                              max_seconds, prepare, started),
+                              max_seconds, prepare, started, idle_seconds),
                 spec.loop,
             )  # fmt: skip
         finally:
@@ -437,6 +463,112 @@ def _run(coro: Any, loop_name: str) -> Measure:
     with asyncio.Runner(loop_factory=lambda: new_loop(loop_name)) as runner:
         result: Measure = runner.run(coro)
         return result
+
+
+# -- the chunk-size sweep -------------------------------------------------------------------------
+
+#: the figures of one sweep run, and those whose ratio to the reference size is reported
+SWEEP_FIGURES = ("gbps", "nodes_cpu_s_per_gb", "nodes_idle_s_per_gb", "nodes_net_s_per_gb",
+                 "client_cpu_s_per_gb", "cpu_s_per_gb")  # fmt: skip
+SWEEP_RATIOS = ("nodes_net_s_per_gb", "client_cpu_s_per_gb", "cpu_s_per_gb")
+#: seconds each sweep run measures its idle nodes' CPU for, before its warm-up
+SWEEP_IDLE_SECONDS = 2.0
+
+
+def _mib_label(chunk: int) -> str:
+    return f"{chunk / MiB:g}"
+
+
+def sweep_figures(m: Measure) -> dict[str, float]:
+    """One sweep run's figures: GB/s, and CPU seconds per acked GB of the nodes (all of
+    them together: as measured, what they would have spent idle over the same window, and
+    the difference, ``net``), of the client, and of the nodes' net and the client together.
+    Taking the idle part off keeps a slower window (a busier machine) from charging the
+    chunk size with more heartbeats."""
+    gb = m.nbytes / GB
+    nodes, client = round(m.server_cpu / gb, 4), round(m.client_cpu / gb, 4)
+    idle = round(m.server_idle_rate * m.seconds / gb, 4)
+    net = round(nodes - idle, 4)
+    return {"gbps": round(m.gbps, 4), "nodes_cpu_s_per_gb": nodes, "nodes_idle_s_per_gb": idle,
+            "nodes_net_s_per_gb": net, "client_cpu_s_per_gb": client,
+            "cpu_s_per_gb": round(net + client, 4), "chunks": m.chunks}  # fmt: skip
+
+
+def summarize_sweep(rounds: list[dict[str, dict[str, float]]], reference: str) -> dict[str, Any]:
+    """Per chunk size (MiB, as text): each figure's median, min and max over ``rounds``
+    (each {size: figures}), and ``x_ref``: per figure of ``SWEEP_RATIOS`` the median over
+    rounds of the round's ratio to the ``reference`` size in the same round."""
+    out: dict[str, Any] = {}
+    for label in rounds[0]:
+        figs: dict[str, Any] = {}
+        for fig in SWEEP_FIGURES:
+            values = [r[label][fig] for r in rounds]
+            figs[fig] = {"median": round(statistics.median(values), 4), "min": min(values),
+                         "max": max(values)}  # fmt: skip
+        figs["x_ref"] = {
+            fig: round(statistics.median(r[label][fig] / r[reference][fig] for r in rounds), 3)
+            for fig in SWEEP_RATIOS
+        }
+        out[label] = figs
+    return out
+
+
+def run_sweep(
+    spec: ClusterSpec, corpus: Corpus, sizes: Sequence[int], concurrency: int, repeat: int,
+    max_seconds: float,
+) -> list[dict[str, dict[str, float]]]:  # fmt: skip
+    """``repeat`` rounds of one storaged run per chunk size of ``sizes`` (each dividing
+    ``corpus.chunk``; the same bytes every time, freshly stamped), the sizes' order rotated
+    each round; per round {size in MiB: ``sweep_figures``}. The nodes map no RAM ahead
+    (a node's pre-faulted buffers are 8 MiB ones: other sizes would map theirs in the
+    window and unmap those), so every size pays for its buffers alike."""
+    tags = iter(range(1, 1 << 30))
+    rounds: list[dict[str, dict[str, float]]] = []
+    for rnd in range(repeat):
+        k = rnd % len(sizes)
+        row: dict[str, dict[str, float]] = {}
+        for chunk in [*sizes[k:], *sizes[:k]]:
+            part = corpus.split(chunk)
+            sized = ClusterSpec(spec.nodes, spec.memory, chunk, spec.background, spec.loop,
+                                prefault=False)  # fmt: skip
+            m = run_storaged(sized, part.uploads(next(tags)),
+                             part.uploads(next(tags), concurrency), concurrency,
+                             max_seconds, idle_seconds=SWEEP_IDLE_SECONDS)  # fmt: skip
+            figs = row[_mib_label(chunk)] = sweep_figures(m)
+            print(f"# round {rnd + 1}, {chunk / MiB:g} MiB: {m.gbps:.2f} GB/s, nodes "
+                  f"{figs['nodes_cpu_s_per_gb']:.2f} CPU s/GB ({figs['nodes_idle_s_per_gb']:.2f} "
+                  f"of it idle), client {figs['client_cpu_s_per_gb']:.2f}", flush=True)  # fmt: skip
+        rounds.append({_mib_label(c): row[_mib_label(c)] for c in sizes})
+    return rounds
+
+
+def _sweep_table(summary: dict[str, Any], reference: str) -> str:
+    head = ("chunk MiB", "nodes CPU s/GB", "idle part", "client CPU s/GB",
+            "nodes net + client", f"x {reference} MiB", "GB/s")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "| ---: |" + " ---: |" * (len(head) - 1)]
+    for label, s in summary.items():
+
+        def span(fig: str, s: dict[str, Any] = s) -> str:
+            f = s[fig]
+            return f"{f['median']:.2f} ({f['min']:.2f}-{f['max']:.2f})"
+
+        lines.append(f"| {label} | {span('nodes_cpu_s_per_gb')} "
+                     f"| {s['nodes_idle_s_per_gb']['median']:.2f} "
+                     f"| {span('client_cpu_s_per_gb')} | {span('cpu_s_per_gb')} "
+                     f"| {s['x_ref']['cpu_s_per_gb']:.3f} | {span('gbps')} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _parse_mib_sizes(text: str) -> list[int]:
+    try:
+        values = sorted(int(float(v) * MiB) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = []
+    if len(values) < 2 or values[0] <= STAMP.size or len(set(values)) < len(values):
+        raise argparse.ArgumentTypeError(
+            f"want two or more distinct MiB sizes like 4,8, not {text!r}"
+        )
+    return values
 
 
 # -- the profile ----------------------------------------------------------------------------------
@@ -678,6 +810,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a few seconds: 128 MiB, concurrency 4, no profile"
     )
+    parser.add_argument(
+        "--sweep",
+        type=_parse_mib_sizes,
+        help="chunk sizes in MiB, e.g. 2,4,8,16,32 (each dividing the largest): instead of the "
+        "comparison, storaged alone at each size, --repeat rounds in rotated order, CPU per GB "
+        "(median, min-max, and each round's ratio to 8 MiB, or to the smallest size)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "ack.json")
     args = parser.parse_args(argv)  # fmt: skip
     if args.quick:
@@ -686,7 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size = 0.125 if args.quick else 2.0
     if args.concurrency is None:
         args.concurrency = [4] if args.quick else [4, 8]
-    chunk = int(args.chunk_mib * MiB)
+    chunk = int(args.chunk_mib * MiB) if args.sweep is None else args.sweep[-1]
     count = int(args.size * GiB) // chunk if chunk > 0 else 0
     if chunk <= STAMP.size:
         parser.error(f"--chunk-mib {args.chunk_mib} is too small")
@@ -694,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--size {args.size} GiB holds no chunk of {args.chunk_mib} MiB")
     if args.repeat < 1 or args.nodes < 3:
         parser.error("--repeat must be >= 1 and --nodes >= 3 (three copies)")
+    if args.sweep is not None and any(chunk % c for c in args.sweep):
+        parser.error(f"--sweep: every size must divide the largest ({chunk / MiB:g} MiB)")
     spec = ClusterSpec(args.nodes, args.memory, chunk, not args.no_background, args.loop)
     command = "python -m loadtest.ack " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"# {command}".rstrip(), flush=True)
@@ -706,6 +847,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.perf_counter() - t_gen:.1f} s; {os.cpu_count()} CPUs, {args.loop}, "
           f"{args.nodes} nodes x {args.memory} RAM, background "
           f"{'on' if spec.background else 'off'}", flush=True)  # fmt: skip
+
+    if args.sweep is not None:
+        return _main_sweep(args, spec, corpus, command, load_before)
 
     raw = raw_socket(corpus, min(count * chunk, GiB))
     rows: list[dict[str, Any]] = [raw.summary(None)]
@@ -784,6 +928,39 @@ def main(argv: list[str] | None = None) -> int:
                      "max_seconds": args.max_seconds, "warm_gc_grace": WARM_GC_GRACE},
         "results": rows,
         "profile": profile,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"# results: {args.out}")
+    return 0
+
+
+def _main_sweep(
+    args: argparse.Namespace, spec: ClusterSpec, corpus: Corpus, command: str,
+    load_before: tuple[float, float, float],
+) -> int:  # fmt: skip
+    sizes: list[int] = args.sweep
+    conc = max(args.concurrency)
+    reference = _mib_label(8 * MiB if 8 * MiB in sizes else sizes[0])
+    rounds = run_sweep(spec, corpus, sizes, conc, args.repeat, args.max_seconds)
+    summary = summarize_sweep(rounds, reference)
+    print(f"# sweep at c={conc}, {args.nodes} nodes, background "
+          f"{'on' if spec.background else 'off'}: median (min-max) of {args.repeat} "
+          f"round(s); x {reference} MiB: median of each round's ratio; load "
+          f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")  # fmt: skip
+    print(_sweep_table(summary, reference))
+    result = {
+        "command": command,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "aiohttp": aiohttp.__version__, "loop": args.loop,
+                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "settings": {"sweep_bytes": sizes, "reference_mib": reference,
+                     "bytes_per_run": len(corpus.data) * corpus.chunk, "nodes": args.nodes,
+                     "memory_per_node": args.memory, "background": spec.background,
+                     "repeat": args.repeat, "concurrency": conc,
+                     "max_seconds": args.max_seconds},
+        "rounds": rounds,
+        "summary": summary,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

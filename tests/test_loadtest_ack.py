@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from loadtest.ack import Corpus, summarize_perf
+from loadtest.ack import SWEEP_FIGURES, SWEEP_RATIOS, Corpus, summarize_perf, summarize_sweep
 from loadtest.harness.profile import categorize, is_gil_wait, is_idle, summarize_profile
 from loadtest.harness.report import percentile
 
@@ -95,6 +96,8 @@ def test_quick_run_reports_table_and_json(tmp_path: Path) -> None:
         (["--size", "0.001"], "holds no chunk"),
         (["--chunk-mib", "0"], "too small"),
         (["--nodes", "2"], "--nodes >= 3"),
+        (["--sweep", "3,4"], "must divide the largest"),
+        (["--sweep", "8"], "two or more"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(args: list[str], message: str) -> None:
@@ -102,6 +105,75 @@ def test_bad_arguments_are_refused_before_anything_starts(args: list[str], messa
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "| config |" not in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_sweep_reports_each_size_from_its_own_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = _run("--quick", "--sweep", "1,2", "--size", "0.03125", "--concurrency", "2",
+                "--repeat", "2", "--nodes", "3", "--out", str(out), timeout=170)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("| config |")]  # no comparison
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
+    assert rows[0].split(" | ")[1:] == [
+        "nodes CPU s/GB", "idle part", "client CPU s/GB", "nodes net + client", "x 1 MiB",
+        "GB/s |",
+    ]  # fmt: skip
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 1", "| 2"]
+
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["sweep_bytes"] == [1 << 20, 2 << 20]
+    assert doc["settings"]["reference_mib"] == "1"  # no 8 MiB in the sweep: the smallest
+    assert doc["settings"]["bytes_per_run"] == 32 << 20
+    rounds = doc["rounds"]
+    assert len(rounds) == 2
+    for rnd in rounds:
+        assert list(rnd) == ["1", "2"]
+        for label, figs in rnd.items():
+            assert figs["gbps"] > 0 and figs["client_cpu_s_per_gb"] > 0
+            assert 1 <= figs["chunks"] <= 32 // int(label)
+            assert figs["nodes_idle_s_per_gb"] >= 0
+            assert figs["nodes_net_s_per_gb"] == pytest.approx(
+                figs["nodes_cpu_s_per_gb"] - figs["nodes_idle_s_per_gb"], abs=2e-4
+            )
+            assert figs["cpu_s_per_gb"] == pytest.approx(
+                figs["nodes_net_s_per_gb"] + figs["client_cpu_s_per_gb"], abs=2e-4
+            )
+    for label, s in doc["summary"].items():
+        for fig in SWEEP_FIGURES:
+            values = [r[label][fig] for r in rounds]
+            assert s[fig]["median"] == pytest.approx(statistics.median(values), abs=1e-4)
+            assert (s[fig]["min"], s[fig]["max"]) == (min(values), max(values))
+        for fig in SWEEP_RATIOS:
+            ratio = statistics.median(r[label][fig] / r["1"][fig] for r in rounds)
+            assert s["x_ref"][fig] == pytest.approx(ratio, abs=1e-3)
+    assert doc["summary"]["1"]["x_ref"] == {fig: 1.0 for fig in SWEEP_RATIOS}
+
+
+def test_sweep_summary_takes_paired_ratios_to_the_reference() -> None:
+    def figs(cpu: float) -> dict[str, float]:
+        return {"gbps": 1.0, "nodes_cpu_s_per_gb": cpu, "nodes_idle_s_per_gb": 0.0,
+                "nodes_net_s_per_gb": cpu, "client_cpu_s_per_gb": 1.0,
+                "cpu_s_per_gb": cpu + 1.0}  # fmt: skip
+
+    rounds = [{"8": figs(2.0), "16": figs(1.0)}, {"8": figs(6.0), "16": figs(5.0)},
+              {"8": figs(4.0), "16": figs(4.0)}]  # fmt: skip
+    s = summarize_sweep(rounds, "8")
+    assert s["16"]["nodes_net_s_per_gb"] == {"median": 4.0, "min": 1.0, "max": 5.0}
+    # each round's ratio (0.5, 0.833, 1.0), not the ratio of the medians (1.0)
+    assert s["16"]["x_ref"]["nodes_net_s_per_gb"] == 0.833
+    assert s["8"]["x_ref"]["cpu_s_per_gb"] == 1.0
+
+
+def test_corpus_splits_into_views_of_the_same_bytes() -> None:
+    corpus = Corpus(64 << 10, 2)
+    halves = corpus.split(32 << 10)
+    assert halves.chunk == 32 << 10 and len(halves.data) == 4
+    assert b"".join(bytes(v) for v in halves.data) == b"".join(bytes(v) for v in corpus.data)
+    assert halves.data[1].obj is corpus.data[0].obj  # views, not copies
+    with pytest.raises(ValueError):
+        corpus.split(48 << 10)
 
 
 def test_corpus_rounds_are_distinct_chunks_with_true_ids() -> None:
