@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import importlib.util
 import os
 import shutil
@@ -46,6 +47,39 @@ FAST_SETTINGS: dict[str, Any] = {
 }
 
 
+class _GcClock:
+    """Seconds the cyclic garbage collector has spent in each thread (``gc.callbacks``). A
+    collection that runs in a loop's thread holds the loop, but its length is the whole
+    process's heap (in one pytest process: every module imported and every test's garbage
+    so far), not the code under test: the guard does not count it (a full suite's run once
+    saw a collection hold a loop for over 0.5 s, inside hypothesis's gc callback)."""
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+        self._spent: dict[int, float] = {}
+        gc.callbacks.insert(0, self._callback)  # first: its clock includes the others'
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = time.monotonic()
+            return
+        began = self._started.pop(thread, None)
+        if began is not None:
+            self._spent[thread] = self._spent.get(thread, 0.0) + time.monotonic() - began
+
+    def spent(self, thread: int | None) -> float:
+        """Seconds of collection in ``thread`` so far, the one running now included."""
+        if thread is None:
+            return 0.0
+        began = self._started.get(thread)
+        running = time.monotonic() - began if began is not None else 0.0
+        return self._spent.get(thread, 0.0) + running
+
+
+_GC_CLOCK = _GcClock()
+
+
 class _LoopWatchdog:
     """Notices when a loop stops turning: a callback on the loop beats every 50 ms, and a
     thread records the loop thread's stack when a running loop has not beaten for
@@ -57,6 +91,7 @@ class _LoopWatchdog:
         self.thread_id: int | None = None
         self.native_id: int | None = None
         self._cpu_at_beat: tuple[float, float] = (0.0, 0.0)  # (beat time, thread CPU s)
+        self._gc_at_beat = 0.0  # the loop thread's collection seconds at the last beat
         self._running_since: float | None = None
         self._reported_for = 0.0
         loop.call_soon(self._beat)
@@ -66,6 +101,7 @@ class _LoopWatchdog:
         self.last = time.monotonic()
         self.thread_id = threading.get_ident()
         self.native_id = threading.get_native_id()
+        self._gc_at_beat = _GC_CLOCK.spent(self.thread_id)
         if not self.loop.is_closed():
             self.loop.call_later(0.05, self._beat)
 
@@ -83,7 +119,9 @@ class _LoopWatchdog:
             state, cpu = _thread_state(self.native_id)
             if self._cpu_at_beat[0] != self.last:
                 self._cpu_at_beat = (self.last, cpu)
-            if now - since > BLOCKING_LIMIT_S and self._reported_for != since:
+            # The garbage collector's time in the loop thread since the beat is not a block
+            held = now - since - max(0.0, _GC_CLOCK.spent(self.thread_id) - self._gc_at_beat)
+            if held > BLOCKING_LIMIT_S and self._reported_for != since:
                 frame = sys._current_frames().get(self.thread_id or -1)
                 if frame is None or _in_loop_machinery(frame):
                     continue  # the loop itself, starved of CPU by a busy machine: not a block
