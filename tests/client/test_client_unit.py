@@ -273,7 +273,9 @@ async def starved(inproc: InprocFactory) -> InprocCluster:
     node) fills with dirty data and PUTs are refused with 503 memory_full after
     ``put_wait`` (its disks have room: a full nvme would be 507 nvme_full, E16); no
     encoder runs, so nothing ever reaches cold. Unreferenced chunks are collected
-    ``gc_grace`` seconds after upload."""
+    ``gc_grace`` seconds after upload, or after the commit window that a commit touches
+    them for (5 s, not the default 30 s: the full-RAM test waits for its deleted
+    checkpoints' chunks to go)."""
     return await start_with_shm(
         inproc,
         4,
@@ -282,6 +284,7 @@ async def starved(inproc: InprocFactory) -> InprocCluster:
         drain_workers=0,
         encode_workers=0,
         gc_grace=2.0,
+        commit_window=5.0,
         stop_timeout=5.0,
     )
 

@@ -240,7 +240,7 @@ async def test_memory_full_is_backpressure_not_loss(
     # No drain runs: RAM fills with dirty (acked) data and must not drop it; the disks
     # have room, so the refusal is backpressure (503 memory_full), not a full disk.
     cluster = await cluster_factory.start(
-        4, put_wait=0.5, drain_workers=0, stop_timeout=5.0, tiers={"memory_capacity": "24MiB"}
+        4, put_wait=0.5, drain_workers=0, stop_timeout=1.0, tiers={"memory_capacity": "24MiB"}
     )
     api = Api(session, cluster.urls[0], TOKEN)
     acked: list[bytes] = []
@@ -272,7 +272,7 @@ async def test_ram_full_of_chunks_a_full_nvme_cannot_take_is_nvme_full(
         4,
         put_wait=put_wait,
         # a graceful stop waits this long to drain RAM, which can never fit on this nvme
-        stop_timeout=5.0,
+        stop_timeout=1.0,
         tiers={"memory_capacity": "24MiB", "nvme_capacity": "1MiB"},
     )
     api = Api(session, cluster.urls[0], TOKEN)
