@@ -118,8 +118,10 @@ def test_quick_run_measures_and_removes_its_namespaces(
         assert row["client_counted_extra_share"] == pytest.approx(extra, abs=0.001)
         # On a saturated link every read is slow together: a hedge would only take the
         # others' bandwidth, so reads whose bytes arrive are not hedged (at most a stalled
-        # one is). Before: 0.5-1.5 extra at 500 mbit with 16 in flight.
-        assert extra < 0.3, f"{extra:.2f} of the checkpoint read again by hedges"
+        # one is: a node starved of CPU for over read_floor on a busy CI machine; 0.5 leaves
+        # room for a few of those in 8 chunks). Before: 2.00 here, every read fetched three
+        # times; 0.5-1.5 at 500 mbit with 16 in flight.
+        assert extra < 0.5, f"{extra:.2f} of the checkpoint read again by hedges"
         assert row["extra_read_share"] > 0  # headers at least
         received = sum(row["links_mb"][f"c{j}"][1] for j in range(row["readers"]))
         assert received * 1e6 >= row["bytes"]
