@@ -11,7 +11,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,21 +18,11 @@ import pytest
 from loadtest.ack import SWEEP_FIGURES, SWEEP_RATIOS, Corpus, summarize_perf, summarize_sweep
 from loadtest.harness.profile import categorize, is_gil_wait, is_idle, summarize_profile
 from loadtest.harness.report import percentile
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.loadtest_run import run_loadtest
 
 
 def _run(*args: str, timeout: float = 55) -> subprocess.CompletedProcess[str]:
-    # The node processes and the benchmark run without asyncio debug mode (conftest sets it).
-    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "loadtest.ack", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_loadtest("loadtest.ack", *args, timeout=timeout)
 
 
 @pytest.mark.timeout(60)

@@ -5,29 +5,18 @@ what it promises; its fits and shares come from its own rounds. No timing is ass
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from loadtest.chunkcost import AT_MIB, PARTS, SHARE, batch_ops, fit, summarize
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.loadtest_run import run_loadtest
 
 
 def _run(*args: str, timeout: float = 55) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "loadtest.chunkcost", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_loadtest("loadtest.chunkcost", *args, timeout=timeout)
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,20 +23,11 @@ from loadtest.sendcopy import (
     summarize,
     summarize_perf_report,
 )
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.loadtest_run import run_loadtest
 
 
 def _run(*args: str, timeout: float = 55) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "loadtest.sendcopy", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_loadtest("loadtest.sendcopy", *args, timeout=timeout)
 
 
 @pytest.mark.timeout(60)

@@ -12,11 +12,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.loadtest_run import run_loadtest
 
 pytest.importorskip("torch")
 
@@ -26,21 +27,11 @@ from loadtest.vs_dcp import median_window, parse_size, split_keys
 
 pytestmark = pytest.mark.torch
 
-REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
 def _run(*args: str, timeout: float = 85) -> subprocess.CompletedProcess[str]:
-    # The node processes and the benchmark run without asyncio debug mode (conftest sets it).
-    env = {**os.environ, "PYTHONASYNCIODEBUG": "", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "loadtest.vs_dcp", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_loadtest("loadtest.vs_dcp", *args, timeout=timeout)
 
 
 # The quick run saves 6 and loads 8 times through 4 nodes (36 s on an idle CI machine, 162 s

@@ -33,6 +33,7 @@ from storaged.tools.advise import (
 )
 from storaged.tools.model import Assumptions, Rates, load_rates, phase, pipelined, project
 from tests.conftest import ClusterFactory
+from tests.loadtest_run import run_loadtest
 
 REPO = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
@@ -638,15 +639,7 @@ async def test_advise_measures_a_live_cluster(
 
 
 def run_model(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
-    return subprocess.run(
-        [sys.executable, "-m", "loadtest.model", *argv],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_loadtest("loadtest.model", *argv, timeout=timeout, env={"MPLBACKEND": "Agg"})
 
 
 @pytest.mark.timeout(120)
