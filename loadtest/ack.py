@@ -69,7 +69,7 @@ from loadtest.harness.loopback import (
 )
 from loadtest.harness.machine import new_loop, prefaulted, proc_cpu_seconds, proc_cpu_times
 from loadtest.harness.profile import summarize_profile
-from loadtest.harness.report import percentile
+from loadtest.harness.report import percentile, write_json
 from storaged.placement import rendezvous_order
 from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 
@@ -929,8 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "profile": profile,
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"# results: {args.out}")
     return 0
 
@@ -962,8 +961,7 @@ def _main_sweep(
         "rounds": rounds,
         "summary": summary,
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"# results: {args.out}")
     return 0
 

@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import fcntl
 import gc
-import json
 import mmap
 import os
 import platform
@@ -62,6 +61,7 @@ from typing import Any
 import blake3
 
 from loadtest.harness.machine import new_loop
+from loadtest.harness.report import write_json
 from storaged.ids import chunk_id_of_async, crc32c_of_async
 from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
 from tiers.memory import (
@@ -391,8 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "summary": summary,
     }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"# results: {args.out}")
     return 0
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import mmap
 import os
 import platform
@@ -64,7 +63,9 @@ from typing import Any
 
 import blake3
 
+from loadtest.harness.loopback import FlowControl
 from loadtest.harness.machine import new_loop, prefaulted
+from loadtest.harness.report import write_json
 from tiers.memory import MemoryTier
 
 MiB = 1 << 20
@@ -204,40 +205,22 @@ def _blocking_transfer(
     return Transfer(mode, nbytes, seconds, u1 - u0, s1 - s0, ru, rs)
 
 
-class _Source(asyncio.Protocol):
+class _Source(FlowControl):
     """The sender's end on a loop: flow control as ``storaged.peer``'s connections have it
-    (``pause_writing`` past the high-water mark, ``drain`` until ``resume_writing``) and the
-    receiver's answer, or the copy check's bytes, collected."""
+    (``FlowControl``) and the receiver's answer, or the copy check's bytes, collected."""
 
     def __init__(self, high: int) -> None:
+        super().__init__()
         self._high = high
         self.transport: asyncio.Transport | None = None
-        self.paused = False
-        self._resumed: asyncio.Future[None] | None = None
         self.answer = bytearray()
         self._want = 0
         self._answered: asyncio.Future[bytes] | None = None
-        self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         assert self.transport is not None
         self.transport.set_write_buffer_limits(high=self._high)
-
-    def pause_writing(self) -> None:
-        self.paused = True
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        if self._resumed is not None and not self._resumed.done():
-            self._resumed.set_result(None)
-
-    async def drain(self) -> None:
-        while self.paused:
-            if self.lost:
-                raise ConnectionError("receiver went away")
-            self._resumed = asyncio.get_running_loop().create_future()
-            await self._resumed
 
     def expect(self, n: int) -> asyncio.Future[bytes]:
         self.answer.clear()
@@ -598,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "perf": profiles,
     }  # fmt: skip
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"# results: {args.out}")
     return 0
 

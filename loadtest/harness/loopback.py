@@ -320,10 +320,14 @@ def serve(
     loop.run_forever()
 
 
-class _RawSource(asyncio.Protocol):
+class FlowControl(asyncio.Protocol):
+    """A sending protocol's flow control as ``storaged.peer``'s connections have it:
+    ``pause_writing`` past the transport's high-water mark, ``drain`` until
+    ``resume_writing``; ``drain`` raises ``ConnectionError`` once ``lost`` is set."""
+
     def __init__(self) -> None:
-        self.ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.paused = False
+        self.lost = False
         self._resumed: asyncio.Future[None] | None = None
 
     def pause_writing(self) -> None:
@@ -336,8 +340,16 @@ class _RawSource(asyncio.Protocol):
 
     async def drain(self) -> None:
         while self.paused:
+            if self.lost:
+                raise ConnectionError("receiver went away")
             self._resumed = asyncio.get_running_loop().create_future()
             await self._resumed
+
+
+class _RawSource(FlowControl):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def data_received(self, data: bytes) -> None:
         if not self.ack.done():
