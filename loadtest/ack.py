@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -67,9 +66,15 @@ from loadtest.harness.loopback import (
     stop_server,
     upload_all,
 )
-from loadtest.harness.machine import new_loop, prefaulted, proc_cpu_seconds, proc_cpu_times
+from loadtest.harness.machine import (
+    new_loop,
+    prefaulted,
+    proc_cpu_seconds,
+    proc_cpu_times,
+    run_machine,
+)
 from loadtest.harness.profile import summarize_profile
-from loadtest.harness.report import percentile, write_json
+from loadtest.harness.report import finish, percentile
 from storaged.placement import rendezvous_order
 from storaged.tools.local_cluster import ClusterError, LocalCluster, free_port_block
 
@@ -919,9 +924,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "command": command,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "aiohttp": aiohttp.__version__, "loop": args.loop,
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": run_machine(load_before, aiohttp=aiohttp.__version__, loop=args.loop),
         "settings": {"chunk_bytes": chunk, "chunks": count, "nodes": args.nodes,
                      "memory_per_node": args.memory, "background": spec.background,
                      "repeat": args.repeat, "concurrency": args.concurrency,
@@ -929,9 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "profile": profile,
     }  # fmt: skip
-    write_json(args.out, result)
-    print(f"# results: {args.out}")
-    return 0
+    return finish(args.out, result)
 
 
 def _main_sweep(
@@ -950,9 +951,7 @@ def _main_sweep(
     print(_sweep_table(summary, reference))
     result = {
         "command": command,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "aiohttp": aiohttp.__version__, "loop": args.loop,
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": run_machine(load_before, aiohttp=aiohttp.__version__, loop=args.loop),
         "settings": {"sweep_bytes": sizes, "reference_mib": reference,
                      "bytes_per_run": len(corpus.data) * corpus.chunk, "nodes": args.nodes,
                      "memory_per_node": args.memory, "background": spec.background,
@@ -961,9 +960,7 @@ def _main_sweep(
         "rounds": rounds,
         "summary": summary,
     }  # fmt: skip
-    write_json(args.out, result)
-    print(f"# results: {args.out}")
-    return 0
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import fcntl
 import gc
 import mmap
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -60,8 +59,8 @@ from typing import Any
 
 import blake3
 
-from loadtest.harness.machine import new_loop
-from loadtest.harness.report import write_json
+from loadtest.harness.machine import new_loop, run_machine
+from loadtest.harness.report import finish
 from storaged.ids import chunk_id_of_async, crc32c_of_async
 from storaged.peer import PeerClient, PeerError, PeerHandler, PeerServer
 from tiers.memory import (
@@ -383,17 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     print(_sizes_table(summary, names))
     result = {
         "command": command,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "kernel": platform.release(), "loop": args.loop,
-                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "machine": run_machine(load_before, loop=args.loop),
         "settings": {"sizes": sizes, "batch_bytes": int(args.ops * MiB), "rounds": args.rounds,
                      "parts": names, "at_mib": AT_MIB, "share": SHARE},
         "rounds": rounds,
         "summary": summary,
     }  # fmt: skip
-    write_json(args.out, result)
-    print(f"# results: {args.out}")
-    return 0
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

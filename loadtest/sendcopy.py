@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import mmap
 import os
-import platform
 import re
 import resource
 import shutil
@@ -64,8 +63,8 @@ from typing import Any
 import blake3
 
 from loadtest.harness.loopback import FlowControl
-from loadtest.harness.machine import new_loop, prefaulted
-from loadtest.harness.report import write_json
+from loadtest.harness.machine import new_loop, prefaulted, run_machine
+from loadtest.harness.report import finish
 from tiers.memory import MemoryTier
 
 MiB = 1 << 20
@@ -570,9 +569,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{share * 100:.1f} % {name}" for name, share in shares))  # fmt: skip
     result = {
         "command": command,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "kernel": platform.release(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg()},
+        "machine": run_machine(load_before),
         "settings": {"chunk_bytes": chunk, "chunks": args.chunks, "transfer_bytes": nbytes,
                      "slice_bytes": piece, "write_buffer": args.write_buffer_kib << 10,
                      "rounds": args.rounds, "modes": modes, "baseline": BASELINE},
@@ -581,9 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "perf": profiles,
     }  # fmt: skip
-    write_json(args.out, result)
-    print(f"# results: {args.out}")
-    return 0
+    return finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import platform
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -120,6 +120,19 @@ def machine_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "loadavg": list(os.getloadavg()),
         "mem_available_gib": _mem_available_gib(),
+    }
+
+
+def run_machine(load_before: Sequence[float], **extra: Any) -> dict[str, Any]:
+    """A run's ``machine`` record: CPUs, Python, kernel, the load averages at its start
+    (``load_before``) and now, and ``extra`` (the loop, a library's version...)."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        **extra,
     }
 
 

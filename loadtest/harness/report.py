@@ -78,3 +78,11 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
+
+
+def finish(path: Path, doc: Mapping[str, Any]) -> int:
+    """A load test's last step: its results written to ``path`` (``write_json``), said on
+    standard output; the exit status 0."""
+    write_json(path, doc)
+    print(f"# results: {path}")
+    return 0
