@@ -106,9 +106,11 @@ def test_quick_run_measures_and_removes_its_namespaces(
     ack = doc["ack"]
     assert ack["bytes"] == doc["size"]
     assert ack["ideal_gbps"] * 1e9 == pytest.approx(cap)  # the client's link: min(1, 3/3)
-    # fan-out: each entry node sends every chunk it took to the two other holders (plus
-    # headers and TCP's retransmissions on the capped links; a chain would send about 1)
-    assert ack["node_copies_per_client_byte"] == pytest.approx(2.0, abs=0.25)
+    # fan-out: each entry node sends every chunk it took to the two other holders (a chain
+    # would send about 1), plus headers, TCP's retransmissions on the capped links and, at
+    # 200 mbit, the first encoded fragments crossing the links inside the ack's window
+    # (2.10 and 2.27 in two runs)
+    assert 1.75 <= ack["node_copies_per_client_byte"] <= 2.6
     assert [r["readers"] for r in doc["restores"]] == [1, 2]
     for row in doc["restores"]:
         assert row["bytes"] == doc["size"] * row["readers"]
