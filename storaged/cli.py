@@ -305,9 +305,7 @@ def _up_auth(args: argparse.Namespace, file: ClusterFile, cluster: LocalCluster)
     """The client and admin tokens ``up`` starts the nodes with, kept in the cluster file:
     the file's unless a flag says otherwise; a new one where there is none and
     ``--insecure`` was not given. ``ClusterError`` when the flags contradict the file."""
-    import secrets
-
-    from storaged.tools.local_cluster import ClusterError
+    from storaged.tools.local_cluster import ClusterError, new_token
 
     auth = file.auth() if file.before is not None else None
     has_token = auth is not None and ("token" in auth or "token_env" in auth)
@@ -321,11 +319,11 @@ def _up_auth(args: argparse.Namespace, file: ClusterFile, cluster: LocalCluster)
                 f"{file.path} has no client token: give one with --token, or run it "
                 "without with --insecure"
             )
-        cluster.token = secrets.token_urlsafe(24)
+        cluster.token = new_token()
     if not args.insecure:
         # Draining a node, evicting a tier: the admin endpoints need their own token
         # (a file that has one keeps it; keep_auth says which).
-        cluster.admin_token = secrets.token_urlsafe(24)
+        cluster.admin_token = new_token()
     file.set_auth(cluster.keep_auth(file.auth()))
 
 
@@ -456,10 +454,8 @@ def _client_commands() -> list[Registrar]:
     return registrars
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    # Figures a command prints count from here, what a user's clock sees of the command
-    # (less only the interpreter's start).
-    began = time.perf_counter()
+def _parser() -> argparse.ArgumentParser:
+    """Every command's arguments."""
     parser = argparse.ArgumentParser(
         prog="storaged", description="A tiered checkpoint store for distributed training."
     )
@@ -472,7 +468,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             register(sub)
         except ImportError as exc:  # a half-installed optional part must not stop `serve`
             print(f"storaged: some commands are unavailable: {exc}", file=sys.stderr)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Figures a command prints count from here, what a user's clock sees of the command
+    # (less only the interpreter's start).
+    began = time.perf_counter()
+    args = _parser().parse_args(argv)
     args.began = began
     result: int = args.func(args)
     return result

@@ -59,6 +59,13 @@ def default_erasure(nodes: int, n: int = 6) -> tuple[int, int]:
     return k, n
 
 
+def new_token() -> str:
+    """A new client or admin token: 192 random bits in hex, so it never starts with
+    ``-`` (a URL-safe token does one time in 64, and ``storaged save --token -x...``
+    is then a parse error) and needs no quoting in a shell."""
+    return secrets.token_hex(24)
+
+
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

@@ -34,7 +34,7 @@ import pytest
 from storaged.cli import main
 from storaged.client.command import ByteProgress, run_async
 from storaged.tools.demo import build_model, shares
-from storaged.tools.local_cluster import LocalCluster, free_port_block
+from storaged.tools.local_cluster import LocalCluster, free_port_block, new_token
 from tests.client.helpers import client_for
 from tests.conftest import ADMIN_TOKEN, TOKEN
 
@@ -472,6 +472,20 @@ def test_wrong_token(cli: Any, tmp_path: Path) -> None:
         assert len(r.err.strip().splitlines()) == 1
     r = cli("ls", token=None)  # no token at all
     assert r.status == 1 and "401" in r.err
+
+
+def test_a_new_token_is_always_a_value_the_cli_parses() -> None:
+    """``storaged up`` writes the tokens users pass as ``--token T``: one starting
+    with ``-`` would be a parse error (a URL-safe token did one time in 64 and failed
+    a CI run). 2,000 draws would meet such a token with near certainty."""
+    from storaged.cli import _parser  # the real parser, without running a command
+
+    parser = _parser()
+    for _ in range(2000):
+        token = new_token()
+        assert len(token) >= 32 and not token.startswith("-"), token
+        args = parser.parse_args(["ls", "--token", token])
+        assert args.token == token
 
 
 def test_unreachable_cluster(cli: Any) -> None:
