@@ -18,7 +18,7 @@ from storaged.errors import Conflict, NotFound
 from storaged.ids import chunk_id_of
 from storaged.manifest import CheckedManifest, check_manifest
 from tests.service.http import manifest_for
-from tests.service.inproc import InprocCluster, InprocFactory, put_bytes
+from tests.service.inproc import InprocCluster, InprocFactory, put_bytes, wait_until
 
 QUIET: dict[str, Any] = {
     "repair_interval": 3600.0,
@@ -45,7 +45,20 @@ def _manifest(chunks: list[bytes]) -> CheckedManifest:
     return check_manifest(manifest_for(chunks), 2**30)
 
 
+def _drained(cluster: InprocCluster, chunk_id: str) -> bool:
+    """No RAM copy of ``chunk_id`` is dirty: no drain of it is under way or to come."""
+    for i in cluster.running():
+        memory = cluster.node(i).memory
+        if memory.holds(chunk_id) and memory.is_dirty(chunk_id):
+            return False
+    return True
+
+
 async def _forget_everywhere(cluster: InprocCluster, chunk_id: str) -> None:
+    # A drain in flight holds a lease on the RAM copy and writes the nvme copy after the
+    # RAM copy's delete: wait the drains out, or that copy outlives the forget (a full
+    # run saw the status say ``memory`` where it had to say ``lost``).
+    await wait_until(f"{chunk_id[:8]} drained everywhere", lambda: _drained(cluster, chunk_id))
     for i in cluster.running():
         node = cluster.node(i)
         if node.memory_has(chunk_id):
