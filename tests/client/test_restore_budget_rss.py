@@ -17,7 +17,9 @@ to the client's small buffers in most runs (64.4 / 32.4 MiB), one tile (32 MiB) 
 of 7 at 64 MiB (not a staging buffer: a probe of every staging buffer's life never saw
 more than the budget alive; some read's buffer of its own, not found yet); RSS adds what
 tracemalloc does not see (the allocator's, the threads', aiohttp's), 16-50 MiB: growth
-86-110 MiB at 64 MiB, 48-64 MiB at 32 MiB, 310-406 MiB unbounded (256 MiB traced).
+86-110 MiB at 64 MiB, 48-64 MiB at 32 MiB, 310-406 MiB unbounded (256 MiB traced);
+with the freed heap handed back before each restore (below), 96-112, 56-58 and 373-435
+MiB in 3 runs.
 Before ``_copy_letting_go`` (checkpoint.py) the traced peak was the budget plus one tile
 in every run: the executor's work item of a tile's copy kept its staging buffer past the
 release of the budget, and the next tile was allocated beside it.
@@ -62,6 +64,8 @@ UNBOUNDED = 2 * STATE
 #: loop's and the allocator's slack (the save's test allows 12 MiB for less; up to 50 MiB
 #: was measured here, see above).
 ALLOWANCE = 80 * MiB
+#: the control's RSS growth at least (see the test's end)
+CONTROL_RSS = 3 * STATE // 4
 #: A read that misses its deadline on a loaded machine is hedged into a buffer of the
 #: hedge's own (up to a chunk each, outside the budget): off in the child, so that what is
 #: measured is the staging the budget bounds.
@@ -125,5 +129,12 @@ async def test_a_restore_keeps_its_memory_beyond_the_destinations_to_its_budget(
         growth, traced, _ = found[budget]
         assert traced <= budget + TRACED_ALLOWANCE, (budget, traced)
         assert growth <= budget + ALLOWANCE, (budget, growth)
-    # the control: without a bound the whole state is staged at once, and it shows
-    assert found[UNBOUNDED][0] >= STATE and found[UNBOUNDED][1] >= STATE
+    # The control: without a bound the whole state is staged at once, and it shows. The
+    # traced peak sees every byte of it. RSS saw less once (255.0 MiB in a full run,
+    # 310-406 MiB in others): the child restores once per budget, and pages the allocator
+    # kept from the earlier restores were resident before the control and reused by it.
+    # The child now hands them back (malloc_trim) before each restore (373-435 MiB in 3
+    # runs since); three quarters of the state is the floor kept, above what any bounded
+    # restore is allowed, so the RSS check still tells a bound from none.
+    assert found[UNBOUNDED][1] >= STATE
+    assert found[UNBOUNDED][0] >= CONTROL_RSS > max(BUDGETS) + ALLOWANCE
