@@ -185,7 +185,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except (ApiError, StoragedError) as caught:
         exc = http_error(caught) if isinstance(caught, StoragedError) else caught
         node.metrics.errors.labels(exc.code).inc()
-        return reply(request, exc.body(), exc.status, exc.headers)
+        response = reply(request, exc.body(), exc.status, exc.headers)
+        if exc.status == 408:
+            # The body is too slow: the rest of it is not read, and the connection closes
+            # with the answer (RFC 9110 §15.5.9) instead of waiting for that rest to
+            # arrive and be thrown away. The client stops sending it and tries again on a
+            # new connection, leaving the congested link to what can still make it.
+            response.force_close()
+        return response
     except CatalogueUnavailable as caught:
         # A handler that did not map it itself (etcd out of reach, a leader change): the
         # client's to retry, like any 503, not an internal error with a traceback.

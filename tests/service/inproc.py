@@ -100,6 +100,14 @@ class InprocCluster:
     def index_of(self, node_id: str) -> int:
         return int(node_id[1:])
 
+    #: ports taken from the block per node: its HTTP site (its url) and its peer port
+    PORTS_PER_NODE = 2
+
+    def listen_addr(self, i: int) -> tuple[str, int]:
+        """Where node ``i``'s HTTP site listens: at its url (a subclass that advertises a
+        proxy there listens elsewhere)."""
+        return self.members[i].config.node.http_addr
+
     def _config(self, i: int) -> Config:
         specs = tuple(
             NodeSpec(
@@ -140,7 +148,7 @@ class InprocCluster:
 
     async def start(self, timeout: float = 60.0) -> None:
         for attempt in range(3):
-            self.port = free_port_block(self.nodes * 2)
+            self.port = free_port_block(self.nodes * self.PORTS_PER_NODE)
             self.members = [Member(i, self._config(i)) for i in range(self.nodes)]
             try:
                 for i in range(self.nodes):
@@ -171,7 +179,7 @@ class InprocCluster:
         try:
             await runner.setup()
             await node.start()
-            host, port = member.config.node.http_addr
+            host, port = self.listen_addr(i)
             await web.TCPSite(runner, host, port, backlog=128).start()
         except BaseException:
             with contextlib.suppress(Exception):

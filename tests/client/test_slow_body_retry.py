@@ -1,0 +1,220 @@
+"""A PUT whose body trickles in slower than the node's ``body_min_rate`` is refused with
+408 ``body_too_slow`` (API.md E4) and stores nothing, and the client sends it again
+(``is_retryable``): end to end, through the real client and real in-process nodes.
+
+Every node's HTTP site sits behind a TCP proxy it advertises as its url, so the client
+reaches the nodes through the proxies only (peers talk directly). The proxies trickle
+the upload of the first ``slow`` connections that carry a chunk PUT; the others pass at
+full speed. The proxies also record the status line each trickled connection was
+answered with, so the tests see the node's 408 itself, not only the client's outcome.
+
+The 408 closes its connection (RFC 9110 §15.5.9). Before it did, the node answered and
+then read the rest of the refused body to throw it away, and the client, whose pooled
+connection it was, trickled all of it before it could send the chunk again: on a
+congested link the retry waited for the doomed upload (here every retry went over the
+same slow connection, and the put failed after 25 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass, field
+
+import pytest
+
+from storaged.client.errors import BodyTooSlow
+from storaged.client.retry import RetryPolicy
+from storaged.ids import chunk_id_of
+from tests.client.helpers import CLIENT_SETTINGS, client_for
+from tests.service.inproc import InprocCluster, InprocFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+#: a body gets max(2 s, size / 1 MiB/s) to arrive: 2 s for the 1 MiB chunks sent here (a
+#: loaded machine gets the untrickled retry through in far less)
+SETTINGS = {**CLIENT_SETTINGS, "body_min_rate": MiB, "body_min_time": 2.0}
+#: what a trickled upload passes per second: an eighth of the budget's rate
+TRICKLE = 128 << 10
+#: the request line of a chunk PUT, the marker of a connection to trickle
+PUT_LINE = b"PUT /v1/chunks/"
+
+
+@dataclass
+class Trickle:
+    """Which chunk-PUT connections the proxies slow down, and what they were answered."""
+
+    slow: int
+    #: the first line of each trickled connection's answer
+    answers: list[bytes] = field(default_factory=list)
+    #: connections that carried a chunk PUT
+    puts: int = 0
+    #: bytes the trickled connections passed on to the nodes
+    trickled: int = 0
+
+    def claim(self) -> bool:
+        """A connection just carried its first chunk PUT: is it trickled?"""
+        self.puts += 1
+        if self.slow <= 0:
+            return False
+        self.slow -= 1
+        return True
+
+
+class TrickleProxy:
+    """Forwards one port to another; the upload of a connection ``trickle`` claims goes at
+    ``TRICKLE`` bytes a second from its first chunk PUT on."""
+
+    def __init__(self, port: int, target: int, trickle: Trickle) -> None:
+        self.port, self.target, self.trickle = port, target, trickle
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serving: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        # The connections' own tasks end once their transports are cut (cancelled, asyncio
+        # would log it); the downstream pipes are this proxy's to cancel.
+        if self._serving:
+            await asyncio.wait(self._serving, timeout=5.0)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers += [writer, up_writer]
+        slowed = asyncio.Event()
+        down = asyncio.create_task(self._down(up_reader, writer, slowed))
+        self._tasks.add(down)
+        down.add_done_callback(self._tasks.discard)
+        try:
+            await self._up(reader, up_writer, slowed)
+        finally:
+            up_writer.transport.abort()
+            await asyncio.wait({down}, timeout=5.0)
+            writer.transport.abort()
+
+    async def _up(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slowed: asyncio.Event
+    ) -> None:
+        seen = False
+        with contextlib.suppress(OSError):
+            while piece := await reader.read(16 << 10 if slowed.is_set() else 1 << 16):
+                if not seen and PUT_LINE in piece:
+                    seen = True
+                    if self.trickle.claim():
+                        slowed.set()
+                writer.write(piece)
+                await writer.drain()
+                if slowed.is_set():
+                    self.trickle.trickled += len(piece)
+                    await asyncio.sleep(len(piece) / TRICKLE)
+
+    async def _down(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slowed: asyncio.Event
+    ) -> None:
+        # HTTP/1.1 answers one request at a time: once the connection is trickled (the
+        # answers to its requests before the PUT went down already), the next answer is
+        # the PUT's.
+        recorded = False
+        with contextlib.suppress(OSError):
+            while piece := await reader.read(1 << 16):
+                if slowed.is_set() and not recorded:
+                    self.trickle.answers.append(piece.split(b"\r\n", 1)[0])
+                    recorded = True
+                writer.write(piece)
+                await writer.drain()
+        writer.transport.abort()
+
+
+@dataclass
+class ProxiedCluster(InprocCluster):
+    """In-process nodes that advertise a ``TrickleProxy`` as their url and listen behind it."""
+
+    trickle: Trickle = field(default_factory=lambda: Trickle(0))
+    proxies: list[TrickleProxy] = field(default_factory=list)
+
+    #: url (the proxy), peer port, and the HTTP site behind the proxy
+    PORTS_PER_NODE = 3
+
+    def listen_addr(self, i: int) -> tuple[str, int]:
+        return "127.0.0.1", self.port + 2 * self.nodes + i
+
+    async def start(self, timeout: float = 60.0) -> None:
+        await super().start(timeout)
+        for i in range(self.nodes):
+            proxy = TrickleProxy(self.port + i, self.listen_addr(i)[1], self.trickle)
+            self.proxies.append(proxy)
+            await proxy.start()
+
+    async def close(self) -> None:
+        for proxy in self.proxies:
+            await proxy.close()
+        await super().close()
+
+
+async def _proxied(inproc: InprocFactory, slow: int) -> ProxiedCluster:
+    cluster = ProxiedCluster(inproc.root / f"proxied{len(inproc.clusters)}", 4, dict(SETTINGS))
+    cluster.trickle = Trickle(slow)
+    inproc.clusters.append(cluster)  # stopped with the others after the test
+    await cluster.start()
+    return cluster
+
+
+async def test_a_trickled_put_is_408_and_the_client_sends_it_again(
+    inproc: InprocFactory,
+) -> None:
+    cluster = await _proxied(inproc, slow=1)
+    data = os.urandom(MiB)
+    async with client_for(cluster, retry=RetryPolicy(max_attempts=4, deadline=60.0)) as client:
+        chunk_id = await client.put_chunk(data)
+        assert chunk_id == chunk_id_of(data)
+        # The node refused the trickled body itself: 408, before the client sent it again.
+        assert cluster.trickle.answers == [b"HTTP/1.1 408 Request Timeout"]
+        assert cluster.trickle.puts == 2
+        # The 408 closed its connection: the client stopped sending the refused body (the
+        # budget's 2 s worth went through, 256 KiB) and sent it again on a new connection,
+        # instead of trickling the rest of it first on the one it had.
+        assert cluster.trickle.trickled < MiB // 2
+        assert client.stats.retries >= 1
+        assert len(cluster.hot_holders(chunk_id)) >= 3
+        assert bytes(await client.get_chunk(chunk_id)) == data
+
+
+async def test_a_put_trickled_on_every_try_fails_as_body_too_slow_and_stores_nothing(
+    inproc: InprocFactory,
+) -> None:
+    cluster = await _proxied(inproc, slow=100)
+    data = os.urandom(MiB)
+    chunk_id = chunk_id_of(data)
+    policy = RetryPolicy(max_attempts=3, deadline=60.0)
+    async with client_for(cluster, retry=policy) as client:
+        with pytest.raises(BodyTooSlow) as refused:
+            await client.put_chunk(data)
+        assert refused.value.status == 408 and refused.value.code == "body_too_slow"
+        assert cluster.trickle.answers == [b"HTTP/1.1 408 Request Timeout"] * 3
+        # Nothing was stored, and no reservation is left behind on any node.
+        assert cluster.hot_holders(chunk_id) == []
+        for i in cluster.running():
+            assert cluster.node(i).memory.usage().used == 0
+        assert await client.missing_chunks([chunk_id]) == [chunk_id]
