@@ -28,7 +28,7 @@ from storaged.client.errors import BodyTooSlow
 from storaged.client.retry import RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
-from tests.service.inproc import InprocCluster, InprocFactory
+from tests.service.inproc import InprocCluster, InprocFactory, TcpProxy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,88 +63,47 @@ class Trickle:
         return True
 
 
-class TrickleProxy:
-    """Forwards one port to another; the upload of a connection ``trickle`` claims goes at
+@dataclass
+class Link:
+    """One proxied connection: trickled, and its PUT's answer recorded."""
+
+    slowed: bool = False
+    answered: bool = False
+
+
+class TrickleProxy(TcpProxy):
+    """Forwards to a node's HTTP site; the upload of a connection ``trickle`` claims goes at
     ``TRICKLE`` bytes a second from its first chunk PUT on."""
 
-    def __init__(self, port: int, target: int, trickle: Trickle) -> None:
-        self.port, self.target, self.trickle = port, target, trickle
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._serving: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
+    def __init__(self, target: int, trickle: Trickle) -> None:
+        super().__init__(("127.0.0.1", target))
+        self.trickle = trickle
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+    def link(self) -> Link:
+        return Link()
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-        # The connections' own tasks end once their transports are cut (cancelled, asyncio
-        # would log it); the downstream pipes are this proxy's to cancel.
-        if self._serving:
-            await asyncio.wait(self._serving, timeout=5.0)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._serving.add(task)
-        task.add_done_callback(self._serving.discard)
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self._writers += [writer, up_writer]
-        slowed = asyncio.Event()
-        down = asyncio.create_task(self._down(up_reader, writer, slowed))
-        self._tasks.add(down)
-        down.add_done_callback(self._tasks.discard)
-        try:
-            await self._up(reader, up_writer, slowed)
-        finally:
-            up_writer.transport.abort()
-            await asyncio.wait({down}, timeout=5.0)
-            writer.transport.abort()
-
-    async def _up(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slowed: asyncio.Event
+    async def relay_up(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Link
     ) -> None:
         seen = False
         with contextlib.suppress(OSError):
-            while piece := await reader.read(16 << 10 if slowed.is_set() else 1 << 16):
+            while piece := await reader.read(16 << 10 if link.slowed else 1 << 16):
                 if not seen and PUT_LINE in piece:
                     seen = True
-                    if self.trickle.claim():
-                        slowed.set()
+                    link.slowed = self.trickle.claim()
                 writer.write(piece)
                 await writer.drain()
-                if slowed.is_set():
+                if link.slowed:
                     self.trickle.trickled += len(piece)
                     await asyncio.sleep(len(piece) / TRICKLE)
 
-    async def _down(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slowed: asyncio.Event
-    ) -> None:
+    def seen_down(self, piece: bytes, link: Link) -> None:
         # HTTP/1.1 answers one request at a time: once the connection is trickled (the
         # answers to its requests before the PUT went down already), the next answer is
         # the PUT's.
-        recorded = False
-        with contextlib.suppress(OSError):
-            while piece := await reader.read(1 << 16):
-                if slowed.is_set() and not recorded:
-                    self.trickle.answers.append(piece.split(b"\r\n", 1)[0])
-                    recorded = True
-                writer.write(piece)
-                await writer.drain()
-        writer.transport.abort()
+        if link.slowed and not link.answered:
+            self.trickle.answers.append(piece.split(b"\r\n", 1)[0])
+            link.answered = True
 
 
 @dataclass
@@ -163,9 +122,9 @@ class ProxiedCluster(InprocCluster):
     async def start(self, timeout: float = 60.0) -> None:
         await super().start(timeout)
         for i in range(self.nodes):
-            proxy = TrickleProxy(self.port + i, self.listen_addr(i)[1], self.trickle)
+            proxy = TrickleProxy(self.listen_addr(i)[1], self.trickle)
             self.proxies.append(proxy)
-            await proxy.start()
+            await proxy.start(self.port + i)
 
     async def close(self) -> None:
         for proxy in self.proxies:

@@ -396,7 +396,88 @@ def release_memory(node: Node, held: list[Allocation]) -> None:
 _PREFIX_LEN = 4
 
 
-class PeerLinkProxy:
+class TcpProxy:
+    """A TCP proxy to ``target``, each connection to a connection of its own there:
+    ``relay_up`` forwards what the connection sends (a subclass reads into it),
+    ``relay_down`` what comes back. ``link`` makes the state a connection's two directions
+    share. ``close`` cuts every connection."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._server: asyncio.Server | None = None
+        self._serving: set[asyncio.Task[Any]] = set()  # the connections' own tasks
+        self._tasks: set[asyncio.Task[None]] = set()  # their downstream relays
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self, port: int = 0) -> int:
+        """Listen on ``port`` (0: one the kernel picks); the port listened on."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        # A connection's task ends once its transports are cut (a cancelled one, asyncio
+        # logs); one held on something else (a gate) is cancelled after a while.
+        if self._serving:
+            await asyncio.wait(self._serving, timeout=1.0)
+        for task in [*self._serving, *self._tasks]:
+            task.cancel()
+        await asyncio.gather(*self._serving, *self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers += [writer, up_writer]
+        link = self.link()
+        down = asyncio.create_task(self.relay_down(up_reader, writer, link))
+        self._tasks.add(down)
+        down.add_done_callback(self._tasks.discard)
+        try:
+            await self.relay_up(reader, up_writer, link)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            up_writer.transport.abort()
+            writer.transport.abort()
+
+    def link(self) -> Any:
+        """The state a new connection's two directions share (none here)."""
+        return None
+
+    async def relay_down(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Any
+    ) -> None:
+        """The answers, as they come, each piece shown to ``seen_down`` first."""
+        with contextlib.suppress(OSError):
+            while piece := await reader.read(1 << 16):
+                self.seen_down(piece, link)
+                writer.write(piece)
+                await writer.drain()
+        writer.transport.abort()
+
+    def seen_down(self, piece: bytes, link: Any) -> None:
+        """A piece of an answer, about to go down (nothing is done with it here)."""
+
+    async def relay_up(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Any
+    ) -> None:
+        raise NotImplementedError
+
+
+class PeerLinkProxy(TcpProxy):
     """A TCP proxy for one node's connections to one peer (route them here with the node's
     ``peer_routes``). It understands the peer protocol's framing from client to server just
     enough to find chunk bodies: with ``flip``, it flips one byte of the first put body of
@@ -411,56 +492,17 @@ class PeerLinkProxy:
         flip: bool = True,
         gate: asyncio.Event | None = None,
     ) -> None:
-        self.target = target
+        super().__init__(target)
         self.chunk_id = chunk_id
         self.flip = flip
         self.gate = gate
         self.put_seen = asyncio.Event()
         self.flipped = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
 
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port: int = self._server.sockets[0].getsockname()[1]
-        return port
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
-            writer.transport.abort()
-            return
-        self._writers += [writer, up_writer]
-        down = asyncio.create_task(self._pipe(up_reader, writer))
-        self._tasks.add(down)
-        down.add_done_callback(self._tasks.discard)
-        try:
-            await self._requests(reader, up_writer)
-        except (OSError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            up_writer.transport.abort()
-            writer.transport.abort()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while piece := await reader.read(1 << 16):
-                writer.write(piece)
-                await writer.drain()
-        writer.transport.abort()
+    async def relay_up(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Any
+    ) -> None:
+        await self._requests(reader, writer)
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Forward frames (u32 length, msgpack header, body) one by one."""
