@@ -50,6 +50,7 @@ from loadtest.harness.checkpoint import Layout, StoragedRestore, StoragedSave, c
 from loadtest.harness.cluster import (
     CpuMeter,
     MetricsSampler,
+    errors_of,
     scrape,
     start_cluster,
     wait_prefaulted,
@@ -239,6 +240,9 @@ def measure_ack(
     puts = results[0]["put_latencies"]
     row["put_p50_ms"] = round(percentile(puts, 50) * 1e3, 1) if puts else None
     row["put_p99_ms"] = round(percentile(puts, 99) * 1e3, 1) if puts else None
+    # A body slower than the nodes' body_min_rate is refused (408) and sent again.
+    row["put_retries"] = int(results[0]["retries"])
+    row["body_too_slow"] = errors_of(urls, "body_too_slow")
     sent = row["links_mb"]
     from_client = sent["c0"][0]
     by_nodes = sum(v[0] for k, v in sent.items() if k.startswith("n"))
@@ -437,7 +441,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "beyond the checkpoint's (headers, hedged reads), over its bytes.",
         f"node copies sent per byte from the client (fan-out 2.0): "
         f"{doc['ack'].get('node_copies_per_client_byte')}; chunk PUT to ack p50 "
-        f"{doc['ack'].get('put_p50_ms')} ms, p99 {doc['ack'].get('put_p99_ms')} ms; the "
+        f"{doc['ack'].get('put_p50_ms')} ms, p99 {doc['ack'].get('put_p99_ms')} ms "
+        f"(408 body_too_slow {doc['ack'].get('body_too_slow')}, the client's retries "
+        f"{doc['ack'].get('put_retries')}); the "
         f"drain and encode after the ack took {doc['ack'].get('settled_seconds')} s more.",
     ]
     return "\n".join(lines) + "\n"

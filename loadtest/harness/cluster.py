@@ -115,6 +115,19 @@ def scrape(url: str, timeout: float = 2.0) -> dict[str, dict[tuple[tuple[str, st
     return out
 
 
+def errors_of(urls: Iterable[str], code: str) -> int:
+    """How many error answers of ``code`` (``storaged_errors_total``) the nodes that answer
+    gave in all."""
+    total = 0.0
+    for url in urls:
+        try:
+            samples = scrape(url).get("storaged_errors_total", {})
+        except (urllib.error.URLError, OSError, ValueError):
+            continue  # a dead node: its counters died with it
+        total += sum(v for labels, v in samples.items() if dict(labels).get("code") == code)
+    return int(total)
+
+
 def read_bytes(urls: Iterable[str]) -> dict[str, dict[str, float]]:
     """``storaged_read_bytes_total`` of each node that answers: {url: {tier: bytes}}."""
     out: dict[str, dict[str, float]] = {}

@@ -678,12 +678,18 @@ class _Request(Generic[T]):
                 headers={**extra, **(send.headers or {})} if extra else send.headers,
             ) as resp:
                 if resp.status >= 400:
-                    raise error_from_response(
+                    error = error_from_response(
                         resp.status,
                         await resp.read(),
                         resp.headers.get("Content-Type"),
                         resp.headers.get("Retry-After"),
                     )
+                    if resp.status == 408:
+                        # The node refused a body too slow for it: the rest of it would
+                        # only be read to be thrown away, over the link that is too slow
+                        # already. Closing the connection stops its upload.
+                        resp.close()
+                    raise error
                 return await send.handle(resp)
         finally:
             inflight[node] -= 1

@@ -343,7 +343,20 @@ async def _body_pieces(
             "body_too_slow",
             f"body too slow: {size - remaining} of {size} bytes in {budget:.1f} s "
             "(the node's body_min_rate); nothing was stored: send it again",
+            headers={"Retry-After": str(_rest_seconds(size, remaining, budget))},
         ) from None
+
+
+def _rest_seconds(size: int, remaining: int, budget: float) -> int:
+    """The ``Retry-After`` of a 408 body_too_slow: what the rest of the body would have
+    taken at the rate it came (at most the budget, at least 1 s). The connection closes
+    with the 408, so the rest is not sent; waiting that long leaves the link to the bodies
+    sharing it, as sending the rest would have, instead of starting the whole body again
+    at once beside them (which measured slower on a link with more bodies in flight than
+    it carries within the budget)."""
+    received = size - remaining
+    rest = budget if received <= 0 else remaining * budget / received
+    return max(1, math.ceil(min(rest, budget)))
 
 
 @contextlib.contextmanager

@@ -146,6 +146,11 @@ async def test_trickling_put_is_cut_off_and_its_ram_released(
     await _until(reserved, "the PUT's RAM reservations")
     answer, sent = await trickle
     assert answer.startswith(b"HTTP/1.1 408"), (answer[:300], sent)
+    head = answer.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    # The connection closes with the answer (the rest of the body is not read), and the
+    # client is told to wait what the rest would have taken: far more than the 2 s budget
+    # at a byte every 0.1 s, so the budget.
+    assert b"connection: close" in head and b"retry-after: 2" in head, head
     body = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert body["error"] == "body_too_slow" and "too slow" in body["message"]
     assert sent < len(data)
