@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         BadName,
         BadRange,
         BadRequest,
+        BodyTooSlow,
         CheckpointNotFound,
         ChecksumMismatch,
         ChunkNotFound,
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
         build_manifest,
         check_layout,
     )
+    from storaged.client.retry import RetryPolicy
     from storaged.wire import STATES, ByteRange, state_at_least
 
 #: where each public name lives, by module
@@ -116,6 +118,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "BadName",
         "BadRange",
         "BadRequest",
+        "BodyTooSlow",
         "CheckpointNotFound",
         "ChecksumMismatch",
         "ChunkNotFound",
@@ -148,6 +151,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "build_manifest",
         "check_layout",
     ),
+    "storaged.client.retry": ("RetryPolicy",),
     "storaged.wire": ("STATES", "ByteRange", "state_at_least"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -161,6 +165,7 @@ __all__ = [
     "BadName",
     "BadRange",
     "BadRequest",
+    "BodyTooSlow",
     "ByteRange",
     "CheckpointCosts",
     "CheckpointInfo",
@@ -190,6 +195,7 @@ __all__ = [
     "ProtocolError",
     "PutResult",
     "RegionNotCovered",
+    "RetryPolicy",
     "SaveHandle",
     "SaveResult",
     "ShapeMismatch",

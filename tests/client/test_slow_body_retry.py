@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from storaged.client.errors import BodyTooSlow
-from storaged.client.retry import RetryPolicy
+from storaged.client import BodyTooSlow, RetryPolicy
 from storaged.ids import chunk_id_of
 from tests.client.helpers import CLIENT_SETTINGS, client_for
 from tests.service.inproc import InprocCluster, InprocFactory, TcpProxy
