@@ -187,10 +187,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         node.metrics.errors.labels(exc.code).inc()
         response = reply(request, exc.body(), exc.status, exc.headers)
         if exc.status == 408:
-            # The body is too slow: the rest of it is not read, and the connection closes
-            # with the answer (RFC 9110 §15.5.9) instead of waiting for that rest to
-            # arrive and be thrown away. The client stops sending it and tries again on a
-            # new connection, leaving the congested link to what can still make it.
+            # The body is too slow: the connection is not kept for another request
+            # (RFC 9110 §15.5.9). aiohttp still reads and drops what comes of the body for
+            # up to its lingering time before it closes (a close with unread bytes would
+            # reset the connection, and the answer could be lost); our client closes the
+            # connection on a 408 and sends the chunk again on a new one.
             response.force_close()
         return response
     except CatalogueUnavailable as caught:
@@ -349,11 +350,11 @@ async def _body_pieces(
 
 def _rest_seconds(size: int, remaining: int, budget: float) -> int:
     """The ``Retry-After`` of a 408 body_too_slow: what the rest of the body would have
-    taken at the rate it came (at most the budget, at least 1 s). The connection closes
-    with the 408, so the rest is not sent; waiting that long leaves the link to the bodies
-    sharing it, as sending the rest would have, instead of starting the whole body again
-    at once beside them (which measured slower on a link with more bodies in flight than
-    it carries within the budget)."""
+    taken at the rate it came (at most the budget, at least 1 s). The client closes the
+    connection on a 408, so the rest is not sent; waiting that long leaves the link to the
+    bodies sharing it, as sending the rest would have, instead of starting the whole body
+    again at once beside them (which measured slower on a link with more bodies in flight
+    than it carries within the budget: docs/BENCHMARKS.md, the fabric)."""
     received = size - remaining
     rest = budget if received <= 0 else remaining * budget / received
     return max(1, math.ceil(min(rest, budget)))
