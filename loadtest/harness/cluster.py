@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,27 +115,34 @@ def scrape(url: str, timeout: float = 2.0) -> dict[str, dict[tuple[tuple[str, st
     return out
 
 
+def _each_node(
+    urls: Iterable[str], name: str
+) -> Iterator[tuple[str, dict[tuple[tuple[str, str], ...], float]]]:
+    """(url, samples of ``name``) of each node that answers; a dead node's counters died
+    with it."""
+    for url in urls:
+        try:
+            samples = scrape(url).get(name, {})
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        yield url, samples
+
+
 def errors_of(urls: Iterable[str], code: str) -> int:
     """How many error answers of ``code`` (``storaged_errors_total``) the nodes that answer
     gave in all."""
-    total = 0.0
-    for url in urls:
-        try:
-            samples = scrape(url).get("storaged_errors_total", {})
-        except (urllib.error.URLError, OSError, ValueError):
-            continue  # a dead node: its counters died with it
-        total += sum(v for labels, v in samples.items() if dict(labels).get("code") == code)
-    return int(total)
+    return int(sum(
+        v
+        for _, samples in _each_node(urls, "storaged_errors_total")
+        for labels, v in samples.items()
+        if dict(labels).get("code") == code
+    ))  # fmt: skip
 
 
 def read_bytes(urls: Iterable[str]) -> dict[str, dict[str, float]]:
     """``storaged_read_bytes_total`` of each node that answers: {url: {tier: bytes}}."""
     out: dict[str, dict[str, float]] = {}
-    for url in urls:
-        try:
-            samples = scrape(url).get("storaged_read_bytes_total", {})
-        except (urllib.error.URLError, OSError, ValueError):
-            continue  # a dead node: its counters died with it
+    for url, samples in _each_node(urls, "storaged_read_bytes_total"):
         tiers = out.setdefault(url, dict.fromkeys(TIERS, 0.0))
         for labels, value in samples.items():
             tier = dict(labels).get("tier", "?")
