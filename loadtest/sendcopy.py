@@ -21,10 +21,11 @@ as the node does (``MemoryTier.lease_shared``, filled, ``seal_shared``, ``put``)
 The receiver is the same for all: one blocking thread per connection, ``recv_into`` a
 reused 1 MiB buffer, then it answers with its own CPU seconds (user, system) for that
 transfer. The modes run round after round, their order rotated each round, so load on this
-shared machine hits them alike; CPU seconds (``getrusage`` of the sending and the receiving
-thread) do not count time spent waiting, unlike wall time. Reported per mode: the median
-and the min-max over the rounds of the sender's and the receiver's CPU s/GB and GB/s, and
-the median over rounds of each round's ratio to ``send`` (the same round's figure).
+shared machine hits them alike; CPU seconds (the thread CPU clock of the sending and the
+receiving thread, split into user and system as ``getrusage`` splits it) do not count time
+spent waiting, unlike wall time. Reported per mode: the median and the min-max over the
+rounds of the sender's and the receiver's CPU s/GB and GB/s, and the median over rounds of
+each round's ratio to ``send`` (the same round's figure).
 
 Before the rounds, a copy check answers (a) directly for the two loops: a 16 MiB bytearray
 written to a transport whose receiver does not read yet, overwritten right after
@@ -80,9 +81,27 @@ ANSWER = struct.Struct("!dd")
 CHECK_BYTES = 16 * MiB
 
 
-def _thread_cpu() -> tuple[float, float]:
+def _thread_cpu() -> tuple[float, float, float]:
+    """This thread's CPU seconds: user and system as ``getrusage`` counts them, and the total
+    by ``CLOCK_THREAD_CPUTIME_ID``. Take two and pass them to ``_cpu_between``."""
     usage = resource.getrusage(resource.RUSAGE_THREAD)
-    return usage.ru_utime, usage.ru_stime
+    return usage.ru_utime, usage.ru_stime, time.thread_time()
+
+
+def _cpu_between(
+    start: tuple[float, float, float], end: tuple[float, float, float]
+) -> tuple[float, float]:
+    """(user, system) seconds from ``start`` to ``end``: their sum is the thread clock's
+    delta, and ``getrusage`` only splits it. ``getrusage`` alone misses the stretch a thread
+    has been running: the kernel adds it at a tick or when the thread sleeps, so a receiver
+    that found the whole body already queued counted 0 s (a CI run, stop 29). When
+    ``getrusage`` saw nothing the split is unknown and the whole goes to system time (a
+    transfer's work is mostly the kernel's copy)."""
+    total = max(0.0, end[2] - start[2])
+    user, system = end[0] - start[0], end[1] - start[1]
+    if user + system <= 0:
+        return 0.0, total
+    return total * user / (user + system), total * system / (user + system)
 
 
 # -- the receiver (a child process) ---------------------------------------------------------------
@@ -108,14 +127,13 @@ def _receive_transfers(conn: socket.socket) -> None:
                 (left,) = LENGTH.unpack(_recv_exactly(conn, LENGTH.size))
             except ConnectionError:
                 return
-            user0, sys0 = _thread_cpu()
+            start = _thread_cpu()
             while left:
                 n = conn.recv_into(view[: min(left, len(view))])
                 if not n:
                     return
                 left -= n
-            user1, sys1 = _thread_cpu()
-            conn.sendall(ANSWER.pack(user1 - user0, sys1 - sys0))
+            conn.sendall(ANSWER.pack(*_cpu_between(start, _thread_cpu())))
 
 
 def serve_receiver(control: Connection) -> None:
@@ -188,7 +206,7 @@ def _blocking_transfer(
     mode: str, sock: socket.socket, chunks: Sequence[Sealed], nbytes: int, piece: int
 ) -> Transfer:
     sock.sendall(LENGTH.pack(nbytes))
-    t0, (u0, s0) = time.perf_counter(), _thread_cpu()
+    t0, cpu0 = time.perf_counter(), _thread_cpu()
     if mode == "send":
         for ch, off, n in _slices(chunks, nbytes, piece):
             sock.sendall(ch.view[off : off + n])
@@ -199,9 +217,9 @@ def _blocking_transfer(
                 sent = os.sendfile(out, ch.fd, off, n)
                 off, n = off + sent, n - sent
     answer = _recv_exactly(sock, ANSWER.size)
-    (u1, s1), seconds = _thread_cpu(), time.perf_counter() - t0
-    ru, rs = ANSWER.unpack(answer)
-    return Transfer(mode, nbytes, seconds, u1 - u0, s1 - s0, ru, rs)
+    cpu1, seconds = _thread_cpu(), time.perf_counter() - t0
+    (user, system), (ruser, rsystem) = _cpu_between(cpu0, cpu1), ANSWER.unpack(answer)
+    return Transfer(mode, nbytes, seconds, user, system, ruser, rsystem)
 
 
 class _Source(FlowControl):
@@ -248,7 +266,7 @@ async def _loop_transfer(
     answered = proto.expect(ANSWER.size)
     transport.write(LENGTH.pack(nbytes))
     deferred = 0
-    t0, (u0, s0) = time.perf_counter(), _thread_cpu()
+    t0, cpu0 = time.perf_counter(), _thread_cpu()
     for ch, off, n in _slices(chunks, nbytes, piece):
         # As PutStream.write: the slice to the transport, then wait while it is paused.
         before = transport.get_write_buffer_size()
@@ -257,9 +275,9 @@ async def _loop_transfer(
         if proto.paused:
             await proto.drain()
     answer = await answered
-    (u1, s1), seconds = _thread_cpu(), time.perf_counter() - t0
-    ru, rs = ANSWER.unpack(answer)
-    return Transfer(mode, nbytes, seconds, u1 - u0, s1 - s0, ru, rs, deferred)
+    cpu1, seconds = _thread_cpu(), time.perf_counter() - t0
+    (user, system), (ruser, rsystem) = _cpu_between(cpu0, cpu1), ANSWER.unpack(answer)
+    return Transfer(mode, nbytes, seconds, user, system, ruser, rsystem, deferred)
 
 
 async def _open_source(port: int, high: int) -> _Source:
