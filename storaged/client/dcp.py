@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import bisect
 import concurrent.futures
 import dataclasses
@@ -233,19 +234,57 @@ def _run(factory: Callable[[], Coroutine[Any, Any, T]], what: str) -> T:
     return _spawn(lambda: asyncio.run(factory()), what).result()
 
 
+class _Settling:
+    """How many torch futures a worker thread is settling right now, and a wait for none.
+
+    ``Future.set_result`` wakes the waiter first, then runs the future's callbacks and takes
+    the GIL back, all inside torch's C++. A waiter that then ends the process can start
+    interpreter shutdown while the (daemon) worker is still in there; the worker's next
+    take of the GIL ends its thread by unwinding through C++ that must not unwind, and the
+    process aborts ("terminate called without an active exception", a torchrun example in
+    CI, stop 29). Exit waits for the settles in flight (``atexit`` runs before shutdown
+    stops threads from taking the GIL); the uploads and reads themselves are not waited
+    for, so a stuck one still cannot hang the exit."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for no settle in flight; whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
+
+
+_SETTLING: Final = _Settling()
+#: how long an exiting process waits for the settles in flight (their callbacks included)
+SETTLE_EXIT_SECONDS: Final = 60.0
+atexit.register(_SETTLING.wait, SETTLE_EXIT_SECONDS)
+
+
 def _torch_future(source: concurrent.futures.Future[T]) -> Future[T]:
     """A ``torch.futures.Future`` settled with ``source``'s outcome."""
     future: Future[T] = Future()
 
     def settle(done: concurrent.futures.Future[T]) -> None:
         exc = done.exception()
-        if exc is None:
-            future.set_result(done.result())
-        else:
-            if not isinstance(exc, Exception):  # torch futures carry Exceptions only
-                exc = RuntimeError(f"interrupted: {exc!r}")
-            # torch annotates set_exception's argument as the result type T: it is not.
-            future.set_exception(exc)  # type: ignore[arg-type]
+        with _SETTLING:
+            if exc is None:
+                future.set_result(done.result())
+            else:
+                if not isinstance(exc, Exception):  # torch futures carry Exceptions only
+                    exc = RuntimeError(f"interrupted: {exc!r}")
+                # torch annotates set_exception's argument as the result type T: it is not.
+                future.set_exception(exc)  # type: ignore[arg-type]
 
     source.add_done_callback(settle)
     return future

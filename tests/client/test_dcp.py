@@ -517,6 +517,33 @@ def test_writer_and_reader_name_their_cluster_and_checkpoint_alike(
         one.reset("../escape")
 
 
+#: A process whose worker thread is still inside torch's settle of a future when the main
+#: thread ends it. The callback stands for DCP's own, which run in the settling thread after
+#: the waiter has woken; ``registered`` makes sure it is on the future before it settles.
+EXIT_WHILE_SETTLING = """
+import threading, time
+from storaged.client.dcp import _spawn, _torch_future
+
+registered = threading.Event()
+future = _torch_future(_spawn(lambda: registered.wait(30) and 7, "test"))
+future.add_done_callback(lambda f: time.sleep(0.5))
+registered.set()
+print(future.wait(), flush=True)
+"""
+
+
+def test_a_process_that_exits_while_a_future_settles_exits_cleanly() -> None:
+    # Without the exit's wait for settles in flight, this aborted (status -6) every time:
+    # "terminate called without an active exception".
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_SETTLING],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout) == (0, "7\n"), proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr
+
+
 Cli = Callable[..., Awaitable[tuple[int, str, str]]]
 
 
