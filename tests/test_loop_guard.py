@@ -2,8 +2,9 @@
 
 A loop thread that waits for a worker thread of the default executor to start stands in
 ``Thread.start`` (it waits until the OS runs the new thread): on a starved machine that
-took over 0.5 s, and it is scheduling, not a block by the code under test. Anything else
-in ``threading`` (a lock taken in the loop, say) still counts. Nor does the cyclic garbage
+took over 0.5 s, and it is scheduling, not a block by the code under test; so is a loop
+that waits in an executor's ``submit`` for the lock such a start holds. Anything else in
+``threading`` (a lock of the code taken in the loop, say) still counts. Nor does the cyclic garbage
 collector's time in the loop thread count: its length is the process's heap.
 """
 
@@ -17,6 +18,8 @@ import time
 import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import thread as cf_thread
+from typing import Any
 
 import pytest
 
@@ -109,3 +112,45 @@ def test_the_loop_held_as_long_by_the_code_is_a_block() -> None:
     reported = _hold_loop(lambda: time.sleep(0.8))
     assert len(reported) == 1 and "loop blocked for over" in reported[0]
     assert "_hold_loop" in reported[0] or "<lambda>" in reported[0]
+
+
+def _held_by_another_thread(lock: Any, seconds: float) -> None:
+    """Returns once another thread holds ``lock``, which it lets go after ``seconds``."""
+    taken = threading.Event()
+
+    def holder() -> None:
+        with lock:
+            taken.set()
+            time.sleep(seconds)
+
+    threading.Thread(target=holder, daemon=True).start()
+    taken.wait(10)
+
+
+def test_waiting_for_the_executors_lock_while_another_thread_starts_a_worker_is_not_a_block() -> (
+    None
+):
+    """Every executor's ``submit`` takes one lock the process's executors share, and holds it
+    while it starts a worker: a DCP executor in the test's thread held it past 0.5 s on a
+    starved machine, and the loop's ``to_thread`` waited (a full run, stop 29). Here another
+    thread holds that lock 0.8 s while the loop submits."""
+
+    def submit_while_held() -> None:
+        _held_by_another_thread(cf_thread._global_shutdown_lock, 0.8)
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(lambda: 7).result() == 7
+
+    assert _hold_loop(submit_while_held) == []
+
+
+def test_waiting_in_the_loop_for_a_lock_of_the_code_is_a_block() -> None:
+    """The control: the loop waiting 0.8 s for a lock the code's other thread holds is."""
+    lock = threading.Lock()
+
+    def wait_for_lock() -> None:
+        _held_by_another_thread(lock, 0.8)
+        with lock:
+            pass
+
+    reported = _hold_loop(wait_for_lock)
+    assert len(reported) == 1 and "wait_for_lock" in reported[0]
