@@ -2,7 +2,8 @@
 outside the placement goes only once every placement target holds the chunk on nvme and
 witnessed it; a target lacking a copy gets one first (and the drop waits for the next
 pass); a witness that holds nothing keeps the misplaced copy where it is; copies are
-paced at ``rebalance_rate``.
+paced at ``rebalance_rate``; and the repair pass counts a copy outside the placement as
+misplaced while its drop waits for a new copy's drain.
 
 The encoders and rebalance workers are stopped right after the start and background passes
 kept away: each test calls ``rebalance_one`` itself with the holdings it chooses.
@@ -17,6 +18,7 @@ from typing import Any
 from storaged.ids import chunk_id_of
 from storaged.node import Node
 from storaged.node.pipeline.rebalance import HOT
+from storaged.node.pipeline.repair import MISPLACED
 from tests.service.inproc import InprocCluster, InprocFactory, put_bytes, wait_until
 
 QUIET: dict[str, Any] = {
@@ -132,3 +134,46 @@ async def test_copies_are_paced_at_the_rebalance_rate(inproc: InprocFactory) -> 
     assert all(t.holds_hot(chunk_id) for t in targets)
     assert took >= 0.9 * (64 << 10) / rate
     assert leader.metrics.rebalanced.labels("copy")._value.get() == 2
+
+
+async def test_a_copy_outside_the_placement_is_misplaced_while_a_new_copy_drains(
+    inproc: InprocFactory,
+) -> None:
+    """A target's new copy is still in RAM: nothing moves or drops this pass (the drop
+    waits for the drain), but the copy outside the placement is there all the same, and
+    the repair pass counts the chunk misplaced. It said "nothing" before, and a test that
+    waited for 0 misplaced found four copies of a chunk after a join (a full run, stop 29)."""
+    cluster = await _start(inproc)
+    data, chunk_id, targets, _ = await _misplaced(cluster)
+    leader, late = targets[0], targets[2]
+    await late.drainer.close()  # its copy stays in RAM
+    await late.memory.delete(chunk_id)
+    await late.nvme.delete(chunk_id)
+    assert await late.writes.keep_copy(chunk_id, memoryview(data))
+    assert late.memory.is_dirty(chunk_id) and not late.nvme_has(chunk_id)
+
+    placement = leader.placement()
+    held = (await leader.holdings(placement.alive, [chunk_id]))[chunk_id]
+    assert len([h for h in held if h.hot]) == 4
+    assert leader.rebalance.misplaced(chunk_id, held, placement) == []  # the drain first
+    assert await leader.repairer.repair_one(chunk_id, held, placement) == MISPLACED
+
+
+async def test_copies_on_their_targets_only_are_not_misplaced_while_one_drains(
+    inproc: InprocFactory,
+) -> None:
+    """The control: the same copy in RAM, and no copy outside the placement."""
+    cluster = await _start(inproc)
+    data = os.urandom(64 << 10)
+    chunk_id = chunk_id_of(data)
+    order = cluster.order(chunk_id)
+    late = cluster.node(order[2])
+    await late.drainer.close()
+    assert (await put_bytes(cluster.node(order[0]), data))[0] == 201
+    assert late.memory.is_dirty(chunk_id)
+
+    leader = cluster.node(order[0])
+    placement = leader.placement()
+    held = (await leader.holdings(placement.alive, [chunk_id]))[chunk_id]
+    assert sorted(h.node for h in held) == sorted(cluster.node_id(i) for i in order[:3])
+    assert await leader.repairer.repair_one(chunk_id, held, placement) is None

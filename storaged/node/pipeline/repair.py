@@ -327,7 +327,19 @@ class Repair:
         the live nodes skips it: what moved would move back on its return)."""
         rebalance = self.rebalance
         if not rebalance.misplaced(chunk_id, held, placement):
-            return None
+            # Nothing to move now, but a copy outside the placement may still wait for the
+            # new holders' copies to reach disk (its drop comes a pass later): misplaced
+            # still, or the backlog would say 0 while the cluster holds a copy too many.
+            return MISPLACED if _hot_copy_outside(held, placement, chunk_id) else None
         if not self.leadership.away:
             rebalance.offer(chunk_id)
         return MISPLACED
+
+
+def _hot_copy_outside(held: list[Holding], placement: Placement, chunk_id: str) -> bool:
+    """Whether a chunk not yet cold has a copy on a node outside its hot targets (a
+    draining node's is evacuation's, not counted)."""
+    if max((h.state for h in held), default=0) >= COLD:
+        return False
+    targets = set(placement.hot_targets(chunk_id))
+    return any(h.hot and h.node not in targets and not placement.is_draining(h.node) for h in held)
