@@ -340,6 +340,9 @@ class ClientStats:
     hedges: int = 0
     #: Of the logical requests that were hedged, those a later attempt answered first.
     hedge_wins: int = 0
+    #: Times a body refused as too slow (408) halved the upload window
+    #: (``storaged.client.pacing``).
+    upload_window_halvings: int = 0
 
     def reset(self) -> None:
         for name in self.__slots__:

@@ -50,6 +50,7 @@ from storaged.client.errors import (
     is_api_content_type,
     is_retryable,
 )
+from storaged.client.pacing import OTHER, UploadWindow, outcome_of
 from storaged.client.retry import RetryPolicy
 from storaged.ids import is_checkpoint_name, is_chunk_id
 from storaged.placement import rendezvous_order
@@ -248,6 +249,8 @@ class Requests:
         #: headers every request carries when the session is the caller's
         self.extra_headers: dict[str, str] = {}
         self.request_slots = asyncio.Semaphore(max_concurrency)
+        #: how many bodies of ``paced`` requests go at once (``storaged.client.pacing``)
+        self.upload_window = UploadWindow(max_concurrency, stats)
         self.cluster: ClusterInfo | None = None
         #: node id (or seed URL before the membership is known) -> base URL
         self.urls: dict[str, str] = {url: url for url in self.seeds}
@@ -447,6 +450,7 @@ class Requests:
         hedge_after: float | Literal["metadata"] | None = "metadata",
         accept: Callable[[T], Awaitable[None]] | None = None,
         observe: Callable[[T, float], None] | None = None,
+        paced: bool = False,
     ) -> T:
         """One logical request: attempts over ``candidates`` with failover and retries.
 
@@ -476,7 +480,8 @@ class Requests:
         before it is taken. An attempt that started while another still runs sees
         ``owns_out()`` False: it must not write into a buffer the other may be writing.
         ``observe`` gets the answer taken and the seconds its attempt took (a hedge that
-        won: since the first attempt started).
+        won: since the first attempt started). A ``paced`` request's attempts also take
+        room in the upload window (``storaged.client.pacing``; chunk uploads).
         """
         session = self.session
         if session is None:
@@ -497,6 +502,7 @@ class Requests:
             deadline=deadline,
             accept=accept,
             observe=observe,
+            paced=paced,
         )
         return await request.run()
 
@@ -530,8 +536,10 @@ class _Request(Generic[T]):
         deadline: float | None,
         accept: Callable[[T], Awaitable[None]] | None,
         observe: Callable[[T, float], None] | None,
+        paced: bool = False,
     ) -> None:
         self.requests, self.session, self.send = requests, session, send
+        self.window = requests.upload_window if paced else None
         self.started = time.monotonic()
         self.given = given
         self.interchangeable = set(given[:balance])
@@ -611,12 +619,21 @@ class _Request(Generic[T]):
         self.start_next = False
         slots = self.requests.request_slots
         slot = not self.running
+        window = self.window if slot else None
+        episode = 0
         if slot:
             if self.retry_at is not None:
                 await asyncio.sleep(max(0.0, self.retry_at - time.monotonic()))
                 self.retry_at = None
                 self.lost_in_a_row = 0
-            await slots.acquire()
+            if window is not None:
+                episode = await window.acquire()
+            try:
+                await slots.acquire()
+            except BaseException:
+                if window is not None:
+                    window.release(episode, OTHER)
+                raise
             if self.attempts == 0:
                 # Waiting for the slot, other requests may have found a node
                 # slow or gone: the order is made now, not when this was asked.
@@ -629,9 +646,13 @@ class _Request(Generic[T]):
         except BaseException:
             if slot:
                 slots.release()
+            if window is not None:
+                window.release(episode, OTHER)
             raise
         if slot:
             task.add_done_callback(lambda _: slots.release())
+        if window is not None:
+            task.add_done_callback(lambda done: window.release(episode, outcome_of(done)))
         now = time.monotonic()
         self.running[task] = _Attempt(node, now, owns, not slot, progress)
         if not self.attempts:

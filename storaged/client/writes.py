@@ -133,6 +133,8 @@ class ChunkWrites:
             # A full node refuses at once (E16); another entry node may place the chunk on
             # nodes with room. Each node is tried once: a full disk does not pass by waiting.
             next_node_on=(NvmeFull,),
+            # Bodies go at the pace the client's link takes (a 408 narrows the window).
+            paced=True,
             body=lambda: _slices(view),
             headers={
                 "Content-Length": str(size),

@@ -160,6 +160,8 @@ async def test_a_trickled_put_is_408_and_the_client_sends_it_again(
         # the rest of the refused body on the trickled one.
         assert cluster.trickle.puts == 2, "the retry went over the trickled connection"
         assert client.stats.retries >= 1
+        # The 408 halved the client's upload window (storaged.client.pacing) once.
+        assert client.stats.upload_window_halvings == 1
         assert len(cluster.hot_holders(chunk_id)) >= 3
         assert bytes(await client.get_chunk(chunk_id)) == data
 
@@ -177,6 +179,8 @@ async def test_a_put_trickled_on_every_try_fails_as_body_too_slow_and_stores_not
         assert refused.value.status == 408 and refused.value.code == "body_too_slow"
         assert cluster.trickle.answers == [b"HTTP/1.1 408 Request Timeout"] * 3
         assert cluster.trickle.waits == [b"2"] * 3
+        # Each try went after the halving the one before caused: each halved the window.
+        assert client.stats.upload_window_halvings == 3
         # Nothing was stored, and no reservation is left behind on any node.
         assert cluster.hot_holders(chunk_id) == []
         for i in cluster.running():
