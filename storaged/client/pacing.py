@@ -7,7 +7,7 @@ are refused and sent again, which costs the link their bytes twice. So the windo
 the uploads as TCP paces a congested path (additive increase, multiplicative decrease):
 
 - it never exceeds the client's ``max_concurrency``, and starts at ``INITIAL`` bodies (the
-  client's default ``max_concurrency``) or that, whichever is smaller;
+  client's default ``max_concurrency``) or at ``max_concurrency``, whichever is smaller;
 - until the first 408 (slow start), each body accepted grows it by one: it doubles with
   each window of bodies accepted. Started at a wide ``max_concurrency`` (64 PUTs on a
   500 Mbit/s link), all the bodies shared the link alike, all came near the node's budget
@@ -18,8 +18,9 @@ the uploads as TCP paces a congested path (additive increase, multiplicative dec
   grows it by one, back towards ``max_concurrency``.
 
 Other failures (a node gone, a full disk, a 503) say nothing about the client's link and
-leave the window as it is. Only the attempts a request makes in a request slot take the
-window (the bodies a client sends: chunk PUTs); hedges of reads never do.
+leave the window as it is. Only ``paced`` requests take it (``Requests.call``: the chunk
+PUTs), each attempt made in a request slot; a hedge, which races an attempt already in,
+would not (writes are not hedged).
 """
 
 from __future__ import annotations
