@@ -19,6 +19,7 @@ from loadtest.sendcopy import (
     FIGURES,
     MODES,
     RATIOS,
+    _cpu_between,
     copy_check,
     summarize,
     summarize_perf_report,
@@ -160,3 +161,11 @@ def test_perf_report_sorts_the_senders_samples_into_copies() -> None:
     assert summary["top"] == [["[k] _copy_from_iter", 0.3],
                               ["[.] __memmove_avx512_unaligned_erms", 0.2]]  # fmt: skip
     assert summarize_perf_report("")["shares"]["other"] == 0.0
+
+
+def test_cpu_seconds_are_the_thread_clocks_split_as_getrusage_splits_them() -> None:
+    # (user, system, thread clock) at the start and the end of a transfer
+    assert _cpu_between((1.0, 2.0, 10.0), (1.1, 2.3, 10.8)) == pytest.approx((0.2, 0.6))
+    # getrusage had not yet counted the running stretch (a CI run read 0 s): the clock did
+    assert _cpu_between((1.0, 2.0, 10.0), (1.0, 2.0, 10.004)) == pytest.approx((0.0, 0.004))
+    assert _cpu_between((1.0, 2.0, 10.0), (1.0, 2.0, 10.0)) == (0.0, 0.0)
